@@ -1,0 +1,17 @@
+"""ndweave.mesh: a DeviceMesh, but better.
+
+A named nD mesh over torch's ``DeviceMesh`` with rank mapping for any rank, role getters, the one
+documented default mesh (:data:`DEVICE_MESH`), and the contracts other ndweave packages share.
+"""
+
+from ndweave.mesh.parallel_mesh import (
+    DEFAULT_DIM_NAMES,
+    DEVICE_MESH,
+    ParallelMesh,
+    init_device_mesh,
+    resolve_mesh,
+)
+
+__version__ = "0.1.0"
+
+__all__ = ["DEFAULT_DIM_NAMES", "DEVICE_MESH", "ParallelMesh", "init_device_mesh", "resolve_mesh", "__version__"]

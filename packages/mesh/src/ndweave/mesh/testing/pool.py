@@ -1,0 +1,270 @@
+"""Persistent pools of rank processes, and :func:`run_distributed` on top of them.
+
+One pool per (world size, nodes, device type, who initializes the process group) lives for the whole
+test session. A task that fails or times out kills its pool (a rank stuck in a collective cannot be
+recovered), and the next task starts a fresh one. The pool cache is the harness's only global state.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import multiprocessing as mp
+import os
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+from ndweave.mesh.testing.worker import FunctionRef, Task, WorkerConfig, worker_main
+
+__all__ = ["DistributedTestError", "RankFailure", "run_distributed", "shutdown_pools", "DEFAULT_TIMEOUT_S"]
+
+#: Seconds a task may take unless the caller says otherwise (env ``NDWEAVE_TEST_TIMEOUT`` overrides).
+DEFAULT_TIMEOUT_S = float(os.environ.get("NDWEAVE_TEST_TIMEOUT", "180"))
+#: Once one rank has failed, how long the others get to finish before they count as hung.
+FAILURE_GRACE_S = 10.0
+_START_TIMEOUT_S = 300.0
+
+
+@dataclass
+class RankFailure:
+    """What went wrong on one rank."""
+
+    rank: int
+    kind: str
+    """``"raised"``, ``"timed out"`` or ``"died"``."""
+    detail: str
+    """The traceback, or the stack dump of a hung rank, or the exit code and log of a dead one."""
+    output: str = ""
+    """What the rank printed during the task."""
+
+
+class DistributedTestError(AssertionError):
+    """One or more ranks failed; ``failures`` holds each one's traceback or stack."""
+
+    def __init__(self, what: str, world_size: int, failures: list[RankFailure]) -> None:
+        self.failures = failures
+        head = f"{len(failures)} of {world_size} ranks failed in {what}: " + ", ".join(
+            f"rank {f.rank} {f.kind}" for f in failures
+        )
+        parts = [head]
+        for f in failures:
+            parts.append(f"\n----- rank {f.rank} {f.kind} -----\n{f.detail.rstrip()}")
+            if f.output.strip():
+                parts.append(f"----- rank {f.rank} output -----\n{f.output.rstrip()[-4000:]}")
+        super().__init__("\n".join(parts))
+
+
+@dataclass
+class _Pool:
+    world_size: int
+    num_nodes: int
+    device_type: str
+    init_process_group: bool
+    procs: list = field(default_factory=list)
+    conns: list = field(default_factory=list)
+    tmpdir: str = ""
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.tmpdir = tempfile.mkdtemp(prefix=f"ndweave-pool{self.world_size}-")
+        port = _free_port()
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            cfg = WorkerConfig(
+                rank=rank,
+                world_size=self.world_size,
+                num_nodes=self.num_nodes,
+                port=port,
+                device_type=self.device_type,
+                init_process_group=self.init_process_group,
+                log_path=os.path.join(self.tmpdir, f"rank{rank}.log"),
+                stack_path=os.path.join(self.tmpdir, f"rank{rank}.stack"),
+                pg_timeout_s=max(DEFAULT_TIMEOUT_S, 60.0),
+            )
+            proc = ctx.Process(target=worker_main, args=(cfg, child), daemon=True, name=f"ndweave-rank{rank}")
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        replies = self._collect(_START_TIMEOUT_S, what="starting the ranks")
+        bad = [r for r, rep in replies.items() if rep[0] != "ready"]
+        if bad or len(replies) < self.world_size:
+            failures = self._failures(replies, timed_out=True)
+            self.kill()
+            raise DistributedTestError("starting the ranks", self.world_size, failures)
+
+    def run(self, ref: FunctionRef, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        task = Task(ref, args, kwargs)
+        for conn in self.conns:
+            conn.send(task)
+        replies = self._collect(timeout, what=ref.qualname)
+        if len(replies) == self.world_size and all(rep[0] == "ok" for rep in replies.values()):
+            for rank in range(self.world_size):
+                if replies[rank][2]:
+                    print(f"[rank {rank}] " + replies[rank][2].rstrip().replace("\n", f"\n[rank {rank}] "))
+            return [replies[rank][1] for rank in range(self.world_size)]
+        failures = self._failures(replies, timed_out=True)
+        self.kill()
+        raise DistributedTestError(ref.qualname, self.world_size, failures)
+
+    def _collect(self, timeout: float, what: str) -> dict[int, tuple]:
+        """Replies by rank until all are in, the deadline passes, or a failure's grace runs out."""
+        deadline = time.monotonic() + timeout
+        replies: dict[int, tuple] = {}
+        pending = {conn: rank for rank, conn in enumerate(self.conns)}
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ready = wait(list(pending) + [s for s, r in sentinels.items() if r not in replies], timeout=remaining)
+            for obj in ready:
+                if obj in pending:
+                    rank = pending.pop(obj)
+                    try:
+                        replies[rank] = obj.recv()
+                    except (EOFError, OSError):
+                        replies[rank] = ("died", self._death_detail(rank), "")
+                    if replies[rank][0] not in ("ok", "ready"):
+                        deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                elif sentinels.get(obj) is not None and sentinels[obj] not in replies:
+                    rank = sentinels[obj]
+                    # give a last message in the pipe a chance to arrive before calling it dead
+                    conn = self.conns[rank]
+                    if conn.poll(0.2):
+                        continue
+                    pending.pop(conn, None)
+                    replies[rank] = ("died", self._death_detail(rank), "")
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        return replies
+
+    def _failures(self, replies: dict[int, tuple], timed_out: bool) -> list[RankFailure]:
+        failures = []
+        hung = [r for r in range(self.world_size) if r not in replies]
+        stacks = self._dump_stacks(hung) if hung else {}
+        for rank in range(self.world_size):
+            if rank in hung:
+                failures.append(RankFailure(rank, "timed out", "stack at the time out:\n" + stacks.get(rank, "(none)")))
+                continue
+            status, payload, output = replies[rank]
+            if status == "err":
+                failures.append(RankFailure(rank, "raised", payload, output))
+            elif status == "died":
+                failures.append(RankFailure(rank, "died", payload, output))
+        return failures
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        for rank in ranks:
+            if self.procs[rank].is_alive():
+                os.kill(self.procs[rank].pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        out = {}
+        for rank in ranks:
+            out[rank] = _tail(os.path.join(self.tmpdir, f"rank{rank}.stack"), 8000) or "(no stack was written)"
+        return out
+
+    def _death_detail(self, rank: int) -> str:
+        proc = self.procs[rank]
+        proc.join(timeout=1.0)
+        log = _tail(os.path.join(self.tmpdir, f"rank{rank}.log"), 4000)
+        return f"the process exited with code {proc.exitcode}\nits log:\n{log}"
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=5.0)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+
+    def close(self) -> None:
+        """Ask the ranks to leave cleanly (barrier, destroy groups); kill any that do not."""
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10.0)
+        self.kill()
+
+
+_POOLS: dict[tuple, _Pool] = {}
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float | None = None,
+    num_nodes: int = 1,
+    device_type: str = "cpu",
+    init_process_group: bool = True,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` real ranks; return each rank's result.
+
+    ``fn`` must be a module-level function (ranks import it by file). The ranks are persistent
+    processes with the default process group already initialized (``init_process_group=False``
+    leaves that to ``fn`` and tears it down after). ``num_nodes`` simulates a multi-node layout in
+    ``LOCAL_RANK``/``GROUP_RANK``. If any rank raises, dies, or is still running after ``timeout``
+    seconds, :class:`DistributedTestError` reports every rank's traceback or stack.
+    """
+    if world_size < 1 or world_size % num_nodes:
+        raise ValueError(f"world_size {world_size} must be positive and divisible by num_nodes {num_nodes}")
+    ref = function_ref(fn)
+    key = (world_size, num_nodes, device_type, init_process_group)
+    pool = _POOLS.get(key)
+    if pool is None or not pool.procs or not all(p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.kill()
+        pool = _Pool(world_size, num_nodes, device_type, init_process_group)
+        if not _POOLS:
+            atexit.register(shutdown_pools)  # registering twice is harmless: the second finds nothing
+        _POOLS[key] = pool
+        pool.start()
+    try:
+        return pool.run(ref, args, kwargs, DEFAULT_TIMEOUT_S if timeout is None else timeout)
+    except BaseException:
+        if not pool.procs:
+            _POOLS.pop(key, None)
+        raise
+
+
+def function_ref(fn: Callable[..., Any]) -> FunctionRef:
+    if "<locals>" in fn.__qualname__ or "<lambda>" in fn.__qualname__:
+        raise TypeError(
+            f"{fn.__qualname__} is defined inside a function or is a lambda; ranks import the function "
+            "by name, so define it at module level"
+        )
+    file = inspect.getsourcefile(inspect.unwrap(fn)) or inspect.getfile(fn)
+    return FunctionRef(module=fn.__module__, file=os.path.abspath(file), qualname=fn.__qualname__)
+
+
+def shutdown_pools() -> None:
+    """Close every pool (called at exit and at the end of a pytest session)."""
+    while _POOLS:
+        _, pool = _POOLS.popitem()
+        pool.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: str, chars: int) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-chars:]
+    except OSError:
+        return ""
+

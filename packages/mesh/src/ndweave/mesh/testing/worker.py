@@ -1,0 +1,164 @@
+"""The rank side of the harness: a long-lived process that runs one function per task.
+
+Started once per (world size, nodes, device type) by :mod:`ndweave.mesh.testing.pool`; it joins the
+process group once, then loops: receive a function reference and arguments, run it, send back the
+result or the traceback. Reusing the process is what makes a distributed test cost milliseconds
+rather than a torch import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import importlib.util
+import io
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["FunctionRef", "Task", "WorkerConfig", "worker_main", "resolve_function"]
+
+
+@dataclass(frozen=True)
+class FunctionRef:
+    """A module-level function, located so a fresh process can import it by file path."""
+
+    module: str
+    file: str
+    qualname: str
+
+
+@dataclass(frozen=True)
+class Task:
+    fn: FunctionRef
+    args: tuple
+    kwargs: dict
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    rank: int
+    world_size: int
+    num_nodes: int
+    port: int
+    device_type: str
+    init_process_group: bool
+    log_path: str
+    stack_path: str
+    pg_timeout_s: float
+
+
+def resolve_function(ref: FunctionRef) -> Any:
+    """Import ``ref``'s module (by file, under the same name the parent used) and get the function."""
+    module = sys.modules.get(ref.module)
+    if module is None or os.path.abspath(getattr(module, "__file__", "") or "") != os.path.abspath(ref.file):
+        # Test modules import their neighbours (pytest's rootdir-prepend convention), so do the same.
+        folder = os.path.dirname(os.path.abspath(ref.file))
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        name = ref.module if ref.module != "__main__" else "__ndweave_main__"
+        spec = importlib.util.spec_from_file_location(name, ref.file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    obj: Any = module
+    for part in ref.qualname.split("."):
+        obj = getattr(obj, part)
+    # @distributed wraps a test body; the ranks run the body, not the pytest-facing wrapper.
+    return getattr(obj, "__ndweave_body__", obj)
+
+
+def _setup(cfg: WorkerConfig) -> None:
+    # C-level output (gloo, c10d) goes to a per-rank log the parent reads back on failure.
+    log = os.open(cfg.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    stacks = open(cfg.stack_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+
+    per_node = cfg.world_size // cfg.num_nodes
+    os.environ.update(
+        RANK=str(cfg.rank),
+        WORLD_SIZE=str(cfg.world_size),
+        LOCAL_RANK=str(cfg.rank % per_node),
+        LOCAL_WORLD_SIZE=str(per_node),
+        GROUP_RANK=str(cfg.rank // per_node),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(cfg.port),
+    )
+    import torch
+
+    # Several ranks share few cores: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    if cfg.device_type != "cpu":
+        torch.get_device_module(cfg.device_type).set_device(cfg.rank % per_node)
+    if cfg.init_process_group:
+        _init_pg(cfg)
+
+
+def _init_pg(cfg: WorkerConfig) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend=dist.get_default_backend_for_device(cfg.device_type),
+        rank=cfg.rank,
+        world_size=cfg.world_size,
+        timeout=timedelta(seconds=cfg.pg_timeout_s),
+    )
+
+
+def _after_task(cfg: WorkerConfig) -> None:
+    """Put back the per-process state a test may have changed, so the next test starts clean."""
+    import torch
+    import torch.distributed as dist
+
+    from ndweave.mesh import DEVICE_MESH
+
+    DEVICE_MESH.reset()
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    if not cfg.init_process_group and dist.is_initialized():
+        # Pools that leave group creation to the test tear it down after each one.
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def worker_main(cfg: WorkerConfig, conn) -> None:
+    try:
+        _setup(cfg)
+    except BaseException:
+        conn.send(("err", traceback.format_exc(), ""))
+        return
+    conn.send(("ready", None, ""))
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            break
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                fn = resolve_function(task.fn)
+                result = fn(*task.args, **task.kwargs)
+            reply = ("ok", result, out.getvalue())
+        except BaseException:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
+            reply = ("err", traceback.format_exc(), out.getvalue())
+        try:
+            _after_task(cfg)
+        except BaseException:
+            reply = ("err", "cleanup after the test failed:\n" + traceback.format_exc(), out.getvalue())
+        try:
+            conn.send(reply)
+        except Exception:  # an unpicklable result
+            conn.send(("err", "the result could not be sent back:\n" + traceback.format_exc(), out.getvalue()))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()  # destroying a group while a peer still uses it can crash that peer
+        dist.destroy_process_group()
