@@ -1,0 +1,86 @@
+"""The harness itself: results per rank, failing, dying and hanging ranks reported with their stacks."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ndweave.mesh.testing import DistributedTestError, distributed, run_distributed
+
+
+def _rank_and_sum(scale):
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    print("hello from", dist.get_rank())
+    return dist.get_rank() * scale, t.item()
+
+
+def _fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ZeroDivisionError("rank one divided by zero")
+    return "fine"
+
+
+def _hang_on_rank_one():
+    if dist.get_rank() == 1:
+        time.sleep(3600)  # the marker we expect in the stack dump
+    dist.barrier()
+
+
+def _die_on_rank_zero():
+    if dist.get_rank() == 0:
+        os._exit(3)
+    dist.barrier()
+
+
+def test_results_come_back_per_rank(capsys):
+    assert run_distributed(_rank_and_sum, 2, 10) == [(0, 1.0), (10, 1.0)]
+    assert "[rank 1] hello from 1" in capsys.readouterr().out
+
+
+def test_a_failing_rank_is_reported_with_its_traceback():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_fail_on_rank_one, 2, timeout=60)
+    err = info.value
+    assert [(f.rank, f.kind) for f in err.failures] == [(1, "raised")]
+    assert "ZeroDivisionError: rank one divided by zero" in str(err)
+    assert "_fail_on_rank_one" in err.failures[0].detail
+    # the broken pool was replaced: the next call works
+    assert run_distributed(_rank_and_sum, 2, 1) == [(0, 1.0), (1, 1.0)]
+
+
+def test_a_hanging_rank_times_out_with_every_stack():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_hang_on_rank_one, 2, timeout=3)
+    assert time.monotonic() - start < 30
+    kinds = {f.rank: f.kind for f in info.value.failures}
+    assert kinds == {0: "timed out", 1: "timed out"}
+    stacks = {f.rank: f.detail for f in info.value.failures}
+    assert "_hang_on_rank_one" in stacks[1] and "time.sleep" not in stacks[0]
+    assert "barrier" in stacks[0]
+
+
+def test_a_dying_rank_is_reported():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_die_on_rank_zero, 2, timeout=20)
+    failures = {f.rank: f for f in info.value.failures}
+    assert failures[0].kind == "died" and "exited with code 3" in failures[0].detail
+
+
+def test_local_functions_are_refused_with_a_fix():
+    def local():
+        return 1
+
+    with pytest.raises(TypeError, match="define it at module level"):
+        run_distributed(local, 2)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@distributed(world_size=2)
+def test_decorator_passes_parameters(n):
+    t = torch.full((1,), float(n))
+    dist.all_reduce(t)
+    assert t.item() == 2 * n
