@@ -1,5 +1,39 @@
-"""ndweave.dmodule (in development: see README.md for what is coming)."""
+"""ndweave.dmodule: tensor and sequence parallel modules from sharding plans (DModule).
+
+    from torch.distributed.tensor import Replicate, Shard
+    from ndweave.dmodule import deferred_init, parallelize_module
+
+    mlp = deferred_init(MLP)
+    dmlp = parallelize_module(mlp, tp_mesh, param_sharding_plan={...}, fwd_resharding_plan={...})
+    dmlp(x).sum().backward()
+    dmlp.finish_grad_sync()
+
+See README.md for plans, patches, deferred init and debugging.
+"""
+
+from ndweave.dmodule.api import parallelize_module
+from ndweave.dmodule.deferred_init import MaterializeStats, deferred_init, is_deferred
+from ndweave.dmodule.dmodule import DModule, GradSyncEntry
+from ndweave.dmodule.factory import FactoryMode
+from ndweave.dmodule.hooks import log_redistributions
+from ndweave.dmodule.plan import PlacementSpec
+from ndweave.dmodule.plans import get_plan, list_plans, load_plan, save_plan
 
 __version__ = "0.1.0"
 
-__all__: list[str] = ["__version__"]
+__all__ = [
+    "DModule",
+    "FactoryMode",
+    "GradSyncEntry",
+    "MaterializeStats",
+    "PlacementSpec",
+    "deferred_init",
+    "get_plan",
+    "is_deferred",
+    "list_plans",
+    "load_plan",
+    "log_redistributions",
+    "parallelize_module",
+    "save_plan",
+    "__version__",
+]

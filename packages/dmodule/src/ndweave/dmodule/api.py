@@ -1,0 +1,246 @@
+"""``parallelize_module``: turn an ``nn.Module`` into a DModule following a sharding plan.
+
+Order of work (each step sees the result of the previous one):
+
+1. parameters and buffers become DTensors: planned ones per the plan, the rest ``Replicate``
+   (from a ``deferred_init`` module only the local shards are ever allocated);
+2. patches run (by FQN regex or ``class:<Name>``): they see distributed parameters and may replace
+   ``forward``;
+3. forward resharding hooks are installed (inputs, outputs, weights);
+4. the root's class is swapped for its DModule subclass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ndweave.dmodule import deferred_init as _deferred
+from ndweave.dmodule.dmodule import DModuleState, make_dmodule
+from ndweave.dmodule.hooks import install_forward_hooks
+from ndweave.dmodule.plan import (
+    IO_LEAVES,
+    PlacementSpec,
+    check_placements,
+    match_modules,
+    no_match_error,
+    normalize_plan,
+    split_key,
+)
+from ndweave.mesh import ParallelMesh, resolve_mesh
+
+__all__ = ["parallelize_module"]
+
+
+def parallelize_module(
+    module: nn.Module,
+    device_mesh: DeviceMesh | ParallelMesh | None,
+    sharding_plan: Mapping[str, Mapping] | None = None,
+    *,
+    param_sharding_plan: Mapping[str, Any] | None = None,
+    fwd_resharding_plan: Mapping[str, Any] | None = None,
+    is_model_sharded: bool = False,
+    factory: bool = False,
+    patches: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """Distribute ``module`` over ``device_mesh`` per the plan; return it, now a :class:`DModule`.
+
+    - ``device_mesh``: a ``DeviceMesh`` of any ndim (nD TP: one placement per mesh dim), a
+      ``ParallelMesh`` (its ``"TP"`` dim when it has one), or ``None`` (the default mesh's ``"TP"``).
+    - ``sharding_plan``: ``{"parameter": {...}, "forward": {...}, "patch": {...}}``;
+      ``param_sharding_plan`` / ``fwd_resharding_plan`` / ``patches`` are merged into its sections.
+      Keys are ``<regex fully matching a module FQN>.<leaf>``; see the package README.
+    - ``is_model_sharded``: the module's tensors already are this rank's local shards.
+    - ``factory``: tensors created inside forward meet DTensors as ``Replicate`` DTensors.
+
+    Example (the seed's MLP)::
+
+        dmlp = parallelize_module(mlp, mesh,
+            param_sharding_plan={"fc1.weight": [Shard(0)], "fc1.bias": [Shard(0)],
+                                 "fc2.weight": [Shard(1)], "fc2.bias": [Replicate()]},
+            fwd_resharding_plan={"fc1.input": [[Replicate()]], "fc2.output": [[Replicate()]]})
+        dmlp(x).sum().backward()
+        dmlp.finish_grad_sync()
+    """
+    mesh = _resolve(device_mesh)
+    plan = normalize_plan(sharding_plan, param_sharding_plan, fwd_resharding_plan, patches)
+    _distribute_tensors(module, mesh, plan.parameter, is_model_sharded)
+    _apply_patches(module, mesh, plan.patch)
+    state = DModuleState(mesh=mesh, factory=factory)
+    state.hook_handles = _install_forward_plan(module, mesh, plan.forward)
+    return make_dmodule(module, state)
+
+
+def _resolve(device_mesh: Any) -> DeviceMesh:
+    if isinstance(device_mesh, DeviceMesh):
+        return device_mesh
+    if isinstance(device_mesh, ParallelMesh):
+        return device_mesh["TP"] if device_mesh.has_dim("TP") else device_mesh.device_mesh
+    return resolve_mesh(device_mesh, "TP")
+
+
+# ---------------------------------------------------------------------------------------- parameters
+def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str, PlacementSpec],
+                        is_model_sharded: bool) -> None:
+    # Every (module, leaf) slot holding each tensor: tied weights share one tensor, hence one plan.
+    slots: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for fqn, m in root.named_modules(remove_duplicate=False):
+        for store in (m._parameters, m._buffers):
+            for leaf, t in store.items():
+                if t is not None:
+                    slots.setdefault(id(t), []).append((_join(fqn, leaf), m, leaf))
+                    tensors[id(t)] = t
+
+    chosen: dict[int, tuple[str, PlacementSpec]] = {}
+    for key, spec in param_plan.items():
+        regex, leaf = split_key(key)
+        hits = [(fqn, m) for fqn, m in match_modules(root, regex, key)
+                if m._parameters.get(leaf) is not None or m._buffers.get(leaf) is not None]
+        if not hits:
+            raise no_match_error("parameter", key, (name for s in slots.values() for name, _, _ in s))
+        for fqn, m in hits:
+            t = m._parameters.get(leaf)
+            t = m._buffers[leaf] if t is None else t
+            prev = chosen.get(id(t))
+            if prev is not None and prev[1].placements != spec.placements and prev[0] != key:
+                raise ValueError(
+                    f"parameter {_join(fqn, leaf)!r} (shared by {[s[0] for s in slots[id(t)]]}) gets "
+                    f"{list(spec.placements)} from {key!r} but {list(prev[1].placements)} from {prev[0]!r}"
+                )
+            chosen[id(t)] = (key, spec)
+
+    program = _deferred.take_program(root) if _deferred.is_deferred(root) else None
+    replicate = PlacementSpec([Replicate()] * mesh.ndim)
+    targets: dict[int, Callable[[torch.Tensor], int]] = {}
+    for tid, t in tensors.items():
+        name = slots[tid][0][0]
+        spec = chosen.get(tid, (None, replicate))[1]
+        what = f"{'parameter' if isinstance(t, nn.Parameter) else 'buffer'} {name!r}"
+        placements = check_placements(spec, t, mesh, what)
+
+        def install(dt: DTensor, tid: int = tid, t: torch.Tensor = t) -> None:
+            for _, m, leaf in slots[tid]:
+                if leaf in m._parameters:
+                    m._parameters[leaf] = nn.Parameter(dt, requires_grad=t.requires_grad)
+                else:
+                    m._buffers[leaf] = dt
+
+        if isinstance(t, _deferred.FakeTensor):
+            if program is None:
+                raise RuntimeError(f"{what} is a fake tensor: parallelize the module deferred_init returned, not a part of it")
+            if any(isinstance(p, Partial) for p in placements):
+                raise ValueError(f"{what}: a deferred-init tensor cannot start Partial on {mesh}")
+            targets[_deferred._key(t)] = _local_shard_installer(t, mesh, placements, install)
+        elif isinstance(t, DTensor):
+            install(t if tuple(t.placements) == placements else t.redistribute(mesh, placements))
+        elif is_model_sharded:
+            local = t.detach().to(mesh.device_type)
+            install(DTensor.from_local(local, mesh, placements, run_check=False,
+                                       shape=_global_shape(local, mesh, placements),
+                                       stride=None))
+        else:
+            install(distribute_tensor(t.detach().to(mesh.device_type), mesh, placements))
+    if program is not None:
+        stats = _deferred.replay(program, targets)
+        root.__dict__["_materialize_stats"] = stats
+
+
+def _local_shard_installer(fake: torch.Tensor, mesh: DeviceMesh, placements: tuple,
+                           install: Callable[[DTensor], None]) -> Callable[[torch.Tensor], int]:
+    def take(storage_root: torch.Tensor) -> int:
+        full = storage_root.as_strided(fake.size(), fake.stride(), fake.storage_offset())
+        shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+        local = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+        if local.numel() * local.element_size() < storage_root.untyped_storage().nbytes():
+            local = local.clone()  # free the full tensor; a whole-storage replica is kept as is
+        local = local.contiguous().to(mesh.device_type)
+        install(DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()))
+        return local.numel() * local.element_size()
+
+    return take
+
+
+def _global_shape(local: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> torch.Size:
+    """The global shape of pre-sharded ``local`` (shards may be uneven: gather the sizes)."""
+    shape = list(local.shape)
+    for mesh_dim in reversed(range(mesh.ndim)):
+        p = placements[mesh_dim]
+        if isinstance(p, Shard):
+            group = mesh.get_group(mesh_dim)
+            mine = torch.tensor([shape[p.dim]], dtype=torch.int64, device=local.device)
+            sizes = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(sizes, mine, group=group)
+            shape[p.dim] = int(sum(s.item() for s in sizes))
+    return torch.Size(shape)
+
+
+# ---------------------------------------------------------------------------------------- patches
+def _apply_patches(root: nn.Module, mesh: DeviceMesh, patch_plan: dict[str, list]) -> None:
+    for key, patches in patch_plan.items():
+        if key.startswith("class:"):
+            cls_name = key[len("class:"):]
+            hits = [(fqn, m) for fqn, m in root.named_modules() if type(m).__name__ == cls_name]
+            if not hits:
+                raise no_match_error("patch", key, ("class:" + type(m).__name__ for m in root.modules()))
+        else:
+            hits = match_modules(root, key)
+            if not hits:
+                raise no_match_error("patch", key, (fqn for fqn, _ in root.named_modules()))
+        fns = [_resolve_patch(p) for p in patches]
+        for fqn, m in hits:
+            for fn in fns:
+                fn(m, mesh, fqn)
+
+
+def _resolve_patch(patch: Any) -> Callable[[nn.Module, DeviceMesh, str], None]:
+    if callable(patch):
+        return patch
+    if isinstance(patch, str):
+        from ndweave.dmodule.plans import BUILTIN_PATCHES  # lazily: the zoo imports this package
+
+        if patch not in BUILTIN_PATCHES:
+            raise KeyError(f"unknown patch {patch!r}; built-in patches: {sorted(BUILTIN_PATCHES)}")
+        return BUILTIN_PATCHES[patch]
+    raise TypeError(f"a patch is a callable (module, device_mesh, fqn) or a built-in patch name, not {patch!r}")
+
+
+# ---------------------------------------------------------------------------------------- forward
+def _install_forward_plan(root: nn.Module, mesh: DeviceMesh, fwd_plan: dict[str, Any]) -> list:
+    per_module: dict[int, tuple[str, nn.Module, dict[str, Any]]] = {}
+    for key, value in fwd_plan.items():
+        regex, leaf = split_key(key)
+        hits = match_modules(root, regex, key)
+        if leaf not in IO_LEAVES:
+            hits = [(f, m) for f, m in hits if m._parameters.get(leaf) is not None or m._buffers.get(leaf) is not None]
+        if not hits:
+            candidates = [_join(f, x) for f, m in root.named_modules() for x in (*IO_LEAVES, *m._parameters)]
+            raise no_match_error("forward", key, candidates)
+        _check_forward_value(key, value, mesh)
+        for fqn, m in hits:
+            per_module.setdefault(id(m), (fqn, m, {}))[2][leaf] = value
+    handles = []
+    for fqn, m, entries in per_module.values():
+        handles += install_forward_hooks(m, fqn, mesh, entries)
+    return handles
+
+
+def _check_forward_value(key: str, value: Any, mesh: DeviceMesh) -> None:
+    specs = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
+    for spec in specs:
+        if spec is not None and len(spec.placements) != mesh.ndim:
+            raise ValueError(
+                f"forward plan {key!r}: {len(spec.placements)} placements {list(spec.placements)} for a "
+                f"{mesh.ndim}-D mesh {mesh}; give one placement per mesh dim"
+            )
+
+
+def _join(fqn: str, leaf: str) -> str:
+    return f"{fqn}.{leaf}" if fqn else leaf

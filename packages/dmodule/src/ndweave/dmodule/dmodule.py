@@ -1,0 +1,134 @@
+"""``DModule``: the mixin a parallelized module's class gains.
+
+``parallelize_module`` swaps the module's class for a subclass of ``(DModule, original class)``
+(what torch's FSDP2 ``fully_shard`` does), so methods live on a class, nothing is bound onto the
+instance, and ``isinstance(m, DModule)`` and ``isinstance(m, OriginalClass)`` both hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ndweave.mesh.contracts import reduce_partial_grads
+
+__all__ = ["DModule", "DModuleState", "GradSyncEntry"]
+
+
+@dataclass(frozen=True)
+class GradSyncEntry:
+    """One gradient ``finish_grad_sync`` reduces (``pending``) or reduced last time (``synced``)."""
+
+    fqn: str
+    placements: tuple
+    status: str
+
+
+@dataclass
+class DModuleState:
+    """What ``parallelize_module`` leaves on the root module (``module._dmodule``)."""
+
+    mesh: DeviceMesh
+    factory: bool = False
+    hook_handles: list = field(default_factory=list)
+    last_synced: list[GradSyncEntry] = field(default_factory=list)
+
+
+class DModule:
+    """Mixin of every module ``parallelize_module`` returns. Do not instantiate it directly."""
+
+    _dmodule: DModuleState
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh the module's parameters are distributed over."""
+        return self._dmodule.mesh
+
+    def finish_grad_sync(self) -> None:
+        """All-reduce the ``Partial`` gradients backward left (bucketed; see ``reduce_partial_grads``),
+        then bring every gradient to its parameter's placements.
+
+        Partial grads come from sequence parallelism: a replicated norm weight fed a sequence-sharded
+        activation gets a partial sum per rank. Implements ``ndweave.mesh.contracts.GradSyncable``.
+        """
+        named = {id(p): (n, p) for n, p in self.named_parameters()}
+        pending = [
+            GradSyncEntry(n, tuple(p.grad.placements), "synced") for n, p in named.values() if _is_partial(p.grad)
+        ]
+        reduce_partial_grads(p for _, p in named.values())
+        for _, p in named.values():
+            g = p.grad
+            if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+        if pending:
+            self._dmodule.last_synced = pending
+
+    def list_grad_sync(self) -> list[GradSyncEntry]:
+        """Gradients ``finish_grad_sync`` will reduce now (status ``"pending"``), or, when none are
+        pending, the ones it reduced last time (status ``"synced"``)."""
+        pending = [
+            GradSyncEntry(n, tuple(p.grad.placements), "pending")
+            for n, p in self.named_parameters() if _is_partial(p.grad)
+        ]
+        return pending or list(self._dmodule.last_synced)
+
+    def dump_plan(self, *, print_out: bool = False) -> str:
+        """A table of every parameter and buffer: FQN, placements, global and local shape, local bytes."""
+        rows = [("fqn", "kind", "placements", "global shape", "local shape", "local bytes")]
+        total = 0
+        for kind, items in (("param", self.named_parameters()), ("buffer", self.named_buffers())):
+            for fqn, t in items:
+                if t is None:
+                    continue
+                local = t.to_local() if isinstance(t, DTensor) else t
+                placements = ", ".join(map(str, t.placements)) if isinstance(t, DTensor) else "(plain tensor)"
+                nbytes = local.numel() * local.element_size()
+                total += nbytes
+                rows.append((fqn, kind, placements, str(tuple(t.shape)), str(tuple(local.shape)), str(nbytes)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append(f"mesh {self.device_mesh}; local total {total} bytes")
+        out = "\n".join(lines)
+        if print_out:
+            print(out)
+        return out
+
+
+def _is_partial(g: torch.Tensor | None) -> bool:
+    return isinstance(g, DTensor) and any(p.is_partial() for p in g.placements)
+
+
+class FactoryDModule(DModule):
+    """A DModule built with ``factory=True``: its forward runs under :class:`FactoryMode`."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from ndweave.dmodule.factory import FactoryMode
+
+        with FactoryMode(self._dmodule.mesh):
+            return super().__call__(*args, **kwargs)
+
+
+_CLASSES: dict[tuple[type, bool], type] = {}
+
+
+def make_dmodule(module: nn.Module, state: DModuleState) -> nn.Module:
+    """Swap ``module``'s class for its DModule subclass and attach ``state``."""
+    cls = type(module)
+    if issubclass(cls, DModule):  # parallelized before: start from the user's class again
+        cls = next(c for c in cls.__mro__ if not issubclass(c, DModule))
+    mixin = FactoryDModule if state.factory else DModule
+    dcls = _CLASSES.get((cls, state.factory))
+    if dcls is None:
+        dcls = type(f"DModule{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+        _CLASSES[(cls, state.factory)] = dcls
+    module.__class__ = dcls
+    module._dmodule = state
+    return module
+
+

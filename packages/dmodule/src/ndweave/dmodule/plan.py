@@ -1,0 +1,165 @@
+"""Sharding plans: parsing keys, matching them against a module tree, checking placements.
+
+A plan is ``{"parameter": {...}, "forward": {...}, "patch": {...}}``. Keys of the first two are
+``<regex over module FQN>.<leaf>``: the regex must match a module's fully qualified name entirely
+(``re.fullmatch``; the root module's FQN is ``""``), the leaf is a parameter/buffer name, or ``input``
+/ ``output`` (forward only). Everything here is pure bookkeeping: no tensor is touched.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["PlacementSpec", "Plan", "normalize_plan", "match_modules", "check_placements", "IO_LEAVES"]
+
+IO_LEAVES = ("input", "output")
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    """Placements plus options, usable anywhere a plan takes a list of placements.
+
+    - ``placements``: one ``Shard``/``Replicate``/``Partial`` per mesh dim.
+    - ``async_op``: launch the redistribution asynchronously (the result waits on first use).
+    - ``grad_placements``: for outputs returned as local tensors, the layout their gradient has
+      (passed to ``DTensor.to_local(grad_placements=...)``); default: same as ``placements``.
+    - ``to_local``: on an output, redistribute to ``placements`` then hand back the plain local
+      tensor (how attention stays on local heads: q/k/v outputs ``PlacementSpec([Shard(-1)],
+      to_local=True)``, the output projection's input ``[[Shard(-1)]]``).
+    """
+
+    placements: tuple[Placement, ...]
+    async_op: bool = False
+    grad_placements: tuple[Placement, ...] | None = None
+    to_local: bool = False
+
+    def __init__(self, placements: Sequence[Placement], *, async_op: bool = False,
+                 grad_placements: Sequence[Placement] | None = None, to_local: bool = False) -> None:
+        object.__setattr__(self, "placements", tuple(placements))
+        object.__setattr__(self, "async_op", async_op)
+        object.__setattr__(self, "grad_placements", None if grad_placements is None else tuple(grad_placements))
+        object.__setattr__(self, "to_local", to_local)
+
+
+PlacementsLike = Union[PlacementSpec, Sequence[Placement]]
+Patch = Union[str, Callable[[nn.Module, DeviceMesh, str], None]]
+
+
+def as_spec(value: Any) -> PlacementSpec | None:
+    """A plan value (``PlacementSpec``, list of placements, or ``None``) as a ``PlacementSpec``."""
+    if value is None or isinstance(value, PlacementSpec):
+        return value
+    if isinstance(value, Placement):
+        return PlacementSpec([value])
+    if isinstance(value, Sequence) and all(isinstance(p, Placement) for p in value):
+        return PlacementSpec(value)
+    raise TypeError(f"expected a list of placements or a PlacementSpec, got {value!r}")
+
+
+@dataclass
+class Plan:
+    """A normalized plan: raw keys split into (regex, leaf), values normalized."""
+
+    parameter: dict[str, PlacementSpec]
+    forward: dict[str, Any]
+    patch: dict[str, list[Patch]]
+
+
+def normalize_plan(sharding_plan: Mapping | None, param_sharding_plan: Mapping | None,
+                   fwd_resharding_plan: Mapping | None, patches: Mapping | None) -> Plan:
+    """Merge the three ways of passing a plan into one :class:`Plan`; later sources win per key."""
+    sharding_plan = dict(sharding_plan or {})
+    unknown = set(sharding_plan) - {"parameter", "forward", "patch"}
+    if unknown:
+        raise ValueError(f"sharding_plan has unknown sections {sorted(unknown)}; expected 'parameter', 'forward', 'patch'")
+    parameter = {**(sharding_plan.get("parameter") or {}), **(param_sharding_plan or {})}
+    forward = {**(sharding_plan.get("forward") or {}), **(fwd_resharding_plan or {})}
+    patch: dict[str, list[Patch]] = {}
+    for source in (sharding_plan.get("patch") or {}, patches or {}):
+        for key, value in source.items():
+            items = list(value) if isinstance(value, (list, tuple)) else [value]
+            patch.setdefault(key, []).extend(items)
+    return Plan(
+        parameter={k: as_spec(v) for k, v in parameter.items()},
+        forward={k: _normalize_forward_value(k, v) for k, v in forward.items()},
+        patch=patch,
+    )
+
+
+def _normalize_forward_value(key: str, value: Any) -> Any:
+    _, leaf = split_key(key)
+    if leaf not in IO_LEAVES:
+        return as_spec(value)  # a weight redistributed before forward
+    if isinstance(value, Mapping):
+        return {name: as_spec(v) for name, v in value.items()}
+    if isinstance(value, PlacementSpec) or (isinstance(value, Sequence) and value and isinstance(value[0], Placement)):
+        raise TypeError(
+            f"forward plan {key!r}: give one placements list per {leaf}, e.g. [[Replicate()]], not {value!r}"
+        )
+    return [as_spec(v) for v in value]
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """``"layers\\.\\d+\\.mlp.weight"`` -> (``"layers\\.\\d+\\.mlp"``, ``"weight"``); no dot -> root."""
+    if "." not in key:
+        return "", key
+    regex, leaf = key.rsplit(".", 1)
+    if regex.endswith("\\") and not regex.endswith("\\\\"):
+        regex = regex[:-1]  # "fc1\.weight": the escaped dot is the separator
+    return regex, leaf
+
+
+def match_modules(root: nn.Module, regex: str, key: str | None = None) -> list[tuple[str, nn.Module]]:
+    """Modules of ``root`` (shared ones under each of their FQNs) whose FQN ``regex`` fully matches."""
+    key = regex if key is None else key
+    try:
+        pattern = re.compile(regex)
+    except re.error as err:
+        raise ValueError(f"plan key {key!r}: {regex!r} is not a valid regular expression ({err})") from None
+    return [(fqn, m) for fqn, m in root.named_modules(remove_duplicate=False) if pattern.fullmatch(fqn)]
+
+
+def no_match_error(section: str, key: str, candidates: Iterable[str]) -> ValueError:
+    candidates = sorted(set(candidates))
+    plain = key.replace("\\", "")
+    near = difflib.get_close_matches(plain, candidates, n=5, cutoff=0.4)
+    hint = f"; nearest: {near}" if near else f"; some candidates: {candidates[:8]}"
+    return ValueError(f"{section} plan key {key!r} matches nothing in the module{hint}")
+
+
+def check_placements(spec: PlacementSpec, tensor: torch.Tensor, mesh: DeviceMesh, what: str) -> tuple[Placement, ...]:
+    """Validate ``spec`` for ``tensor`` on ``mesh``; return placements with shard dims made non-negative."""
+    placements = spec.placements
+    if len(placements) != mesh.ndim:
+        raise ValueError(
+            f"{what}: {len(placements)} placements {list(placements)} for a {mesh.ndim}-D mesh {_mesh_str(mesh)}; "
+            "give one placement per mesh dim"
+        )
+    out = []
+    for p in placements:
+        if isinstance(p, Shard):
+            if not -tensor.ndim <= p.dim < max(tensor.ndim, 1):
+                raise ValueError(
+                    f"{what}: {p} is out of range for a {tensor.ndim}-D tensor of shape {tuple(tensor.shape)} "
+                    f"on mesh {_mesh_str(mesh)}"
+                )
+            p = Shard(p.dim % tensor.ndim)
+        elif not isinstance(p, (Replicate, Partial)):
+            raise TypeError(f"{what}: unsupported placement {p!r} on mesh {_mesh_str(mesh)}")
+        out.append(p)
+    return tuple(out)
+
+
+def _mesh_str(mesh: DeviceMesh) -> str:
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return f"DeviceMesh({mesh.device_type}, {dict(zip(names, mesh.shape))})"
