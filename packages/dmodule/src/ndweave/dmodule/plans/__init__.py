@@ -1,0 +1,56 @@
+"""The plan zoo: ready-made ``sharding_plan`` dicts for known models.
+
+    from ndweave.dmodule import parallelize_module
+    from ndweave.dmodule.plans import get_plan
+
+    model = parallelize_module(model, tp_mesh, get_plan("hf_llama", model, sequence_parallel=True))
+
+``get_plan(name, model=None, *, sequence_parallel=False)`` returns a fresh plan (edit it freely);
+``model`` lets the plan read its config (biases, head counts) and fail early with a clear message.
+Plans are for a 1-D tensor-parallel mesh (or a 1-D submesh of a ``ParallelMesh``). The patches a
+plan needs are named inside it (``"patch"`` section) and looked up in ``BUILTIN_PATCHES``, so a plan
+is plain data: ``save_plan`` / ``load_plan`` write and read it as JSON.
+
+| name      | model                                   | module          |
+|-----------|-----------------------------------------|-----------------|
+| "mlp"     | the README's fc1 -> ReLU -> fc2 MLP      | ``plans.mlp``     |
+| "nanogpt" | ``examples/nanogpt.py``'s GPT            | ``plans.nanogpt`` |
+| "hf_llama"| transformers ``LlamaForCausalLM``        | ``plans.hf_llama``|
+| "hf_gpt2" | transformers ``GPT2LMHeadModel``         | ``plans.hf_gpt2`` |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ndweave.dmodule.plans.hf_gpt2 import hf_gpt2_plan
+from ndweave.dmodule.plans.hf_llama import hf_llama_plan
+from ndweave.dmodule.plans.mlp import mlp_plan
+from ndweave.dmodule.plans.nanogpt import nanogpt_plan
+from ndweave.dmodule.plans.patches import BUILTIN_PATCHES
+from ndweave.dmodule.plans.serialization import load_plan, save_plan
+
+__all__ = ["BUILTIN_PATCHES", "get_plan", "list_plans", "load_plan", "save_plan"]
+
+_PLANS: dict[str, Callable[..., dict[str, Any]]] = {
+    "mlp": mlp_plan,
+    "nanogpt": nanogpt_plan,
+    "hf_llama": hf_llama_plan,
+    "hf_gpt2": hf_gpt2_plan,
+}
+
+
+def list_plans() -> list[str]:
+    """The names ``get_plan`` knows."""
+    return sorted(_PLANS)
+
+
+def get_plan(name: str, model: Any = None, *, sequence_parallel: bool = False) -> dict[str, Any]:
+    """A ``sharding_plan`` (``{"parameter": ..., "forward": ..., "patch": ...}``) for model family
+    ``name``: tensor parallel, plus sequence parallel on the residual stream when
+    ``sequence_parallel=True``. Pass ``model`` to size the plan from its config (biases, heads)."""
+    try:
+        make = _PLANS[name]
+    except KeyError:
+        raise KeyError(f"no plan named {name!r}; the zoo has {list_plans()}") from None
+    return make(model, sequence_parallel=sequence_parallel)

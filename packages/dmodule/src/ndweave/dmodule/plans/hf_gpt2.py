@@ -1,0 +1,134 @@
+"""Plan "hf_gpt2": transformers' ``GPT2LMHeadModel``, unchanged (vocab 50257, tied ``lm_head``).
+
+GPT-2's projections are ``Conv1D``: weight (in, out), the transpose of ``nn.Linear``. So column-wise
+is ``Shard(1)`` on the weight (bias ``Shard(0)``) and row-wise ``Shard(0)`` (bias ``Replicate``).
+
+The fused ``c_attn`` (weight (E, 3E) = [q | k | v]) is the catch: ``Shard(1)`` would give rank 0 all
+of q and half of k. The plan keeps the parameter as the original (E, 3E) tensor but lays it out
+``_StridedShard(1, split_factor=3)``: rank r holds columns [q_r | k_r | v_r], its own heads of each.
+``full_tensor()``, checkpoints and gradients see the unchanged HF layout; only the local shards are
+strided. Two patches make the module use it:
+
+- ``hf_gpt2_fused_qkv`` (on each ``c_attn``): computes ``x @ w_local + b_local`` on local tensors and
+  returns the plain local [q_r | k_r | v_r] (all-gathering a sequence-sharded input first).
+- ``hf_gpt2_attention_local_heads`` (on each ``GPT2Attention``): sets ``split_size`` to E / tp so the
+  local output splits into local q, k, v; heads are reshaped with ``-1`` already. Checks that
+  ``n_head`` divides by the mesh size.
+
+Then ``attn.c_proj`` takes its plain input back as ``Shard(-1)`` and reduces its ``Partial`` output.
+``wte`` is vocab-parallel (50257 rows over 2 ranks: 25129 + 25128); ``lm_head`` shares the very same
+weight (``Shard(0)`` on both sides keeps it one parameter), its logits are gathered and handed on as
+a plain tensor so HF's loss runs unchanged. ``wpe`` takes the model's plain ``position_ids`` as
+``Replicate`` (no factory mode needed). ``sequence_parallel=True``: as for Llama — residual stream,
+LayerNorms and dropout ``Shard(1)``; LayerNorm outputs all-gathered; row-wise outputs reduce-scattered.
+Eager and SDPA attention both work; cross-attention (``add_cross_attention``) is not supported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ndweave.dmodule.plans.common import config_of, local, require, seq_or_replicate
+
+__all__ = ["hf_gpt2_plan", "attention_local_heads", "fused_qkv_colwise"]
+
+_H = r"transformer.h.\d+"
+
+
+def hf_gpt2_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False) -> dict[str, Any]:
+    if model is not None:
+        config = config_of(model, "hf_gpt2")
+        require(hasattr(model, "transformer") and hasattr(model, "lm_head"), "hf_gpt2",
+                f"{type(model).__name__} does not look like GPT2LMHeadModel (transformer, lm_head)")
+        require(not getattr(config, "add_cross_attention", False), "hf_gpt2", "cross-attention (add_cross_attention=True) is not supported")
+    stream = seq_or_replicate(sequence_parallel)
+
+    parameter: dict[str, Any] = {
+        "transformer.wte.weight": [Shard(0)],
+        rf"{_H}.attn.c_attn.weight": [_StridedShard(1, split_factor=3)],
+        rf"{_H}.attn.c_attn.bias": [_StridedShard(0, split_factor=3)],
+        rf"{_H}.attn.c_proj.weight": [Shard(0)],
+        rf"{_H}.attn.c_proj.bias": [Replicate()],
+        rf"{_H}.mlp.c_fc.weight": [Shard(1)],
+        rf"{_H}.mlp.c_fc.bias": [Shard(0)],
+        rf"{_H}.mlp.c_proj.weight": [Shard(0)],
+        rf"{_H}.mlp.c_proj.bias": [Replicate()],
+        "lm_head.weight": [Shard(0)],
+    }
+    forward: dict[str, Any] = {
+        "transformer.wte.output": [stream],
+        "transformer.wpe.input": [[Replicate()]],
+        rf"{_H}.attn.c_proj.input": [[Shard(-1)]],
+        rf"{_H}.attn.c_proj.output": [stream],
+        rf"{_H}.mlp.c_proj.output": [stream],
+        "lm_head.output": [local([Replicate()])],
+    }
+    if sequence_parallel:
+        forward.update({
+            "transformer.wpe.output": [[Shard(1)]],
+            rf"{_H}.(ln_1|ln_2).output": [[Replicate()]],
+            "transformer.ln_f.output": [[Replicate()]],
+        })
+    patch = {
+        "transformer.wte": ["vocab_parallel_embedding"],
+        rf"{_H}.attn.c_attn": ["hf_gpt2_fused_qkv"],
+        "class:GPT2Attention": ["hf_gpt2_attention_local_heads"],
+    }
+    return {"parameter": parameter, "forward": forward, "patch": patch}
+
+
+def attention_local_heads(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
+    """Patch for ``GPT2Attention``: split the local fused output into local q, k, v."""
+    tp = device_mesh.size()
+    if getattr(module, "is_cross_attention", False):
+        raise ValueError(f"{fqn}: cross-attention is not supported by the hf_gpt2 plan")
+    if module.num_heads % tp:
+        raise ValueError(
+            f"{fqn}: n_head={module.num_heads} does not split over the {tp} ranks of {device_mesh}; "
+            "the hf_gpt2 plan needs n_head divisible by the tensor-parallel size"
+        )
+    module.split_size = module.embed_dim // tp
+
+
+def _strided(mesh: DeviceMesh, dim: int) -> list:
+    return [_StridedShard(dim, split_factor=3)] + [Replicate()] * (mesh.ndim - 1)
+
+
+def fused_qkv_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
+    """Patch for a fused-qkv ``Conv1D``: per-rank [q_r | k_r | v_r] columns, computed locally.
+
+    A weight that arrives ``Replicate`` (a plan that left it out) is re-laid strided here; a plain
+    ``Shard`` layout is refused, since it would mix q, k and v heads across ranks.
+    """
+    for name, dim in (("weight", 1), ("bias", 0)):
+        param = getattr(module, name)
+        want = _strided(device_mesh, dim)
+        if isinstance(param, DTensor) and list(param.placements) == want:
+            continue
+        if isinstance(param, DTensor) and not all(isinstance(p, Replicate) for p in param.placements):
+            raise ValueError(
+                f"{fqn}.{name}: the fused q|k|v projection must be laid out {want} (rank r holds its own q, k "
+                f"and v columns); {list(param.placements)} would mix q, k and v heads across ranks"
+            )
+        full = param.to_local() if isinstance(param, DTensor) else param.detach()
+        with torch.no_grad():
+            laid = distribute_tensor(full, device_mesh, want)
+        module.register_parameter(name, nn.Parameter(laid, requires_grad=param.requires_grad))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, DTensor):
+            # the input gradient is a partial sum over ranks' heads: reduce it on the way back
+            x = x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim).to_local(
+                grad_placements=[Partial()] * x.device_mesh.ndim
+            )
+        weight, bias = module.weight.to_local(), module.bias.to_local()
+        out = torch.addmm(bias, x.reshape(-1, x.size(-1)), weight)
+        return out.view(*x.shape[:-1], weight.shape[-1])
+
+    module.forward = forward

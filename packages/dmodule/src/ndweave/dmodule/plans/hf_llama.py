@@ -1,0 +1,99 @@
+"""Plan "hf_llama": transformers' ``LlamaForCausalLM``, unchanged, grouped-query attention included.
+
+Tensor parallel, per decoder layer::
+
+    input_layernorm -> q/k/v_proj (colwise) -> RoPE + attention on local heads -> o_proj (rowwise)
+    post_attention_layernorm -> gate/up_proj (colwise) -> SiLU * -> down_proj (rowwise)
+
+- Attention runs on plain local tensors: q/k/v outputs are handed on ``to_local`` (``Shard(-1)`` =
+  this rank's heads) and ``o_proj`` takes its input back as ``Shard(-1)``. Llama reshapes with
+  ``view(..., -1, head_dim)``, so no head count needs patching; with ``num_attention_heads / tp``
+  query heads and ``num_key_value_heads / tp`` key/value heads per rank, ``num_key_value_groups``
+  (their ratio) is unchanged and each local query head meets its own key/value head. Both head
+  counts must divide by the mesh size (the ``hf_llama_attention_heads`` patch checks it).
+  Eager and SDPA attention both work (they see plain tensors).
+- RoPE: ``rotary_emb`` takes the model's plain ``position_ids`` as ``Replicate`` and hands ``cos``
+  / ``sin`` on as plain tensors, so no factory mode is needed.
+- ``embed_tokens``: vocab-parallel (``Shard(0)`` + ``vocab_parallel_embedding``); ``lm_head``:
+  column-wise, logits gathered and handed on as a plain tensor so HF's loss runs unchanged.
+  Tied embeddings (``tie_word_embeddings=True``) stay one parameter: both sides are ``Shard(0)``.
+- ``sequence_parallel=True``: residual stream and RMSNorms ``Shard(1)`` on the sequence; every
+  norm's output is all-gathered, ``o_proj`` / ``down_proj`` outputs reduce-scattered; the norms'
+  weight gradients come out ``Partial`` and ``finish_grad_sync()`` reduces them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from ndweave.dmodule.plans.common import config_of, local, require, seq_or_replicate
+
+__all__ = ["hf_llama_plan", "check_attention_heads"]
+
+_L = r"model.layers.\d+"
+
+
+def hf_llama_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False) -> dict[str, Any]:
+    attention_bias = mlp_bias = False  # Llama's defaults
+    if model is not None:
+        config = config_of(model, "hf_llama")
+        require(hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(model, "lm_head"), "hf_llama",
+                f"{type(model).__name__} does not look like LlamaForCausalLM (model.layers, lm_head)")
+        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        require(heads % kv_heads == 0, "hf_llama", f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+    stream = seq_or_replicate(sequence_parallel)
+
+    parameter: dict[str, Any] = {
+        "model.embed_tokens.weight": [Shard(0)],
+        rf"{_L}.self_attn.(q_proj|k_proj|v_proj).weight": [Shard(0)],
+        rf"{_L}.self_attn.o_proj.weight": [Shard(1)],
+        rf"{_L}.mlp.(gate_proj|up_proj).weight": [Shard(0)],
+        rf"{_L}.mlp.down_proj.weight": [Shard(1)],
+        "lm_head.weight": [Shard(0)],
+    }
+    if attention_bias:
+        parameter[rf"{_L}.self_attn.(q_proj|k_proj|v_proj).bias"] = [Shard(0)]
+        parameter[rf"{_L}.self_attn.o_proj.bias"] = [Replicate()]
+    if mlp_bias:
+        parameter[rf"{_L}.mlp.(gate_proj|up_proj).bias"] = [Shard(0)]
+        parameter[rf"{_L}.mlp.down_proj.bias"] = [Replicate()]
+
+    forward: dict[str, Any] = {
+        "model.embed_tokens.output": [stream],
+        "model.rotary_emb.input": {"position_ids": [Replicate()]},
+        "model.rotary_emb.output": [local([Replicate()]), local([Replicate()])],
+        rf"{_L}.self_attn.(q_proj|k_proj|v_proj).output": [local([Shard(-1)])],
+        rf"{_L}.self_attn.o_proj.input": [[Shard(-1)]],
+        rf"{_L}.self_attn.o_proj.output": [stream],
+        rf"{_L}.mlp.down_proj.output": [stream],
+        "lm_head.output": [local([Replicate()])],
+    }
+    if sequence_parallel:
+        forward[rf"{_L}.(input_layernorm|post_attention_layernorm).output"] = [[Replicate()]]
+        forward["model.norm.output"] = [[Replicate()]]
+
+    patch = {
+        "model.embed_tokens": ["vocab_parallel_embedding"],
+        "class:LlamaAttention": ["hf_llama_attention_heads"],
+    }
+    return {"parameter": parameter, "forward": forward, "patch": patch}
+
+
+def check_attention_heads(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
+    """Patch: both head counts must split evenly over the mesh (an uneven split of q_proj's rows
+    would cut heads in half and compute garbage silently)."""
+    config = module.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    tp = device_mesh.size()
+    if heads % tp or kv_heads % tp:
+        raise ValueError(
+            f"{fqn}: num_attention_heads={heads} and num_key_value_heads={kv_heads} must both be divisible by "
+            f"the tensor-parallel size {tp} ({device_mesh}); pick a mesh size that divides {kv_heads}"
+        )

@@ -1,0 +1,137 @@
+"""The plan zoo's test models and the parity check every zoo test runs on its ranks.
+
+``check_parity(name, ...)`` builds a tiny model of family ``name`` twice from one seed, parallelizes
+one copy with ``get_plan(name, model)`` and nothing else, then for a few optimizer steps compares the
+output logits, the loss, every parameter's gradient and (after the step) every parameter with the
+single-device copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from ndweave.mesh.testing import assert_close
+
+ROOT = Path(__file__).resolve().parents[2]
+BATCH, SEQ = 2, 16
+# fp32, but the parallel run sums in another order (all-reduce, reduce-scatter, split matmuls)
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def load_nanogpt():
+    """``examples/nanogpt.py`` as a module (the examples folder is not a package)."""
+    name = "ndweave_examples_nanogpt"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "nanogpt.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+class MLP(nn.Module):
+    """The DModule README's MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(self.relu(self.fc1(x)))
+
+
+def build(name: str, **overrides) -> nn.Module:
+    """A tiny model of family ``name`` (fp32, dropout 0); ``overrides`` go to its config."""
+    if name == "mlp":
+        return MLP()
+    if name == "nanogpt":
+        ng = load_nanogpt()
+        cfg = dict(vocab_size=100, block_size=SEQ, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+        return ng.GPT(ng.GPTConfig(**{**cfg, **overrides}))
+    if name == "hf_llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                   attention_dropout=0.0, attn_implementation="sdpa")
+        return LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides}))
+    if name == "hf_gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = dict(vocab_size=50257, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+        return GPT2LMHeadModel(GPT2Config(**{**cfg, **overrides}))
+    raise KeyError(name)
+
+
+def batch(name: str, model: nn.Module, step: int):
+    """The same inputs on every rank: (input ids or activations, targets)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if name == "mlp":
+        return torch.randn(BATCH, SEQ, 4, generator=g), None
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def run(name: str, model: nn.Module, inputs, targets):
+    """(logits or output, loss): one training forward, whatever the family's calling convention."""
+    if name == "mlp":
+        out = model(inputs)
+        return out, out.sum()
+    if name == "nanogpt":
+        return model(inputs, targets)
+    out = model(input_ids=inputs, labels=targets)
+    return out.logits, out.loss
+
+
+def check_parity(name: str, *, sequence_parallel: bool = False, steps: int = 2, optimizer: str = "sgd",
+                 **overrides) -> None:
+    """Run on every rank: ``get_plan(name, model)`` on a 1-D TP mesh matches one device, step by step."""
+    from ndweave.dmodule import DModule, parallelize_module
+    from ndweave.dmodule.plans import get_plan
+
+    torch.manual_seed(0)
+    reference = build(name, **overrides)
+    model = copy.deepcopy(reference)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("TP",))
+    model = parallelize_module(model, mesh, get_plan(name, model, sequence_parallel=sequence_parallel))
+    assert isinstance(model, DModule)
+
+    def make_optimizer(params):
+        if optimizer == "adam":
+            return torch.optim.Adam(params, lr=1e-2, foreach=False)
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9, foreach=False)
+
+    ref_params = dict(reference.named_parameters())
+    params = dict(model.named_parameters())
+    assert list(params) == list(ref_params), "parallelize_module changed the parameter names"
+    ref_opt, opt = make_optimizer(reference.parameters()), make_optimizer(model.parameters())
+    for step in range(steps):
+        inputs, targets = batch(name, reference, step)
+        ref_out, ref_loss = run(name, reference, inputs, targets)
+        out, loss = run(name, model, inputs, targets)
+        assert_close(out, ref_out, name=f"step {step} output", **TOL)
+        assert_close(loss, ref_loss, name=f"step {step} loss", **TOL)
+        ref_loss.backward()
+        loss.backward()
+        model.finish_grad_sync()
+        for fqn, ref_p in ref_params.items():
+            assert params[fqn].grad is not None, f"step {step}: {fqn} got no gradient"
+            assert_close(params[fqn].grad, ref_p.grad, name=f"step {step} {fqn}.grad", **TOL)
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    for fqn, ref_p in ref_params.items():
+        assert_close(params[fqn], ref_p, name=f"{fqn} after {steps} steps", **TOL)
