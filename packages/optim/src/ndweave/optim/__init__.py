@@ -1,5 +1,29 @@
-"""ndweave.optim (in development: see README.md for what is coming)."""
+"""ndweave.optim: a Megatron-style sharded optimizer that composes with DDP and tensor parallelism,
+and a basic one that finishes every grad sync before stepping.
+
+    from ndweave.optim import DistributedOptimizer, BasicOptimizer
+
+    opt = DistributedOptimizer(torch.optim.Adam, models=[ddp_model], optimizer_kwargs={"lr": 1e-3})
+    opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+from ndweave.optim.basic_optimizer import BasicOptimizer
+from ndweave.optim.distributed_optimizer import DistributedOptimizer
+from ndweave.optim.inner import ELEMENTWISE_OPTIMIZERS, NON_ELEMENTWISE_OPTIMIZERS
+from ndweave.optim.loss_scale import DynamicLossScaler
+from ndweave.optim.state_dict import MASTER_KEY, from_torch_state_dict, merge_state_dicts, to_torch_state_dict
 
 __version__ = "0.1.0"
 
-__all__: list[str] = ["__version__"]
+__all__ = [
+    "BasicOptimizer",
+    "DistributedOptimizer",
+    "DynamicLossScaler",
+    "ELEMENTWISE_OPTIMIZERS",
+    "MASTER_KEY",
+    "NON_ELEMENTWISE_OPTIMIZERS",
+    "from_torch_state_dict",
+    "merge_state_dicts",
+    "to_torch_state_dict",
+    "__version__",
+]

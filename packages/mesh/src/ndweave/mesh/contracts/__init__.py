@@ -7,7 +7,7 @@ before a step) they meet here, through small protocols and dataclasses owned by 
 
 from ndweave.mesh.contracts.grad_buckets import BucketParam, GradBucket, GradBucketProvider, shard_range
 from ndweave.mesh.contracts.grad_sync import GradSyncable, finish_grad_sync, reduce_partial_grads
-from ndweave.mesh.contracts.sharded_state import FlatShard
+from ndweave.mesh.contracts.sharded_state import FlatShard, merge_flat_shards, slice_flat_shard
 
 __all__ = [
     "BucketParam",
@@ -16,6 +16,8 @@ __all__ = [
     "GradBucketProvider",
     "GradSyncable",
     "finish_grad_sync",
+    "merge_flat_shards",
     "reduce_partial_grads",
     "shard_range",
+    "slice_flat_shard",
 ]

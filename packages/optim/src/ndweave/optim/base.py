@@ -1,0 +1,121 @@
+"""What both ndweave optimizers share: being a ``torch.optim.Optimizer`` to the outside world
+(lr schedulers check ``isinstance`` and edit ``param_groups``), backed by an inner torch optimizer."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ndweave.optim.grad_norm import clip_by_norm, global_norm
+from ndweave.optim.loss_scale import unscale_and_check
+
+__all__ = ["WrappedOptimizer"]
+
+
+class WrappedOptimizer(torch.optim.Optimizer):
+    """A torch ``Optimizer`` whose ``param_groups`` and ``state`` are those of ``self.inner``.
+
+    ``torch.optim.Optimizer.__init__`` is deliberately not called: it would register the params it is
+    given as its own; here the inner optimizer owns them and this object only forwards.
+    """
+
+    inner: torch.optim.Optimizer
+
+    def _init_wrapper(self, inner: torch.optim.Optimizer, models: Sequence[torch.nn.Module], *, clip_grad: float,
+                      loss_scaler: Any, grad_norm_group: dist.ProcessGroup | None) -> None:
+        self.inner = inner
+        self.models = list(models)
+        self.defaults = inner.defaults
+        self.clip_grad = float(clip_grad)
+        self.loss_scaler = loss_scaler
+        self.grad_norm_group = grad_norm_group
+        self.last_step_skipped = False
+        """``True`` when the last ``step()`` found inf/nan grads and changed nothing."""
+        self._grads_ready = False
+        self._found_inf = False
+        # the hook tables torch's Optimizer methods expect to exist
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+
+    # ``param_groups`` and ``state`` live on the inner optimizer (lr schedulers edit them in place)
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.inner.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.inner.state = value
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r})"
+
+    # to be provided by subclasses
+    def _owned_grads(self) -> list[torch.Tensor]:
+        """The local grad tensors this rank owns for the norm (see ``grad_norm``)."""
+        raise NotImplementedError
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        """Every local grad the step will use (owned or a replica of one): what gets scaled."""
+        return self._owned_grads()
+
+    def _sync_grads(self) -> None:
+        """Finish the models' grad syncs and make the grads the inner optimizer reads valid."""
+        raise NotImplementedError
+
+    def _device(self) -> torch.device:
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    def _ready_grads(self) -> bool:
+        """Sync and unscale the grads, once per step; ``False`` if some rank's grads are not finite
+        (only checked with a ``loss_scaler``)."""
+        if not self._grads_ready:
+            self._sync_grads()
+            self._found_inf = False
+            if self.loss_scaler is not None:
+                self._found_inf = unscale_and_check(self._local_grads(), float(self.loss_scaler.scale),
+                                                    self.grad_norm_group, self._device())
+            self._grads_ready = True
+        return not self._found_inf
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every rank's grads to a global norm of ``max_norm``; return the global norm (before
+        clipping, after unscaling). A collective: call it on every rank, after ``backward()`` and
+        before ``step()`` (or pass ``clip_grad=`` and let ``step()`` do it)."""
+        self._ready_grads()
+        total = global_norm(self._owned_grads(), norm_type, self.grad_norm_group, device=self._device())
+        clip_by_norm(self._local_grads(), max_norm, total)
+        return total
+
+    def _begin_step(self) -> bool:
+        """Everything before the inner step: sync, unscale, overflow check, clip. ``False``: skip."""
+        finite = self._ready_grads()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(not finite)
+        self.last_step_skipped = not finite
+        if finite and self.clip_grad > 0:
+            self.clip_grad_norm(self.clip_grad)
+        self._grads_ready = False
+        return finite

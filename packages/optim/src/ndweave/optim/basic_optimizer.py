@@ -1,0 +1,129 @@
+"""``BasicOptimizer``: an unsharded torch optimizer that finishes every pending grad sync first, so
+``zero_grad(); loss.backward(); step()`` is the whole training loop for any composition (DDP
+buckets in flight, sequence-parallel ``Partial`` grads, plain models)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ndweave.mesh.contracts import GradBucketProvider, finish_grad_sync
+from ndweave.optim.base import WrappedOptimizer
+from ndweave.optim.grad_norm import counts_replica
+from ndweave.optim.inner import resolve_optimizer
+
+__all__ = ["BasicOptimizer"]
+
+
+class BasicOptimizer(WrappedOptimizer):
+    """A torch optimizer over the models' own params (DTensor or plain), with grad sync, global
+    clipping and loss scaling handled.
+
+    Args:
+        optimizer: a torch optimizer class (built over the models' trainable params with
+            ``optimizer_kwargs``) or an instance built over them (used as is).
+        models: the models (DDP-wrapped with ``use_distributed_optimizer=False``, DModules, plain).
+        clip_grad: clip to this global grad norm in every ``step()`` (0: no clipping).
+        loss_scaler: fp16 loss scaling (see :mod:`ndweave.optim.loss_scale`).
+        grad_norm_group: group the grad norm is summed over (default: the whole world).
+
+    ``state_dict()`` is the inner torch optimizer's (DTensor state where the params are DTensors).
+
+    Example::
+
+        opt = BasicOptimizer(torch.optim.AdamW, [model], optimizer_kwargs={"lr": 1e-3})
+        opt.zero_grad(); model(x).sum().backward(); opt.step()
+    """
+
+    def __init__(
+        self,
+        optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer,
+        models: Sequence[torch.nn.Module] | torch.nn.Module,
+        *,
+        clip_grad: float = 0.0,
+        optimizer_kwargs: dict[str, Any] | None = None,
+        loss_scaler: Any = None,
+        grad_norm_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        models = [models] if isinstance(models, torch.nn.Module) else list(models)
+        # DP rank of each bucketed param: replicated over DP, so only DP rank 0 counts it in the norm
+        self._dp_rank: dict[int, int] = {}
+        for model in models:
+            if isinstance(model, GradBucketProvider):
+                if model.use_distributed_optimizer:
+                    raise ValueError(
+                        f"{type(model).__name__} was built with use_distributed_optimizer=True: its grads are only "
+                        "reduced on this rank's shard of each bucket. Use DistributedOptimizer, or build it with "
+                        "use_distributed_optimizer=False for BasicOptimizer"
+                    )
+                for bucket in model.grad_buckets():
+                    for bp in bucket.params:
+                        self._dp_rank[id(bp.param)] = bucket.data_parallel_rank
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if optimizer_kwargs:
+                raise ValueError("optimizer_kwargs applies to an optimizer class; an instance already has its hyperparameters")
+            inner = optimizer
+        else:
+            spec = resolve_optimizer(optimizer, optimizer_kwargs)
+            params, seen = [], set()
+            for model in models:
+                for p in model.parameters():
+                    if p.requires_grad and id(p) not in seen:
+                        seen.add(id(p))
+                        params.append(p)
+            inner = spec.build([params])
+        self._init_wrapper(inner, models, clip_grad=clip_grad, loss_scaler=loss_scaler, grad_norm_group=grad_norm_group)
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        seen: set[int] = set()
+        out = []
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:  # tied params: one object, counted once
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def _sync_grads(self) -> None:
+        finish_grad_sync(self.models)
+
+    @staticmethod
+    def _local(t: torch.Tensor) -> torch.Tensor:
+        return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+    def _owned_grads(self) -> list[torch.Tensor]:
+        return [
+            self._local(p.grad) for p in self._params()
+            if p.grad is not None and self._dp_rank.get(id(p), 0) == 0 and counts_replica(p.grad)
+            and not getattr(p, "ndweave_tied_replica", False)
+        ]
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        return [self._local(p.grad) for p in self._params() if p.grad is not None]
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Finish grad syncs, (unscale, clip,) and step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._begin_step():
+            self.inner.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the params' grads and, for DDP-wrapped models, their grad buffers."""
+        for model in self.models:
+            if isinstance(model, GradBucketProvider):
+                model.zero_grad_buffer()
+        self.inner.zero_grad(set_to_none=set_to_none)
+        self._grads_ready = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)

@@ -1,0 +1,324 @@
+"""``DistributedOptimizer``: the Megatron-style sharded optimizer (ZeRO-1 state sharding, ZeRO-2
+gradients as far as the grad buffer allows) over the buckets of a data-parallel wrapper.
+
+How a step goes, on every data-parallel rank ``r``::
+
+    finish_grad_sync(models)          # DDP reduce-scatters: bucket range r holds the averaged grad
+    master.grad = grad_data[range r]  # fp32 (a view if grad_data is fp32, else one cast copy)
+    unscale / clip                    # global norm: one all-reduce of owned squares
+    inner.step()                      # torch optimizer on fp32 master shards (Parameters)
+    param_data[range r] = master      # cast to the model dtype (no copy if the model is fp32)
+    all_gather_into_tensor(param_data, param_data[range r])   # per bucket; async with overlap
+
+What is sharded (ZeRO level): optimizer state (``exp_avg``, ``exp_avg_sq``, momentum...) and fp32
+master weights are 1/DP per rank: ZeRO-1. Gradients are reduce-scattered, and the fp32 grads the
+inner optimizer reads are only this rank's range; but the DDP wrapper's ``grad_data`` buffer stays
+full size on every rank (backward accumulates into it before the reduce-scatter), so per-rank grad
+memory is not 1/DP: this is not full ZeRO-2. Full-size buffers that remain per rank: DDP's
+``grad_data`` and ``param_data`` (the model parameters themselves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ndweave.mesh.contracts import FlatShard, GradBucket, GradBucketProvider, finish_grad_sync
+from ndweave.optim.base import WrappedOptimizer
+from ndweave.optim.grad_norm import counts_replica
+from ndweave.optim.inner import check_elementwise, resolve_optimizer
+from ndweave.optim.param_gather import ParamGatherer
+from ndweave.optim.state_dict import MASTER_KEY, merge_state_dicts, resolve_value
+
+__all__ = ["DistributedOptimizer"]
+
+
+@dataclass(eq=False)
+class _Shard:
+    """One parameter's part of this rank's range of one bucket, and its master weights."""
+
+    bucket: GradBucket
+    name: str
+    param: torch.nn.Parameter
+    bucket_start: int
+    """Range of the piece within the bucket's flat buffers."""
+    bucket_end: int
+    start: int
+    """Range of the piece within the param's flattened local tensor."""
+    end: int
+    local_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    local_offset: tuple[int, ...]
+    master: torch.nn.Parameter
+    """1-D master weights the inner optimizer steps (fp32 unless ``grad_to_fp32=False``)."""
+    aliases_model: bool
+    """``master`` is a view of ``param_data`` (same dtype): stepping it updates the model directly."""
+    counted: bool
+    """Counts in the global grad norm (see ``grad_norm``)."""
+
+    def model_range(self) -> torch.Tensor:
+        return self.bucket.param_data[self.bucket_start : self.bucket_end]
+
+    def grad_range(self) -> torch.Tensor:
+        return self.bucket.grad_data[self.bucket_start : self.bucket_end]
+
+    def flat_shard(self, data: torch.Tensor) -> FlatShard:
+        return FlatShard(self.name, data, self.start, self.end, self.local_shape, self.global_shape, self.local_offset)
+
+
+def _placement_info(param: torch.nn.Parameter) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(local_shape, local_offset)`` of ``param``'s local tensor in the global one."""
+    if isinstance(param, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        return tuple(shape), tuple(offset)
+    return tuple(param.shape), (0,) * param.dim()
+
+
+class DistributedOptimizer(WrappedOptimizer):
+    """Shard optimizer state and fp32 master weights over the data-parallel ranks of ``models``.
+
+    Args:
+        optimizer: a torch optimizer class (built with ``optimizer_kwargs``) or an instance built over
+            the models' params (re-created over the shards, keeping each group's hyperparameters). It
+            must be elementwise (:data:`~ndweave.optim.ELEMENTWISE_OPTIMIZERS`, or
+            ``assume_elementwise=True``).
+        models: data-parallel wrapped models implementing
+            :class:`~ndweave.mesh.contracts.GradBucketProvider`, built with
+            ``use_distributed_optimizer=True``.
+        clip_grad: clip to this global grad norm in every ``step()`` (0: no clipping).
+        overlap_param_gather: issue the parameter all-gathers async after ``step()`` and wait for
+            each bucket in a forward pre-hook of the first module that owns one of its params.
+        grad_to_fp32: fp32 master weights and fp32 grads for the inner step (default). ``False``
+            steps the model-dtype ``param_data`` range directly with model-dtype grads (no master
+            copy; lower precision for bf16/fp16 models).
+        loss_scaler: fp16 loss scaling (see :mod:`ndweave.optim.loss_scale`).
+        grad_norm_group: group the grad norm is summed over (default: the whole world).
+
+    Example::
+
+        model = DistributedDataParallel(model, mesh["DP"], use_distributed_optimizer=True)
+        opt = DistributedOptimizer(torch.optim.AdamW, [model], optimizer_kwargs={"lr": 1e-3}, clip_grad=1.0)
+        for batch in data:
+            opt.zero_grad()
+            model(batch).sum().backward()
+            opt.step()
+    """
+
+    def __init__(
+        self,
+        optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer,
+        models: Sequence[torch.nn.Module] | torch.nn.Module,
+        *,
+        clip_grad: float = 0.0,
+        overlap_param_gather: bool = False,
+        grad_to_fp32: bool = True,
+        optimizer_kwargs: dict[str, Any] | None = None,
+        assume_elementwise: bool = False,
+        loss_scaler: Any = None,
+        grad_norm_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        models = [models] if isinstance(models, torch.nn.Module) else list(models)
+        self.buckets = self._collect_buckets(models)
+        spec = resolve_optimizer(optimizer, optimizer_kwargs)
+        check_elementwise(spec.cls, assume_elementwise)
+        self.grad_to_fp32 = grad_to_fp32
+        self._shards: list[_Shard] = []
+        self._group_fqns: list[list[str]] = [[] for _ in spec.groups]
+        groups: list[list[torch.Tensor]] = [[] for _ in spec.groups]
+        names: dict[str, int] = {}
+        for bucket in self.buckets:
+            dp_ranks = None if bucket.data_parallel_group is None else tuple(
+                dist.get_process_group_ranks(bucket.data_parallel_group))
+            lo, hi = bucket.shard_range()
+            for bp in bucket.params:
+                if names.setdefault(bp.name, id(bp.param)) != id(bp.param):
+                    raise ValueError(f"two parameters are named {bp.name!r}; FQNs must be unique across models")
+                index = spec.group_index(bp.param)
+                if index is None:  # not in the user's optimizer: never updated, still gathered
+                    continue
+                self._group_fqns[index].append(bp.name)
+                start, end = max(lo, bp.offset), min(hi, bp.offset + bp.numel)
+                if start >= end:
+                    continue
+                shard = self._make_shard(bucket, bp, start, end, dp_ranks)
+                self._shards.append(shard)
+                groups[index].append(shard.master)
+        if not any(groups):  # a rank owning only padding still needs a valid torch optimizer
+            groups[0].append(torch.nn.Parameter(torch.zeros(0, device=self.buckets[0].grad_data.device)))
+        inner = spec.build(groups)
+        self._init_wrapper(inner, models, clip_grad=clip_grad, loss_scaler=loss_scaler, grad_norm_group=grad_norm_group)
+        self._gatherer = ParamGatherer(self.buckets, models, overlap=overlap_param_gather)
+
+    @staticmethod
+    def _collect_buckets(models: list[torch.nn.Module]) -> list[GradBucket]:
+        buckets: list[GradBucket] = []
+        for model in models:
+            if not isinstance(model, GradBucketProvider):
+                raise TypeError(
+                    f"DistributedOptimizer needs data-parallel wrapped models (a GradBucketProvider such as "
+                    f"ndweave.ddp.DistributedDataParallel(..., use_distributed_optimizer=True)); got "
+                    f"{type(model).__name__}. For an unwrapped model use BasicOptimizer"
+                )
+            if not model.use_distributed_optimizer:
+                raise ValueError(
+                    f"{type(model).__name__} was built with use_distributed_optimizer=False: it all-reduces grads and "
+                    "has no param_data buffer. Build it with use_distributed_optimizer=True for DistributedOptimizer, "
+                    "or use BasicOptimizer"
+                )
+            for bucket in model.grad_buckets():
+                if bucket.param_data is None:
+                    raise ValueError("a grad bucket has no param_data; build the wrapper with use_distributed_optimizer=True")
+                buckets.append(bucket)
+        if not buckets:
+            raise ValueError("the models have no grad buckets (no trainable parameters?)")
+        return buckets
+
+    def _make_shard(self, bucket: GradBucket, bp, start: int, end: int, dp_ranks) -> _Shard:
+        view = bucket.param_data[start:end]
+        master_dtype = torch.float32 if self.grad_to_fp32 else view.dtype
+        aliases = view.dtype == master_dtype
+        master = torch.nn.Parameter(view if aliases else view.detach().to(master_dtype))
+        local_shape, local_offset = _placement_info(bp.param)
+        return _Shard(
+            bucket=bucket, name=bp.name, param=bp.param, bucket_start=start, bucket_end=end,
+            start=start - bp.offset, end=end - bp.offset, local_shape=local_shape,
+            global_shape=tuple(bp.param.shape), local_offset=local_offset, master=master, aliases_model=aliases,
+            counted=counts_replica(bp.param, dp_ranks) and not getattr(bp.param, "ndweave_tied_replica", False),
+        )
+
+    # ---- the step ----------------------------------------------------------------------------
+    def _sync_grads(self) -> None:
+        self._gatherer.wait()
+        finish_grad_sync(self.models)
+        for shard in self._shards:
+            grad = shard.grad_range()
+            shard.master.grad = grad if grad.dtype == shard.master.dtype else grad.to(shard.master.dtype)
+
+    def _owned_grads(self) -> list[torch.Tensor]:
+        return [s.master.grad for s in self._shards if s.counted and s.master.grad is not None]
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        return [s.master.grad for s in self._shards if s.master.grad is not None]
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Finish grad syncs, (unscale, clip,) step the shards and all-gather the new params."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._begin_step():
+            self.inner.step()
+            self._publish()
+        return loss
+
+    def _publish(self) -> None:
+        """Write the masters into the model's ranges and all-gather every bucket."""
+        with torch.no_grad():
+            for shard in self._shards:
+                if not shard.aliases_model:
+                    shard.model_range().copy_(shard.master)
+        self._gatherer.gather()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the models' grad buffers (``zero_grad_buffer()``) and drop the shards' grads."""
+        for model in self.models:
+            model.zero_grad_buffer()
+        for shard in self._shards:
+            shard.master.grad = None
+        self._grads_ready = False
+
+    # ---- overlap ------------------------------------------------------------------------------
+    def wait_param_gather(self) -> None:
+        """Wait for every pending parameter all-gather (needed only to read params outside forward)."""
+        self._gatherer.wait()
+
+    def pending_param_gathers(self) -> list[int]:
+        """Indices of buckets whose all-gather is in flight (with ``overlap_param_gather``)."""
+        return self._gatherer.pending()
+
+    @property
+    def param_gather_waits(self) -> list[int]:
+        """Per bucket, how many pending gathers were waited on."""
+        return list(self._gatherer.num_waits)
+
+    # ---- memory -------------------------------------------------------------------------------
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the inner optimizer's state tensors on this rank (not counting master weights)."""
+        return sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
+                   if isinstance(v, torch.Tensor))
+
+    def master_param_bytes(self) -> int:
+        """Bytes of fp32 master weights held apart from the model (0 when they alias an fp32 model)."""
+        return sum(s.master.numel() * s.master.element_size() for s in self._shards if not s.aliases_model)
+
+    # ---- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state as FlatShards keyed by parameter FQN (see :mod:`ndweave.optim.state_dict`)."""
+        self._gatherer.wait()
+        state: dict[str, dict[str, Any]] = {}
+        for shard in self._shards:
+            entry = {MASTER_KEY: shard.flat_shard(shard.master.detach())}
+            for key, value in self.inner.state.get(shard.master, {}).items():
+                elementwise = isinstance(value, torch.Tensor) and value.shape == shard.master.shape
+                entry[key] = shard.flat_shard(value) if elementwise else value
+            state[shard.name] = entry
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(fqns)}
+                  for g, fqns in zip(self.inner.param_groups, self._group_fqns)]
+        return {"param_groups": groups, "state": state}
+
+    def gather_full_state_dict(self, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+        """The full per-FQN state (global shapes) on every rank of ``group`` (a collective; holds the
+        whole state in CPU memory: for tests, conversion and small models)."""
+        local = self.state_dict()
+        local["state"] = {fqn: {k: _to_cpu(v) for k, v in e.items()} for fqn, e in local["state"].items()}
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, local, group=group)
+        return merge_state_dicts(everyone)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a sharded (any DP/TP layout: given shards must cover this rank's ranges) or full state.
+
+        Sets master weights, state and group hyperparameters, then writes the masters into the model
+        and all-gathers (a collective)."""
+        self._gatherer.wait()
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.inner.param_groups):
+            raise ValueError(f"the state has {len(groups)} param groups, the optimizer {len(self.inner.param_groups)}")
+        for mine, theirs in zip(self.inner.param_groups, groups):
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+        with torch.no_grad():
+            for shard in self._shards:
+                entry = state_dict["state"].get(shard.name)
+                if entry is None:
+                    continue
+                new_state = {}
+                for key, value in entry.items():
+                    value, elementwise = resolve_value(value, key, shard.name, shard.start, shard.end, shard.local_shape,
+                                                       shard.global_shape, shard.local_offset)
+                    if key == MASTER_KEY:
+                        shard.master.copy_(value.reshape(-1))
+                    elif elementwise:
+                        new_state[key] = value.reshape(-1).to(shard.master.device, shard.master.dtype).clone()
+                    else:
+                        new_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                if new_state:
+                    self.inner.state[shard.master] = new_state
+        was_overlapped, self._gatherer.overlap = self._gatherer.overlap, False
+        try:
+            self._publish()
+        finally:
+            self._gatherer.overlap = was_overlapped
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, FlatShard):
+        return FlatShard(value.fqn, value.data.detach().cpu().clone(), value.start, value.end, value.local_shape,
+                         value.global_shape, value.local_offset)
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value

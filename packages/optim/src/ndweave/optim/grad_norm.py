@@ -1,0 +1,94 @@
+"""Global gradient norm over every way a model is split.
+
+The mechanism: every rank sums the squares (or takes the max, for ``inf``) of the gradient elements
+it *owns*, then one all-reduce over ``group`` (default: the whole world) combines them. Ownership is
+decided so each element of the global model is counted exactly once:
+
+* data parallelism: with :class:`~ndweave.optim.DistributedOptimizer` each rank holds a disjoint
+  range of every grad bucket, so all ranks count their range; with
+  :class:`~ndweave.optim.BasicOptimizer` the grads are replicated, so only DP rank 0 counts them;
+* tensor parallelism (and any other DTensor mesh dim): ``Shard`` placements hold different elements
+  on each rank, so every rank counts its local tensor; on a ``Replicate`` mesh dim only coordinate 0
+  counts (no double counting of replicated LayerNorm weights and the like);
+* pipeline stages hold different parameters, so every stage counts its own: the world all-reduce
+  sums them. A tied weight held by two stages (embedding and LM head) must be counted by one of
+  them: the stage holding the second copy marks it ``param.ndweave_tied_replica = True``. Within one
+  rank, tied parameters are the same object and are deduplicated by identity.
+
+Plain (non-DTensor) parameters are counted on every rank that holds them, outside DP: replicate a
+parameter over tensor-parallel ranks as a ``Replicate`` DTensor (``ndweave.dmodule`` does), not as a
+plain tensor. Pipeline parallelism is not testable yet in this repository; the rule above is what a
+pipeline stage needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+__all__ = ["counts_replica", "global_norm", "clip_by_norm"]
+
+_replica_cache: dict[tuple, bool] = {}
+
+
+def counts_replica(t: torch.Tensor, skip_ranks: tuple[int, ...] | None = None) -> bool:
+    """Whether this rank counts ``t``'s local values: ``False`` on a non-zero coordinate of a
+    ``Replicate`` mesh dim. A mesh dim whose group's ranks are ``skip_ranks`` (the DP group, whose
+    ownership the caller decides) is ignored."""
+    if not isinstance(t, DTensor):
+        return True
+    mesh = t.device_mesh
+    key = (id(mesh), tuple(t.placements), skip_ranks)
+    if key not in _replica_cache:
+        coordinate = mesh.get_coordinate()
+        owned = True
+        for dim, placement in enumerate(t.placements):
+            if not placement.is_replicate() or coordinate[dim] == 0:
+                continue
+            if skip_ranks is not None and tuple(dist.get_process_group_ranks(mesh.get_group(dim))) == skip_ranks:
+                continue
+            owned = False
+        _replica_cache[key] = owned
+    return _replica_cache[key]
+
+
+def global_norm(
+    grads: Iterable[torch.Tensor], norm_type: float = 2.0, group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The ``norm_type`` norm of the owned local ``grads`` of every rank of ``group`` (a collective).
+
+    ``grads`` are plain local tensors this rank owns (see the module docstring); returns an fp32
+    scalar tensor, identical on every rank.
+    """
+    norm_type = float(norm_type)
+    grads = [g for g in grads if g.numel()]
+    if device is None:
+        device = grads[0].device if grads else torch.device("cpu")
+    if norm_type == math.inf:
+        local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
+        local = local.to(device)
+        if dist.is_initialized():
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return local
+    if norm_type != 2.0:
+        raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
+    if grads:
+        local = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]).square().sum()
+    else:
+        local = torch.zeros((), device=device)
+    local = local.to(device)
+    if dist.is_initialized():
+        dist.all_reduce(local, group=group)
+    return local.sqrt()
+
+
+def clip_by_norm(grads: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))``, as torch does."""
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coefficient.to(g.device, g.dtype))

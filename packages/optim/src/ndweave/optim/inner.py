@@ -1,0 +1,94 @@
+"""Resolving the ``optimizer`` argument (a torch optimizer class or instance) into what to build.
+
+Both ndweave optimizers wrap an *inner* torch optimizer: the user's class, built over the tensors
+ndweave decides (the fp32 shards for :class:`~ndweave.optim.DistributedOptimizer`, the params for
+:class:`~ndweave.optim.BasicOptimizer`) with the user's hyperparameters, group by group.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "NON_ELEMENTWISE_OPTIMIZERS", "InnerSpec", "resolve_optimizer"]
+
+#: torch optimizers whose update of an element depends only on that element's grad and state (and
+#: per-step scalars), so stepping any flat range of a parameter equals stepping the whole of it.
+ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")
+    if hasattr(torch.optim, name)
+)
+
+#: torch optimizers known to look at whole parameters (factored moments, orthogonalization, line
+#: search, sparse grads): they cannot step flat ranges.
+NON_ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
+    getattr(torch.optim, name) for name in ("LBFGS", "Adafactor", "Muon", "SparseAdam") if hasattr(torch.optim, name)
+)
+
+
+@dataclass
+class InnerSpec:
+    """How to build the inner optimizer: its class, constructor kwargs and one dict per group."""
+
+    cls: type[torch.optim.Optimizer]
+    kwargs: dict[str, Any]
+    groups: list[dict[str, Any]]
+    """Hyperparameters of each param group (no ``"params"`` key)."""
+    group_of: dict[int, int] = field(default_factory=dict)
+    """``id(param) -> group index`` for an instance's params; empty for a class (one group, all params)."""
+
+    def group_index(self, param: torch.Tensor) -> int | None:
+        """The group ``param`` belongs to; ``None`` if the user's optimizer does not hold it."""
+        return self.group_of.get(id(param)) if self.group_of else 0
+
+    def build(self, groups: list[list[torch.Tensor]]) -> torch.optim.Optimizer:
+        """The inner optimizer over ``groups[i]`` with group ``i``'s hyperparameters."""
+        return self.cls([{**hyper, "params": params} for hyper, params in zip(self.groups, groups)], **self.kwargs)
+
+
+def resolve_optimizer(
+    optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer, optimizer_kwargs: dict[str, Any] | None
+) -> InnerSpec:
+    """Turn a class (plus ``optimizer_kwargs``) or an instance into an :class:`InnerSpec`.
+
+    An instance is re-created over new tensors: its ``param_groups`` hyperparameters (``lr``,
+    ``weight_decay``, an lr scheduler's ``initial_lr``...) are kept per group; its state is not.
+    """
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        kwargs = dict(optimizer_kwargs or {})
+        return InnerSpec(cls=optimizer, kwargs=kwargs, groups=[{}])
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer_kwargs:
+            raise ValueError("optimizer_kwargs applies to an optimizer class; an instance already has its hyperparameters")
+        cls = type(optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        groups, group_of = [], {}
+        for index, group in enumerate(optimizer.param_groups):
+            groups.append({k: v for k, v in group.items() if k != "params"})
+            for p in group["params"]:
+                group_of[id(p)] = index
+        return InnerSpec(cls=cls, kwargs=kwargs, groups=groups, group_of=group_of)
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer class or instance, got {optimizer!r}")
+
+
+def check_elementwise(cls: type[torch.optim.Optimizer], assume_elementwise: bool) -> None:
+    """Refuse optimizers that cannot step flat ranges of parameters."""
+    if cls in ELEMENTWISE_OPTIMIZERS:
+        return
+    if cls in NON_ELEMENTWISE_OPTIMIZERS:
+        raise ValueError(
+            f"{cls.__name__} is not elementwise (it needs whole parameters), so DistributedOptimizer cannot "
+            "step it on flat shards that cut parameters anywhere; use ndweave.optim.BasicOptimizer "
+            "(no optimizer-state sharding) instead"
+        )
+    if not assume_elementwise:
+        raise ValueError(
+            f"{cls.__name__} is not in ndweave.optim.ELEMENTWISE_OPTIMIZERS; DistributedOptimizer steps flat "
+            "shards that cut parameters anywhere, which is only correct for elementwise optimizers. If "
+            f"{cls.__name__} is elementwise pass assume_elementwise=True, else use BasicOptimizer"
+        )

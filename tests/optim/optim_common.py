@@ -1,0 +1,99 @@
+"""Models, data and single-device references shared by the ``ndweave.optim`` tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from optim_fake_ddp import FakeDDP
+
+IN, HIDDEN, OUT = 8, 16, 4
+GLOBAL_BATCH = 16
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    """Linear(8,16) - Tanh - Linear(16,16) - Tanh - Linear(16,4): 484 params, several buckets."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+    return model.to(dtype)
+
+
+def batch(step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (identical on every rank)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, IN, generator=g)
+    y = torch.randn(GLOBAL_BATCH, OUT, generator=g)
+    return x.to(dtype), y.to(dtype)
+
+
+def local_batch(step: int, dp_rank: int, dp_size: int, dtype: torch.dtype = torch.float32):
+    x, y = batch(step, dtype)
+    n = GLOBAL_BATCH // dp_size
+    return x[dp_rank * n : (dp_rank + 1) * n], y[dp_rank * n : (dp_rank + 1) * n]
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.float() - y.float()) ** 2).mean()
+
+
+def dp_setup(seed: int = 0, bucket_numel: int = 64, dtype: torch.dtype = torch.float32, **ddp_kwargs):
+    """(reference copy of the model, FakeDDP over the whole world as DP)."""
+    model = make_model(seed, dtype)
+    reference = copy.deepcopy(model)
+    group = dist.group.WORLD if dist.get_world_size() > 1 else None
+    return reference, FakeDDP(model, group, bucket_numel=bucket_numel, **ddp_kwargs)
+
+
+def tp_setup(seed: int = 0, bucket_numel: int = 64):
+    """(reference, FakeDDP, dp_rank, dp_size) on a (DP=2, TP=2) mesh: layer 0 column-parallel,
+    layer 2 row-parallel (Replicate bias), layer 4 fully Replicate DTensors."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
+    tp = mesh["TP"]
+    model = make_model(seed)
+    reference = copy.deepcopy(model)
+    parallelize_module(model, tp, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    distribute_module(
+        model[4], tp,
+        input_fn=lambda mod, inputs, mesh_: tuple(DTensor.from_local(t, mesh_, [Replicate()]) for t in inputs),
+        output_fn=lambda mod, out, mesh_: out.to_local(),
+    )
+    ddp = FakeDDP(model, mesh.get_group("DP"), bucket_numel=bucket_numel)
+    return reference, ddp, mesh.get_local_rank("DP"), 2
+
+
+def train(ddp, opt, steps: int, dp_rank: int, dp_size: int, first_step: int = 0, dtype=torch.float32,
+          scheduler=None) -> None:
+    for step in range(first_step, first_step + steps):
+        opt.zero_grad()
+        x, y = local_batch(step, dp_rank, dp_size, dtype)
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def train_reference(model, opt, steps: int, clip: float = 0.0, first_step: int = 0, scheduler=None) -> None:
+    for step in range(first_step, first_step + steps):
+        opt.zero_grad()
+        x, y = batch(step)
+        loss_fn(model(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def assert_params_match(model: nn.Module, reference: nn.Module, rtol=1e-4, atol=1e-5) -> None:
+    ours = dict(model.named_parameters())
+    for name, ref in reference.named_parameters():
+        mine = ours[name]
+        mine = mine.full_tensor() if isinstance(mine, DTensor) else mine
+        torch.testing.assert_close(mine.detach().float(), ref.detach().float(), rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{name}: {m}")

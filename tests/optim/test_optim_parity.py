@@ -1,0 +1,149 @@
+"""DistributedOptimizer against single-device torch.optim: DP, DP x TP, bf16, overlap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ndweave.mesh.testing import distributed
+from ndweave.optim import DistributedOptimizer
+
+from optim_common import (
+    assert_params_match, batch, dp_setup, local_batch, loss_fn, tp_setup, train, train_reference,
+)
+
+OPTIMIZERS = {
+    "adam": (torch.optim.Adam, {"lr": 1e-2}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "sgd_momentum": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9}),
+}
+STEPS = 20
+
+
+def _check_dp(name: str, clip: float, overlap: bool) -> None:
+    cls, kwargs = OPTIMIZERS[name]
+    reference, ddp = dp_setup()
+    opt = DistributedOptimizer(cls, models=[ddp], optimizer_kwargs=kwargs, clip_grad=clip, overlap_param_gather=overlap)
+    assert len(ddp.grad_buckets()) >= 4
+    train(ddp, opt, STEPS, dist.get_rank(), dist.get_world_size())
+    opt.wait_param_gather()
+    train_reference(reference, cls(reference.parameters(), **kwargs), STEPS, clip)
+    assert_params_match(ddp.module, reference)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("clip", [0.0, 0.05], ids=["noclip", "clip"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@distributed(world_size=2)
+def test_dp2_matches_single_device(name, clip, overlap):
+    _check_dp(name, clip, overlap)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("clip", [0.0, 0.05], ids=["noclip", "clip"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@distributed(world_size=4)
+def test_dp4_matches_single_device(name, clip, overlap):
+    _check_dp(name, clip, overlap)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("clip", [0.0, 0.05], ids=["noclip", "clip"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@distributed(world_size=4)
+def test_dp2_tp2_matches_single_device(name, clip, overlap):
+    cls, kwargs = OPTIMIZERS[name]
+    reference, ddp, dp_rank, dp_size = tp_setup()
+    opt = DistributedOptimizer(cls, models=[ddp], optimizer_kwargs=kwargs, clip_grad=clip, overlap_param_gather=overlap)
+    train(ddp, opt, STEPS, dp_rank, dp_size)
+    opt.wait_param_gather()
+    train_reference(reference, cls(reference.parameters(), **kwargs), STEPS, clip)
+    assert_params_match(ddp.module, reference)
+
+
+def _check_norm(ddp, reference, dp_rank, dp_size) -> None:
+    opt = DistributedOptimizer(torch.optim.SGD, [ddp], optimizer_kwargs={"lr": 0.0})
+    x, y = local_batch(0, dp_rank, dp_size)
+    loss_fn(ddp(x), y).backward()
+    xf, yf = batch(0)
+    loss_fn(reference(xf), yf).backward()
+    for norm_type in (float("inf"), 2.0):  # inf first: it must not clip
+        ours = opt.clip_grad_norm(1e9, norm_type)
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9, norm_type)
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-7)
+    # clipping scales each owned element once: the norm afterwards is max_norm
+    opt.clip_grad_norm(0.01)
+    torch.testing.assert_close(opt.clip_grad_norm(1e9), torch.tensor(0.01), rtol=1e-4, atol=0)
+
+
+@distributed(world_size=4)
+def test_grad_norm_equals_single_device_norm_dp():
+    reference, ddp = dp_setup()
+    _check_norm(ddp, reference, dist.get_rank(), 4)
+
+
+@distributed(world_size=4)
+def test_grad_norm_equals_single_device_norm_dp_tp():
+    """Shard placements are summed over TP, Replicate ones (row-parallel bias, layer 4) counted once."""
+    reference, ddp, dp_rank, dp_size = tp_setup()
+    _check_norm(ddp, reference, dp_rank, dp_size)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@distributed(world_size=4)
+def test_bf16_model_with_fp32_master_matches_fp32_master_reference(overlap):
+    """Reference, precisely: one process holds the same bf16 model and an fp32 master copy of every
+    param. Each step it runs every DP rank's micro-batch through the bf16 model (forward and backward
+    in bf16, as the ranks do), casts each micro-batch's grads to fp32 and averages them (what the
+    fp32 grad buffer's reduce-scatter computes), steps torch.optim.Adam on the fp32 masters and
+    writes bf16(master) into the model. Masters must match to fp32 tolerance, params to bf16."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, ddp = dp_setup(dtype=torch.bfloat16, grad_dtype=torch.float32)
+    opt = DistributedOptimizer(torch.optim.Adam, [ddp], optimizer_kwargs={"lr": 1e-2}, overlap_param_gather=overlap)
+    assert opt.master_param_bytes() > 0
+    train(ddp, opt, STEPS, rank, world, dtype=torch.bfloat16)
+    full = opt.gather_full_state_dict()
+
+    masters = {n: torch.nn.Parameter(p.detach().float()) for n, p in reference.named_parameters()}
+    ref_opt = torch.optim.Adam(masters.values(), lr=1e-2)
+    for step in range(STEPS):
+        grads = {n: torch.zeros_like(m) for n, m in masters.items()}
+        for r in range(world):
+            reference.zero_grad()
+            x, y = local_batch(step, r, world, torch.bfloat16)
+            loss_fn(reference(x), y).backward()
+            for n, p in reference.named_parameters():
+                grads[n] += p.grad.float() / world
+        for n, m in masters.items():
+            m.grad = grads[n]
+        ref_opt.step()
+        with torch.no_grad():
+            for n, p in reference.named_parameters():
+                p.copy_(masters[n])
+    for n, m in masters.items():
+        torch.testing.assert_close(full["state"][n]["master_param"], m.detach(), rtol=1e-4, atol=1e-5)
+    opt.wait_param_gather()
+    assert_params_match(ddp.module, reference, rtol=0, atol=0)
+    assert next(ddp.module.parameters()).dtype == torch.bfloat16
+
+
+@distributed(world_size=2)
+def test_overlap_waits_every_bucket_before_its_first_module():
+    reference, ddp = dp_setup()
+    opt = DistributedOptimizer(torch.optim.Adam, [ddp], optimizer_kwargs={"lr": 1e-2}, overlap_param_gather=True)
+    buckets = ddp.grad_buckets()
+    first_layer = {id(p) for p in ddp.module[0].parameters()}
+    first_buckets = {i for i, b in enumerate(buckets) if any(id(bp.param) in first_layer for bp in b.params)}
+    for step in range(3):
+        train(ddp, opt, 1, dist.get_rank(), 2, first_step=step)
+        assert opt.pending_param_gathers() == list(range(len(buckets)))  # issued, not waited on
+        ddp.module[0](torch.zeros(1, 8))  # only the first layer's buckets are needed now
+        assert set(opt.pending_param_gathers()) == set(range(len(buckets))) - first_buckets
+        ddp(torch.zeros(1, 8))  # the rest of the forward waits for the rest, each bucket once per step
+        assert opt.pending_param_gathers() == []
+        assert opt.param_gather_waits == [step + 1] * len(buckets)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    train_reference(reference, ref_opt, 3)
+    assert_params_match(ddp.module, reference)
+
