@@ -1,5 +1,11 @@
-"""ndweave.ddp (in development: see README.md for what is coming)."""
+"""ndweave.ddp: data parallelism over the DP mesh dim, DTensor-aware, bucketed and overlapped.
+
+    from ndweave.ddp import DDP
+    model = DDP(model, DEVICE_MESH["DP"])
+"""
+
+from ndweave.ddp.distributed_data_parallel import DDP, DEFAULT_BUCKET_SIZE, DistributedDataParallel
 
 __version__ = "0.1.0"
 
-__all__: list[str] = ["__version__"]
+__all__ = ["DDP", "DEFAULT_BUCKET_SIZE", "DistributedDataParallel", "__version__"]

@@ -1,0 +1,162 @@
+"""Flat gradient (and parameter) buffers, split into buckets.
+
+Layout (Megatron's): parameters are grouped by (device, param dtype, grad dtype); inside a group
+they are laid out in *reverse registration order*, which is roughly the order backward produces
+their grads, and cut into buckets of at least ``bucket_size`` elements (a parameter is never split
+between buckets). Each bucket is padded so that its numel divides by the data-parallel size, which
+lets a reduce-scatter hand every DP rank an equal contiguous range.
+
+Each group owns one contiguous grad buffer; a bucket's ``grad_data`` and every parameter's grad view
+are slices of it. With ``use_distributed_optimizer=True`` a matching parameter buffer is built too and
+every parameter's (local) tensor is re-pointed into it, so a sharded optimizer can write its range of
+``param_data`` and all-gather it straight into the live parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ndweave.mesh.contracts import BucketParam, GradBucket
+
+__all__ = ["ParamSlot", "build_buckets", "local_tensor"]
+
+#: Buckets are padded to a multiple of ``dp_size * _ALIGN`` elements so that every DP rank's range
+#: starts on a 256-byte boundary for fp32 (fast collectives on accelerators); still "a multiple of
+#: the DP size", as the contract asks.
+_ALIGN = 64
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard, or ``t`` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """Everything the wrapper tracks about one synced parameter (one per parameter, never copied).
+
+    A slot also quacks like a parameter (``grad``, ``shape``, ``stride()``) so that
+    :func:`ndweave.mesh.contracts.reduce_partial_grads` can reduce the buffer view it carries in
+    ``grad`` without that view ever having to be assigned to the real parameter's ``.grad``.
+    """
+
+    name: str
+    """FQN in the unwrapped model."""
+    param: torch.nn.Parameter
+    bucket_index: int
+    """Index into the wrapper's global bucket list (launch order)."""
+    main_grad: torch.Tensor
+    """Plain view of the grad buffer, shaped like the param's local tensor (grad dtype)."""
+    dp_mesh_dim: int | None = None
+    """Which dim of a DTensor param's mesh is the data-parallel dim, if its mesh includes it."""
+    grad_placements: tuple | None = None
+    """Placements grads are accumulated in: the param's, except ``Partial`` kept where the param is
+    ``Replicate`` (those are reduced at ``finish_grad_sync``). Fixed by the first grad seen."""
+    scale: float = 1.0
+    """Factor applied when a grad is accumulated into the buffer (1/dp_size when averaging)."""
+    carry_scale: float = 1.0
+    """Factor for a grad carried over from the last step (undoes every sum the sync applies)."""
+    fresh: bool = True
+    """True until the first grad of this step lands: it is copied (not added), no zeroing needed."""
+    ready: bool = False
+    """This step's sync micro-batch delivered the grad (counted towards its bucket)."""
+    published: torch.Tensor | None = None
+    """The ``.grad`` last handed to the user; recognised by identity at the next step."""
+    published_main: torch.Tensor | None = None
+    """Cached DTensor (or plain) view of ``main_grad`` with the param's placements."""
+    partial_grad: torch.Tensor | None = None
+    """Cached DTensor view of ``main_grad`` with ``grad_placements`` (only when one is Partial)."""
+    grad: torch.Tensor | None = field(default=None, repr=False)
+    """Scratch for ``reduce_partial_grads`` (see the class docstring)."""
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.param.shape
+
+    def stride(self) -> tuple[int, ...]:
+        return self.param.stride()
+
+
+def build_buckets(
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    *,
+    bucket_size: int | None,
+    grad_dtype_of,
+    data_parallel_group: dist.ProcessGroup | None,
+    dp_size: int,
+    with_param_data: bool,
+) -> tuple[list[GradBucket], list[ParamSlot], list[torch.Tensor]]:
+    """Lay ``named_params`` out in flat buffers; return (buckets, slots, group grad buffers).
+
+    ``named_params`` are in registration order; they are laid out reversed. With ``with_param_data``
+    the params' local tensors are moved into the new parameter buffers (values preserved).
+    """
+    groups: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}
+    for name, p in reversed(named_params):
+        local = local_tensor(p)
+        key = (local.device, p.dtype, grad_dtype_of(p.dtype))
+        groups.setdefault(key, []).append((name, p))
+
+    buckets: list[GradBucket] = []
+    slots: list[ParamSlot] = []
+    grad_buffers: list[torch.Tensor] = []
+    pad_to = dp_size * _ALIGN
+    limit = math.inf if bucket_size is None else max(1, int(bucket_size))
+    for (device, param_dtype, grad_dtype), members in groups.items():
+        # plan: [(start, padded_end, [(name, param, offset_in_bucket, numel)])]
+        plan, current, size, start = [], [], 0, 0
+        for name, p in members:
+            n = local_tensor(p).numel()
+            current.append((name, p, size, n))
+            size += n
+            if size >= limit:
+                padded = -(-size // pad_to) * pad_to
+                plan.append((start, start + padded, current))
+                start, current, size = start + padded, [], 0
+        if current:
+            padded = -(-size // pad_to) * pad_to
+            plan.append((start, start + padded, current))
+            start += padded
+
+        grad_buffer = torch.zeros(start, dtype=grad_dtype, device=device)
+        param_buffer = torch.zeros(start, dtype=param_dtype, device=device) if with_param_data else None
+        grad_buffers.append(grad_buffer)
+        for b_start, b_end, entries in plan:
+            grad_data = grad_buffer[b_start:b_end]
+            param_data = param_buffer[b_start:b_end] if param_buffer is not None else None
+            bucket_index = len(buckets)
+            for name, p, offset, n in entries:
+                local = local_tensor(p)
+                view = grad_data[offset : offset + n].view(local.shape)
+                slots.append(ParamSlot(name=name, param=p, bucket_index=bucket_index, main_grad=view))
+                if param_data is not None:
+                    _repoint(p, param_data, offset)
+            buckets.append(
+                GradBucket(
+                    params=tuple(BucketParam(name, p, offset, n) for name, p, offset, n in entries),
+                    grad_data=grad_data,
+                    param_data=param_data,
+                    data_parallel_group=data_parallel_group,
+                )
+            )
+    return buckets, slots, grad_buffers
+
+
+@torch.no_grad()
+def _repoint(p: torch.nn.Parameter, param_data: torch.Tensor, offset: int) -> None:
+    """Make ``p``'s local tensor a view of ``param_data`` at ``offset``, keeping its values."""
+    local = local_tensor(p)
+    shape = local.shape
+    target = param_data[offset : offset + local.numel()].view(shape)
+    target.copy_(local)
+    if isinstance(p, DTensor):
+        # DTensor keeps its local shard in ``_local_tensor``; re-point that tensor's storage in place
+        # so every reference to it (the param, optimizer state keyed by the param) sees the buffer.
+        local.set_(param_data.untyped_storage(), param_data.storage_offset() + offset, shape, target.stride())
+    else:
+        p.data = target

@@ -1,0 +1,343 @@
+"""``DistributedDataParallel``: data parallelism over one mesh dim, for plain and DTensor params."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ndweave.ddp import sync
+from ndweave.ddp.buffer import ParamSlot, build_buckets, local_tensor
+from ndweave.mesh import ParallelMesh, resolve_mesh
+from ndweave.mesh.contracts import GradBucket
+
+__all__ = ["DistributedDataParallel", "DDP", "DEFAULT_BUCKET_SIZE"]
+
+#: Elements per bucket by default (32 MiB of fp32 grads): big enough for bandwidth, small enough that
+#: the first buckets' reductions start early in backward and overlap the rest of it.
+DEFAULT_BUCKET_SIZE = 2**23
+
+# Modules currently wrapped, so that wrapping one twice (two sets of hooks, two buffers) is an error.
+_WRAPPED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Data parallelism over the ``"DP"`` dim of a mesh, composing with tensor/sequence parallelism.
+
+    Gradients are accumulated into contiguous per-dtype buffers cut into buckets; each bucket is
+    all-reduced (or reduce-scattered, for a sharded optimizer) over the data-parallel group as soon as
+    its last grad is ready, overlapping the rest of backward. DTensor parameters (sharded over other
+    mesh dims) are synced through their local shards, and grads that come out ``Partial`` on a
+    non-DP dim are reduced on that dim once per step. After the sync, every parameter's ``.grad``
+    holds the reduced gradient, so any torch optimizer can step::
+
+        model = DDP(model, DEVICE_MESH["DP"])
+        loss = model(x).sum(); loss.backward()   # grads reduced when backward returns
+        optimizer.step(); optimizer.zero_grad()
+
+    Args:
+        module: the model (plain, or with DTensor parameters on meshes that may include the DP dim).
+        data_mesh_or_group: a 1-D ``DeviceMesh`` (``DEVICE_MESH["DP"]``), a ``ParallelMesh`` or
+            multi-dim ``DeviceMesh`` (its ``dim`` dim is used), a ``ProcessGroup``, or ``None`` for
+            the default ``DEVICE_MESH``'s ``dim`` dim.
+        dim: name of the data-parallel mesh dim (default ``"DP"``).
+        bucket_size: elements per bucket (a bucket closes once it holds at least this many);
+            ``None`` for one bucket per dtype.
+        overlap_grad_reduce: launch each bucket's collective from backward as soon as it is ready;
+            ``False`` launches them all in :meth:`finish_grad_sync`.
+        use_distributed_optimizer: reduce-scatter instead of all-reduce, so DP rank ``r`` holds the
+            reduced range ``bucket.shard_range(r)`` of each bucket, and lay the parameters out in
+            flat ``param_data`` buffers (see :meth:`grad_buckets`).
+        accumulate_allreduce_grads_in_fp32: keep (accumulate and reduce) grads of low-precision
+            params in fp32. The fp32 grad is ``param.main_grad``; ``.grad`` is a cast copy of it.
+        average_grads: divide the summed grads by the DP size (the mean over the global batch when
+            each rank's loss is a mean over its micro-batch); ``False`` sums.
+        average_in_collective: average with ``ReduceOp.AVG`` (NCCL) rather than by scaling grads by
+            ``1/dp_size`` as they are accumulated.
+        params_to_ignore: names (FQNs) or parameters not to sync: their grads stay as computed and
+            they are not broadcast. Params with ``requires_grad=False`` are never synced.
+        broadcast_params: copy params and buffers from DP rank 0 at wrap time, so every replica
+            starts equal whatever its seed.
+        finish_grad_sync_in_backward: call :meth:`finish_grad_sync` at the end of the backward of the
+            last micro-batch (like torch's DDP), so ``.grad`` is ready when ``backward()`` returns.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        data_mesh_or_group: ParallelMesh | DeviceMesh | dist.ProcessGroup | None = None,
+        *,
+        dim: str = "DP",
+        bucket_size: int | None = DEFAULT_BUCKET_SIZE,
+        overlap_grad_reduce: bool = True,
+        use_distributed_optimizer: bool = False,
+        accumulate_allreduce_grads_in_fp32: bool = True,
+        average_grads: bool = True,
+        average_in_collective: bool = False,
+        params_to_ignore: Iterable[str | torch.nn.Parameter] = (),
+        broadcast_params: bool = True,
+        finish_grad_sync_in_backward: bool = True,
+    ) -> None:
+        _check_not_wrapped(module)
+        super().__init__()
+        self.module = module
+        self.data_parallel_mesh = _resolve_data_mesh(data_mesh_or_group, dim)
+        self.data_parallel_size = self.data_parallel_mesh.size()
+        self.data_parallel_group = self.data_parallel_mesh.get_group() if self.data_parallel_size > 1 else None
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.average_grads = average_grads
+        self.average_in_collective = average_in_collective and average_grads
+        self.finish_grad_sync_in_backward = finish_grad_sync_in_backward
+        self.is_last_microbatch = True
+        """Set to ``False`` for micro-batches whose grads should only accumulate (see :meth:`no_sync`)."""
+        if self.average_in_collective and self.data_parallel_group is not None:
+            if dist.get_backend(self.data_parallel_group) == "gloo":
+                raise ValueError("average_in_collective=True needs ReduceOp.AVG, which gloo lacks; leave it False")
+
+        named = list(module.named_parameters())
+        synced = _synced_params(named, params_to_ignore)
+        synced_ids = {id(p) for _, p in synced}
+        self._ignored = [(n, p) for n, p in named if id(p) not in synced_ids]
+        if broadcast_params and self.data_parallel_group is not None:
+            ignored_ids = {id(p) for _, p in self._ignored if p.requires_grad}
+            states = [p for _, p in named if id(p) not in ignored_ids] + list(module.buffers())
+            sync.broadcast_from_first(states, self.data_parallel_group)
+
+        fp32 = accumulate_allreduce_grads_in_fp32
+        self._buckets, self._slots, self._grad_buffers = build_buckets(
+            synced,
+            bucket_size=bucket_size,
+            grad_dtype_of=lambda dt: torch.promote_types(dt, torch.float32) if fp32 and dt.is_floating_point else dt,
+            data_parallel_group=self.data_parallel_group,
+            dp_size=self.data_parallel_size,
+            with_param_data=use_distributed_optimizer,
+        )
+        self._bucket_slots: list[list[ParamSlot]] = [[] for _ in self._buckets]
+        for slot in self._slots:
+            self._bucket_slots[slot.bucket_index].append(slot)
+            slot.dp_mesh_dim = sync.data_parallel_mesh_dim(slot.param, self.data_parallel_group)
+            slot.scale = self._base_scale()
+        self._num_ready = [0] * len(self._buckets)
+        self._next_bucket = 0
+        self._works: list[dist.Work] = []
+        self._step_open = False
+        self._callback_queued = False
+        self._hooks = []
+        for slot in self._slots:
+            self._hooks.append(slot.param.register_hook(self._make_pre_hook(slot)))
+            self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_post_hook(slot)))
+        # a parent module loading a state dict reaches us as a child: map its keys onto ``module.``
+        self.register_load_state_dict_pre_hook(_add_module_prefix)
+        _WRAPPED.add(module)
+
+    # ------------------------------------------------------------------ the wrapped module
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The wrapped module's, names unchanged (no ``module.`` prefix)."""
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (same keys as without DDP)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load into the wrapped module, in place (params stay views of DDP's buffers)."""
+        if assign:
+            raise ValueError(
+                "load_state_dict(assign=True) would replace the parameters DDP has hooked and laid out in its "
+                "buffers; load with assign=False, or load into the module before wrapping it"
+            )
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    # ------------------------------------------------------------------ micro-batches
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate grads locally (no collectives) for the backward passes inside the block."""
+        before, self.is_last_microbatch = self.is_last_microbatch, False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = before
+
+    def set_is_last_microbatch(self, is_last: bool) -> None:
+        """Mark whether the next backward is the last micro-batch of the step (it launches the sync)."""
+        self.is_last_microbatch = bool(is_last)
+
+    # ------------------------------------------------------------------ the contract
+    def grad_buckets(self) -> Sequence[GradBucket]:
+        """Every bucket of every dtype, in the order their reductions are launched."""
+        return tuple(self._buckets)
+
+    def finish_grad_sync(self) -> None:
+        """Launch what is not launched yet, wait for every bucket, reduce ``Partial`` grads over their
+        (non-DP) mesh dims, and set each synced param's ``.grad``. Harmless to call twice."""
+        if not self._step_open:
+            return
+        with torch.no_grad():
+            for index in range(self._next_bucket, len(self._buckets)):
+                self._launch(index)
+            self._next_bucket = len(self._buckets)
+            works, self._works = self._works, []
+            for work in works:
+                work.wait()
+            sync.reduce_partial_slots(self._slots)
+            for slot in self._slots:
+                sync.publish(slot)
+        self._step_open = False
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every grad buffer and forget the step in progress; clears the ``.grad`` DDP set."""
+        for work in self._works:
+            work.wait()
+        self._works = []
+        for buffer in self._grad_buffers:
+            buffer.zero_()
+        for slot in self._slots:
+            if slot.published is not None and slot.param.grad is slot.published:
+                slot.param.grad = None
+            slot.published, slot.fresh, slot.ready = None, True, False
+        self._reset_counts()
+        self._step_open = False
+
+    # ------------------------------------------------------------------ backward hooks
+    def _make_pre_hook(self, slot: ParamSlot):
+        def pre_hook(grad: torch.Tensor) -> None:
+            # Runs before autograd accumulates into ``.grad``: the moment to start a step, so that the
+            # previous step's ``.grad`` can be taken out of autograd's way first.
+            if self._step_open and slot.bucket_index < self._next_bucket:
+                # a second backward after this bucket was reduced (no no_sync): close that step
+                self.finish_grad_sync()
+            if not self._step_open:
+                self._start_step()
+
+        return pre_hook
+
+    def _make_post_hook(self, slot: ParamSlot):
+        def post_hook(param: torch.nn.Parameter) -> None:
+            grad = param.grad
+            if grad is None:
+                return
+            with torch.no_grad():
+                sync.accumulate(slot, grad, self)
+            param.grad = None
+            if not self.is_last_microbatch:
+                return
+            if self.finish_grad_sync_in_backward and not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_at_backward_end)
+            if not slot.ready:
+                slot.ready = True
+                self._num_ready[slot.bucket_index] += 1
+                if self.overlap_grad_reduce:
+                    self._launch_ready_buckets()
+
+        return post_hook
+
+    def _finish_at_backward_end(self) -> None:
+        self._callback_queued = False
+        self.finish_grad_sync()
+
+    def _start_step(self) -> None:
+        self._step_open = True
+        self._reset_counts()
+        with torch.no_grad():
+            for slot in self._slots:
+                sync.start_step(slot, carry=not self.use_distributed_optimizer, ddp=self)
+
+    def _reset_counts(self) -> None:
+        self._num_ready = [0] * len(self._buckets)
+        self._next_bucket = 0
+
+    # ------------------------------------------------------------------ collectives
+    def _launch_ready_buckets(self) -> None:
+        # Strictly in bucket order: every rank must issue the same collectives in the same order.
+        while (
+            self._next_bucket < len(self._buckets)
+            and self._num_ready[self._next_bucket] == len(self._bucket_slots[self._next_bucket])
+        ):
+            with torch.no_grad():
+                self._launch(self._next_bucket)
+            self._next_bucket += 1
+
+    def _launch(self, index: int) -> None:
+        for slot in self._bucket_slots[index]:
+            if slot.fresh:  # no grad this step (unused param): its region still holds old values
+                slot.main_grad.zero_()
+                slot.fresh = False
+        bucket = self._buckets[index]
+        if bucket.data_parallel_group is None:
+            return
+        op = dist.ReduceOp.AVG if self.average_in_collective else dist.ReduceOp.SUM
+        if self.use_distributed_optimizer:
+            start, end = bucket.shard_range()
+            work = sync.reduce_scatter(bucket.grad_data[start:end], bucket.grad_data, op, bucket.data_parallel_group)
+        else:
+            work = dist.all_reduce(bucket.grad_data, op=op, group=bucket.data_parallel_group, async_op=True)
+        self._works.append(work)
+
+    def _base_scale(self) -> float:
+        """Factor applied to grads as they are accumulated (before any Partial-on-DP correction)."""
+        if self.average_grads and not self.average_in_collective and self.data_parallel_group is not None:
+            return 1.0 / self.data_parallel_size
+        return 1.0
+
+
+DDP = DistributedDataParallel
+
+
+def _check_not_wrapped(module: torch.nn.Module) -> None:
+    if isinstance(module, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)):
+        raise ValueError(
+            f"the module is already a {type(module).__name__}; wrap the underlying model once: "
+            "DDP(model, mesh), not DDP(DDP(model, mesh))"
+        )
+    if module in _WRAPPED:
+        raise ValueError(
+            "this module is already wrapped by an ndweave DistributedDataParallel (its hooks and grad buffers "
+            "are in place); keep using that wrapper instead of wrapping the module again"
+        )
+    inner = [name for name, m in module.named_modules() if m is not module and (m in _WRAPPED or isinstance(m, DistributedDataParallel))]
+    if inner:
+        raise ValueError(
+            f"submodule {inner[0]!r} is already data-parallel; wrap either the whole model or its parts, not both"
+        )
+
+
+def _resolve_data_mesh(mesh_or_group, dim: str) -> DeviceMesh:
+    try:
+        mesh = resolve_mesh(mesh_or_group, dim)
+    except KeyError as err:
+        raise ValueError(
+            f"DistributedDataParallel runs over the {dim!r} mesh dim, and {err.args[0] if err.args else err}; "
+            f"pass the data-parallel submesh (mesh[{dim!r}]) or name the dim with dim=..."
+        ) from None
+    if mesh.ndim != 1:
+        raise ValueError(f"the data-parallel mesh must be 1-D; got {mesh.ndim}-D {mesh}; pass mesh[{dim!r}]")
+    return mesh
+
+
+def _synced_params(named, params_to_ignore) -> list[tuple[str, torch.nn.Parameter]]:
+    ignore_names = {x for x in params_to_ignore if isinstance(x, str)}
+    ignore_ids = {id(x) for x in params_to_ignore if not isinstance(x, str)}
+    unknown = ignore_names - {n for n, _ in named}
+    if unknown:
+        raise ValueError(f"params_to_ignore names {sorted(unknown)}, which the module does not have")
+    return [(n, p) for n, p in named if p.requires_grad and n not in ignore_names and id(p) not in ignore_ids]
+
+
+def _add_module_prefix(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """Load pre-hook: a parent loading into a DDP child passes keys without ``module.``; add it."""
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)

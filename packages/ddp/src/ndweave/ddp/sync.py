@@ -1,0 +1,206 @@
+"""Per-parameter steps of a data-parallel grad sync: accumulate, carry, reduce Partial, publish.
+
+The order within a step (linear ops commute, so this equals reducing each micro-batch's grads):
+
+1. each micro-batch's grad is accumulated into the param's region of the bucket's flat buffer,
+   scaled by ``slot.scale`` (``1/dp_size`` when averaging); a grad that is ``Partial`` on a non-DP
+   mesh dim is accumulated as its local partial value, unreduced;
+2. the bucket is all-reduced (or reduce-scattered) over the data-parallel group;
+3. ``finish_grad_sync`` reduces the still-``Partial`` regions over their own mesh dims, once per
+   step and bucketed, with :func:`ndweave.mesh.contracts.reduce_partial_grads`;
+4. ``.grad`` is set to a view of the buffer (a DTensor with the param's placements where the param
+   is one), or a cast copy when the buffer is fp32 and the param is not.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
+
+from ndweave.ddp.buffer import ParamSlot, local_tensor
+from ndweave.mesh.contracts import reduce_partial_grads
+
+__all__ = [
+    "accumulate",
+    "broadcast_from_first",
+    "data_parallel_mesh_dim",
+    "publish",
+    "reduce_partial_slots",
+    "reduce_scatter",
+    "start_step",
+]
+
+_BROADCAST_BYTES = 2**26
+
+
+def data_parallel_mesh_dim(param: torch.nn.Parameter, group: dist.ProcessGroup | None) -> int | None:
+    """The dim of a DTensor param's mesh that spans exactly the data-parallel group, if any.
+
+    Such a param must be ``Replicate`` on it (a param sharded over DP is FSDP's business, not DDP's).
+    """
+    if group is None or not isinstance(param, DTensor):
+        return None
+    mesh, ranks = param.device_mesh, dist.get_process_group_ranks(group)
+    for i in range(mesh.ndim):
+        if mesh.size(i) == len(ranks) and dist.get_process_group_ranks(mesh.get_group(i)) == ranks:
+            if not param.placements[i].is_replicate():
+                raise ValueError(
+                    f"a parameter is {param.placements[i]} on mesh dim {i}, the data-parallel dim; DDP needs "
+                    "params replicated over DP (shard them over DP with FSDP or a sharded optimizer instead)"
+                )
+            return i
+    return None
+
+
+def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Copy ``tensors`` (their local shards) from DP rank 0 to the rest of ``group``, coalesced."""
+    src = dist.get_global_rank(group, 0)
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        local = local_tensor(t)
+        if local.numel():
+            by_kind.setdefault((local.device, local.dtype), []).append(local)
+    with torch.no_grad():
+        for members in by_kind.values():
+            chunk, size = [], 0
+            for t in members + [None]:
+                if t is not None:
+                    chunk.append(t)
+                    size += t.numel() * t.element_size()
+                if chunk and (t is None or size >= _BROADCAST_BYTES):
+                    flat = _flatten_dense_tensors(chunk)
+                    dist.broadcast(flat, src=src, group=group)
+                    for dst, value in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
+                        dst.copy_(value)
+                    chunk, size = [], 0
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op, group) -> dist.Work:
+    """Async reduce-scatter of ``input`` into ``output`` (this rank's range of it; in place is fine)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=op, group=group, async_op=True)
+
+
+def start_step(slot: ParamSlot, *, carry: bool, ddp) -> None:
+    """Before the first grad of a step: take the last step's ``.grad`` out of autograd's way.
+
+    A ``.grad`` still set (torch semantics: grads add up until zeroed) is carried: its value is put in
+    the buffer divided by what the sync will multiply it by, so it comes out unchanged and this step's
+    reduced grads are added to it. Without one the region is stale and the first grad overwrites it.
+    """
+    slot.ready = False
+    param = slot.param
+    old = param.grad
+    if old is None:
+        slot.fresh = True
+        return
+    param.grad = None
+    if not carry:
+        slot.fresh = True
+        return
+    if isinstance(old, DTensor) and tuple(old.placements) != tuple(param.placements):
+        old = old.redistribute(old.device_mesh, param.placements)
+    value = local_tensor(old)
+    if value.data_ptr() != slot.main_grad.data_ptr():
+        slot.main_grad.copy_(value)
+    slot.main_grad.mul_(_carry_scale(slot, ddp))
+    slot.fresh = False
+
+
+def accumulate(slot: ParamSlot, grad: torch.Tensor, ddp) -> None:
+    """Add one micro-batch's ``grad`` into the slot's region of the buffer (copy if it is the first)."""
+    if isinstance(grad, DTensor):
+        if slot.grad_placements is None:
+            _fix_grad_placements(slot, grad, ddp)
+        if tuple(grad.placements) != slot.grad_placements:
+            grad = grad.redistribute(grad.device_mesh, slot.grad_placements)
+        grad = grad._local_tensor
+    main = slot.main_grad
+    if not slot.fresh:
+        main.add_(grad, alpha=slot.scale)
+    elif slot.scale == 1.0:
+        main.copy_(grad)
+    elif grad.dtype == main.dtype:
+        torch.mul(grad, slot.scale, out=main)
+    else:  # scale in the (wider) buffer dtype
+        main.copy_(grad).mul_(slot.scale)
+    slot.fresh = False
+
+
+def _fix_grad_placements(slot: ParamSlot, grad: DTensor, ddp) -> None:
+    """Choose the placements grads of ``slot`` accumulate in, from the first one seen.
+
+    ``Partial`` is kept where the param is ``Replicate`` (reduced later, bucketed); anything else is
+    redistributed to the param's placement. ``Partial(sum)`` on the DP dim means the grad is a share
+    of the global-batch grad: it must be summed over DP, not averaged, so its scale is raised by DP.
+    """
+    param = slot.param
+    placements = []
+    for i, (p_pl, g_pl) in enumerate(zip(param.placements, grad.placements)):
+        keep = g_pl.is_partial() and p_pl.is_replicate()
+        if i == slot.dp_mesh_dim:
+            keep = keep and getattr(g_pl, "reduce_op", "sum") == "sum"
+        placements.append(g_pl if keep else p_pl)
+    slot.grad_placements = tuple(placements)
+    if slot.dp_mesh_dim is not None and placements[slot.dp_mesh_dim].is_partial() and ddp.average_grads:
+        slot.scale = ddp._base_scale() * ddp.data_parallel_size
+
+
+def _carry_scale(slot: ParamSlot, ddp) -> float:
+    """1 / (factor by which the sync multiplies a value identical on every rank)."""
+    scale = 1.0
+    if ddp.data_parallel_group is not None and not ddp.average_in_collective:
+        scale /= ddp.data_parallel_size  # summed over DP (averaging scales new grads only)
+    if slot.grad_placements is not None:
+        mesh = slot.param.device_mesh
+        for i, pl in enumerate(slot.grad_placements):
+            if i != slot.dp_mesh_dim and pl.is_partial() and getattr(pl, "reduce_op", "sum") == "sum":
+                scale /= mesh.size(i)
+    return scale
+
+
+def reduce_partial_slots(slots: list[ParamSlot]) -> None:
+    """Reduce every slot whose grad is ``Partial`` on a non-DP mesh dim, in place in the buffer."""
+    todo = []
+    for slot in slots:
+        if slot.grad_placements is None:
+            continue
+        if slot.partial_grad is None:
+            placements = [
+                slot.param.placements[i] if i == slot.dp_mesh_dim else pl for i, pl in enumerate(slot.grad_placements)
+            ]
+            if not any(pl.is_partial() for pl in placements):
+                continue
+            slot.partial_grad = _view_as_dtensor(slot, placements)
+        slot.grad = slot.partial_grad
+        todo.append(slot)
+    if todo:
+        # the slots stand in for params: reduce_partial_grads writes into each grad's local tensor,
+        # which is the slot's view of the bucket, so the result lands in the buffer
+        reduce_partial_grads(todo)
+        for slot in todo:
+            slot.grad = None
+
+
+def publish(slot: ParamSlot) -> None:
+    """Set ``param.grad`` (and ``param.main_grad``) from the slot's reduced region of the buffer."""
+    param = slot.param
+    if slot.published_main is None:
+        main = slot.main_grad
+        if isinstance(param, DTensor):
+            main = _view_as_dtensor(slot, param.placements)
+        slot.published_main = main
+        param.main_grad = main
+    main = slot.published_main
+    grad = main if main.dtype == param.dtype else main.to(param.dtype)
+    param.grad = grad
+    slot.published = grad
+
+
+def _view_as_dtensor(slot: ParamSlot, placements) -> DTensor:
+    param = slot.param
+    return DTensor.from_local(
+        slot.main_grad, param.device_mesh, list(placements), run_check=False, shape=param.shape, stride=param.stride()
+    )
