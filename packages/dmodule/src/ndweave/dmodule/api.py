@@ -127,11 +127,10 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str,
         placements = check_placements(spec, t, mesh, what)
 
         def install(dt: DTensor, tid: int = tid, t: torch.Tensor = t) -> None:
+            if isinstance(t, nn.Parameter):
+                dt = nn.Parameter(dt, requires_grad=t.requires_grad)  # one object: ties stay tied
             for _, m, leaf in slots[tid]:
-                if leaf in m._parameters:
-                    m._parameters[leaf] = nn.Parameter(dt, requires_grad=t.requires_grad)
-                else:
-                    m._buffers[leaf] = dt
+                (m._parameters if leaf in m._parameters else m._buffers)[leaf] = dt
 
         if isinstance(t, _deferred.FakeTensor):
             if program is None:

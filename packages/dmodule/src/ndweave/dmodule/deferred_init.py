@@ -49,6 +49,9 @@ class _Op:
     out_keys: list[int]
     lazy: bool
     """A creation op with no tensor inputs and no randomness: run when first needed."""
+    overwrites: int | None = None
+    """Storage key this op overwrites entirely without reading it (``normal_`` on a whole parameter):
+    the values before it are dead, so the storage can be freed in between."""
 
 
 @dataclass
@@ -70,6 +73,18 @@ class DeferredProgram:
 
     ops: list[_Op] = field(default_factory=list)
     rng_state: torch.Tensor | None = None
+
+
+#: In-place ops that write every element without reading any (schema-less recorded calls, i.e. the
+#: data-dependent nn.init functions, overwrite too).
+_OVERWRITING_OPS = frozenset({
+    "uniform_", "normal_", "fill_", "zero_", "bernoulli_", "random_", "exponential_", "geometric_",
+    "log_normal_", "cauchy_",
+})
+
+
+def _covers_storage(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size() == t.untyped_storage().nbytes()
 
 
 def _key(t: torch.Tensor) -> int:
@@ -98,11 +113,18 @@ class _Recorder(TorchDispatchMode):
         ins = _tensors((args, kwargs))
         schema = getattr(func, "_schema", None)
         random = schema is None or any(a.name == "generator" for a in schema.arguments)
+        name = getattr(func, "__name__", "")
+        overwrites = None
+        if ins and isinstance(ins[0], FakeTensor) and _covers_storage(ins[0]) and (
+            schema is None or name.split(".")[0] in _OVERWRITING_OPS
+        ):
+            overwrites = _key(ins[0])
         self.program.ops.append(_Op(
             func, args, kwargs, out,
             in_keys=[_key(t) for t in ins if isinstance(t, FakeTensor)],
             out_keys=[_key(t) for t in outs],
             lazy=not ins and not random,
+            overwrites=overwrites,
         ))
 
 
@@ -158,44 +180,70 @@ def take_program(module: nn.Module) -> DeferredProgram:
 
 
 def replay(program: DeferredProgram, targets: dict[int, Callable[[torch.Tensor], int]]) -> MaterializeStats:
-    """Replay ``program`` on CPU; when a storage in ``targets`` is final, call its callback with the
-    real storage's root tensor (the callback keeps what it needs and returns the bytes it kept)."""
+    """Replay ``program`` on CPU; when a storage in ``targets`` holds its final values, call its
+    callback with a real tensor over that storage (the callback keeps what it needs and returns the
+    bytes it kept), then free it.
+
+    A storage lives in *generations*: each op that overwrites it entirely starts a new one. Between
+    the last op of one generation and the overwrite that starts the next, the storage is freed
+    ("dormant"): an ``nn.Linear`` reset at construction and re-initialized by a model-wide
+    ``_init_weights`` at the end holds no memory in between, yet its RNG draws still happen in order.
+    """
     ops = program.ops
-    last_use: dict[int, int] = {}
+    fakes: dict[int, FakeTensor] = {}  # id -> fake tensor seen in the program
+    key_of: dict[int, int] = {}  # id(fake) -> storage key
     creator: dict[int, tuple[int, int]] = {}  # storage key -> (op index, output position)
+    generation: dict[int, int] = defaultdict(int)
+    ends: dict[int, list[tuple[int, int]]] = defaultdict(list)  # op index -> (key, generation) ending there
+    last: dict[tuple[int, int], int] = {}
     for i, op in enumerate(ops):
-        for k in op.in_keys + op.out_keys:
-            last_use[k] = i
+        ins = [t for t in _tensors((op.args, op.kwargs)) if isinstance(t, FakeTensor)]
+        for t, k in [*zip(ins, op.in_keys), *zip(_tensors(op.out), op.out_keys)]:
+            fakes.setdefault(id(t), t)
+            key_of.setdefault(id(t), k)
         for j, k in enumerate(op.out_keys):
             creator.setdefault(k, (i, j))
+        if op.overwrites is not None and op.overwrites in generation:
+            generation[op.overwrites] += 1
+        for k in op.in_keys + op.out_keys:
+            generation.setdefault(k, 0)
+            last[(k, generation[k])] = i
+    for (k, g), i in last.items():
+        ends[i].append((k, g))
+    final_generation = dict(generation)
     missing = set(targets) - set(creator)
     if missing:
         raise RuntimeError(f"deferred_init: {len(missing)} parameter(s) were not created by recorded ops")
-    finals: dict[int, list[int]] = defaultdict(list)
-    for k, i in last_use.items():
-        finals[i].append(k)
+    members: dict[int, set[int]] = defaultdict(set)  # storage key -> ids of fakes of it
+    for fid, k in key_of.items():
+        members[k].add(fid)
 
-    env: dict[int, torch.Tensor] = {}  # id(fake) -> real
-    members: dict[int, list[int]] = defaultdict(list)  # storage key -> ids in env
+    env: dict[int, torch.Tensor] = {}  # id(fake) -> real tensor
     live: dict[int, int] = {}  # storage key -> bytes of its real storage
-    stats = MaterializeStats()
+    ran: set[int] = set()
     done: set[int] = set()
+    stats = MaterializeStats()
+
+    def note_peak() -> None:
+        stats.peak_bytes = max(stats.peak_bytes, sum(live.values()) + stats.local_bytes)
 
     def real(x: Any) -> Any:
-        if isinstance(x, FakeTensor):
-            if id(x) not in env:
-                run(creator[_key_of_fake[id(x)]][0])
-            return env[id(x)]
-        return x
-
-    _key_of_fake: dict[int, int] = {}
-    for op in ops:
-        for t, k in zip([t for t in _tensors((op.args, op.kwargs)) if isinstance(t, FakeTensor)], op.in_keys):
-            _key_of_fake.setdefault(id(t), k)
-        for t, k in zip(_tensors(op.out), op.out_keys):
-            _key_of_fake.setdefault(id(t), k)
-
-    ran: set[int] = set()
+        if not isinstance(x, FakeTensor):
+            return x
+        if id(x) not in env:
+            k = key_of[id(x)]
+            i, _ = creator[k]
+            if i not in ran:
+                run(i)
+            else:  # dormant: a fresh storage, every known view of it re-created over it
+                root = _tensors(ops[i].out)[creator[k][1]]
+                flat = torch.empty(root.untyped_storage().nbytes() // root.element_size(), dtype=root.dtype)
+                for fid in members[k]:
+                    f = fakes[fid]
+                    env[fid] = flat.as_strided(f.size(), f.stride(), f.storage_offset())
+                live[k] = flat.untyped_storage().nbytes()
+                note_peak()
+        return env[id(x)]
 
     def run(i: int) -> None:
         if i in ran:
@@ -204,16 +252,16 @@ def replay(program: DeferredProgram, targets: dict[int, Callable[[torch.Tensor],
         op = ops[i]
         args, kwargs = tree_map(real, (op.args, op.kwargs))
         out = op.func(*args, **kwargs)
-        fakes, _ = tree_flatten(op.out)
-        reals, _ = tree_flatten(out)
-        for f, r in zip(fakes, reals):
-            if isinstance(f, torch.Tensor) and id(f) not in env:
+        for f, r in zip(tree_flatten(op.out)[0], tree_flatten(out)[0]):
+            if isinstance(f, FakeTensor) and id(f) not in env:
                 env[id(f)] = r
-                k = _key_of_fake[id(f)]
-                members[k].append(id(f))
-                if k not in live:
-                    live[k] = r.untyped_storage().nbytes()
-        stats.peak_bytes = max(stats.peak_bytes, sum(live.values()) + stats.local_bytes)
+                live.setdefault(key_of[id(f)], r.untyped_storage().nbytes())
+        note_peak()
+
+    def release(k: int) -> None:
+        for fid in members[k]:
+            env.pop(fid, None)
+        live.pop(k, None)
 
     def finalize(k: int) -> None:
         if k in done:
@@ -222,22 +270,22 @@ def replay(program: DeferredProgram, targets: dict[int, Callable[[torch.Tensor],
         if k in targets:
             i, j = creator[k]
             run(i)
-            root = _tensors(ops[i].out)[j]
-            full = env[id(root)]
+            full = real(_tensors(ops[i].out)[j])
             stats.largest_full_param_bytes = max(stats.largest_full_param_bytes, full.untyped_storage().nbytes())
             stats.local_bytes += targets[k](full)
-            stats.peak_bytes = max(stats.peak_bytes, sum(live.values()) + stats.local_bytes)
-        for tid in members.pop(k, []):
-            env.pop(tid, None)
-        live.pop(k, None)
+            note_peak()
+        release(k)
 
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.set_rng_state(program.rng_state)
         for i, op in enumerate(ops):
             if not op.lazy:
                 run(i)
-            for k in finals.get(i, ()):
-                finalize(k)
+            for k, g in ends.get(i, ()):
+                if g == final_generation[k]:
+                    finalize(k)
+                else:
+                    release(k)
         for k in targets:
             finalize(k)
     return stats
