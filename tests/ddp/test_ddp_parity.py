@@ -90,6 +90,10 @@ def _train_tp(*, tp_size: int, on_2d_mesh: bool, overlap: bool, bucket_size, k: 
     dp_rank, dp_size = mesh.get_data_parallel_rank(), mesh.get_strategy_size("DP")
     param_mesh = mesh.device_mesh if on_2d_mesh else mesh["TP"]
     expected, first_grads = reference_tp_run(NUM_STEPS)
+    if tp_size > 1:  # the case under test: without DDP the norm weight's grad is Partial on TP
+        probe = TPBlock(param_mesh)
+        tp_loss(probe, *tp_batch(0), param_mesh, dp_rank, dp_size, slice(None)).backward()
+        assert probe.norm.grad.placements[-1].is_partial(), probe.norm.grad.placements
     ddp = DDP(TPBlock(param_mesh), mesh["DP"], bucket_size=bucket_size, overlap_grad_reduce=overlap)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     local_rows = 24 // dp_size
