@@ -13,6 +13,7 @@ import faulthandler
 import importlib.util
 import io
 import os
+import resource
 import signal
 import sys
 import traceback
@@ -90,6 +91,10 @@ def _setup(cfg: WorkerConfig) -> None:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(cfg.port),
     )
+    # Each mesh a test builds opens gloo sockets that live as long as the rank: allow many.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     import torch
 
     # Several ranks share few cores: one intra-op thread each avoids oversubscription.
