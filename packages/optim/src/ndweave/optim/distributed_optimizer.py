@@ -33,7 +33,7 @@ from ndweave.optim.base import WrappedOptimizer
 from ndweave.optim.grad_norm import counts_replica
 from ndweave.optim.inner import check_elementwise, resolve_optimizer
 from ndweave.optim.param_gather import ParamGatherer
-from ndweave.optim.state_dict import MASTER_KEY, merge_state_dicts, resolve_value
+from ndweave.optim.state_dict import MASTER_KEY, merge_state_dicts, resolve_value, union_state_dicts
 
 __all__ = ["DistributedOptimizer"]
 
@@ -282,11 +282,14 @@ class DistributedOptimizer(WrappedOptimizer):
         dist.all_gather_object(everyone, local, group=group)
         return merge_state_dicts(everyone)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a sharded (any DP/TP layout: given shards must cover this rank's ranges) or full state.
+    def load_state_dict(self, state_dict: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
+        """Load this rank's own ``state_dict()``, the sharded state dicts of *every* rank of a run with
+        another layout (a list: e.g. written at DP=4, loaded at DP=2), or a full state.
 
         Sets master weights, state and group hyperparameters, then writes the masters into the model
         and all-gathers (a collective)."""
+        if not isinstance(state_dict, dict):
+            state_dict = union_state_dicts(state_dict)
         self._gatherer.wait()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.inner.param_groups):

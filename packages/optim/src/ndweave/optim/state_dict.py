@@ -30,7 +30,7 @@ import torch
 
 from ndweave.mesh.contracts.sharded_state import FlatShard, merge_flat_shards, slice_flat_shard
 
-__all__ = ["MASTER_KEY", "merge_state_dicts", "to_torch_state_dict", "from_torch_state_dict"]
+__all__ = ["MASTER_KEY", "merge_state_dicts", "union_state_dicts", "to_torch_state_dict", "from_torch_state_dict"]
 
 #: Key of the fp32 master weights in each parameter's state.
 MASTER_KEY = "master_param"
@@ -66,6 +66,22 @@ def merge_state_dicts(state_dicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for key, shards in pieces.get(fqn, {}).items():
             state[fqn][key] = merge_flat_shards(shards)
     return {"param_groups": [dict(g) for g in state_dicts[0]["param_groups"]], "state": state}
+
+
+def union_state_dicts(state_dicts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One sharded state dict holding every shard of ``state_dicts`` (lists of FlatShards), without
+    materializing full tensors."""
+    state: dict[str, dict[str, Any]] = defaultdict(dict)
+    for sd in state_dicts:
+        for fqn, entry in sd["state"].items():
+            for key, value in entry.items():
+                shards = _shards(value)
+                if shards is None:
+                    state[fqn].setdefault(key, value)
+                else:
+                    state[fqn].setdefault(key, [])
+                    state[fqn][key].extend(shards)
+    return {"param_groups": [dict(g) for g in state_dicts[0]["param_groups"]], "state": dict(state)}
 
 
 def resolve_value(value: Any, key: str, fqn: str, start: int, end: int, local_shape: tuple[int, ...],

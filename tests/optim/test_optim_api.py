@@ -1,0 +1,135 @@
+"""The optimizers' surface: construction errors, optimizer instances with groups, lr schedulers,
+BasicOptimizer, loss scaling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ndweave.mesh.testing import distributed
+from ndweave.optim import BasicOptimizer, DistributedOptimizer, DynamicLossScaler
+
+from optim_common import (
+    assert_params_match, dp_setup, local_batch, loss_fn, make_model, tp_setup, train, train_reference,
+)
+
+
+class MyElementwiseSGD(torch.optim.SGD):
+    pass
+
+
+@distributed(world_size=2)
+def test_construction_errors_name_the_option():
+    _, ddp = dp_setup()
+    with pytest.raises(ValueError, match="BasicOptimizer"):
+        DistributedOptimizer(torch.optim.LBFGS, [ddp])
+    with pytest.raises(ValueError, match="assume_elementwise=True"):
+        DistributedOptimizer(MyElementwiseSGD, [ddp], optimizer_kwargs={"lr": 0.1})
+    DistributedOptimizer(MyElementwiseSGD, [ddp], optimizer_kwargs={"lr": 0.1}, assume_elementwise=True)
+    with pytest.raises(TypeError, match="GradBucketProvider"):
+        DistributedOptimizer(torch.optim.Adam, [make_model()])
+    _, allreduce_ddp = dp_setup(use_distributed_optimizer=False)
+    with pytest.raises(ValueError, match="use_distributed_optimizer=True"):
+        DistributedOptimizer(torch.optim.Adam, [allreduce_ddp])
+    with pytest.raises(ValueError, match="use_distributed_optimizer=False"):
+        BasicOptimizer(torch.optim.Adam, [ddp])
+
+
+def _groups(model):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}]
+
+
+@distributed(world_size=4)
+def test_an_optimizer_instance_keeps_its_groups_and_schedulers_drive_it():
+    """AdamW built over the model's params with two groups, under StepLR then LambdaLR."""
+    reference, ddp, dp_rank, dp_size = tp_setup()
+    inner = torch.optim.AdamW(_groups(ddp.module), lr=1e-2)
+    opt = DistributedOptimizer(inner, [ddp], clip_grad=0.1)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert isinstance(opt, torch.optim.Optimizer)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    train(ddp, opt, 8, dp_rank, dp_size, scheduler=sched)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    train(ddp, opt, 6, dp_rank, dp_size, first_step=8, scheduler=sched2)
+
+    ref_opt = torch.optim.AdamW(_groups(reference), lr=1e-2)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=3, gamma=0.5)
+    train_reference(reference, ref_opt, 8, clip=0.1, scheduler=ref_sched)
+    ref_sched2 = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda step: 1.0 / (1 + step))
+    train_reference(reference, ref_opt, 6, clip=0.1, first_step=8, scheduler=ref_sched2)
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    assert_params_match(ddp.module, reference)
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05], ids=["noclip", "clip"])
+@distributed(world_size=4)
+def test_basic_optimizer_over_allreduce_ddp_matches_single_device(clip):
+    reference, ddp = dp_setup(use_distributed_optimizer=False)
+    opt = BasicOptimizer(torch.optim.Adam, [ddp], optimizer_kwargs={"lr": 1e-2}, clip_grad=clip)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    train(ddp, opt, 20, dist.get_rank(), 4, scheduler=sched)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    train_reference(reference, ref_opt, 20, clip, scheduler=torch.optim.lr_scheduler.StepLR(ref_opt, 5, 0.5))
+    assert_params_match(ddp.module, reference)
+    opt.zero_grad()  # zeroes the DDP buffers too
+    assert all(not b.grad_data.any() for b in ddp.grad_buckets())
+
+
+@distributed(world_size=4)
+def test_basic_optimizer_grad_norm_counts_dp_replicas_once():
+    reference, ddp = dp_setup(use_distributed_optimizer=False)
+    opt = BasicOptimizer(torch.optim.SGD, [ddp], optimizer_kwargs={"lr": 0.0})
+    x, y = local_batch(0, dist.get_rank(), 4)
+    loss_fn(ddp(x), y).backward()
+    from optim_common import batch
+
+    xf, yf = batch(0)
+    loss_fn(reference(xf), yf).backward()
+    torch.testing.assert_close(opt.clip_grad_norm(1e9), torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9))
+
+
+@distributed(world_size=4)
+def test_basic_optimizer_on_a_tp_model_without_ddp():
+    """Plain TP (no DP wrapper): the norm sums Shard placements and counts Replicate ones once."""
+    reference, ddp, _, _ = tp_setup()
+    model = ddp.module  # the DTensor model itself, fed the same batch on every rank
+    tp_group = model[0].weight.device_mesh.get_group()
+    # both DP coordinates run the same model: the norm is the TP group's
+    opt = BasicOptimizer(torch.optim.SGD, [model], optimizer_kwargs={"lr": 0.1, "momentum": 0.9}, clip_grad=0.05,
+                         grad_norm_group=tp_group)
+    train(model, opt, 10, 0, 1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    train_reference(reference, ref_opt, 10, clip=0.05)
+    assert_params_match(model, reference)
+
+
+@distributed(world_size=2)
+def test_loss_scaling_unscales_and_skips_overflowing_steps():
+    rank = dist.get_rank()
+    reference, ddp = dp_setup()
+    scaler = DynamicLossScaler(init_scale=1024.0, growth_interval=1000)
+    opt = DistributedOptimizer(torch.optim.Adam, [ddp], optimizer_kwargs={"lr": 1e-2}, clip_grad=0.05,
+                               loss_scaler=scaler)
+    for step in range(5):
+        opt.zero_grad()
+        x, y = local_batch(step, rank, 2)
+        (loss_fn(ddp(x), y) * scaler.scale).backward()
+        opt.step()
+        assert not opt.last_step_skipped
+    before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    opt.zero_grad()
+    x, y = local_batch(5, rank, 2)
+    x = x.clone()
+    if rank == 1:
+        x[0, 0] = float("inf")  # one rank overflows: every rank must skip
+    (loss_fn(ddp(x), y) * scaler.scale).backward()
+    opt.step()
+    assert opt.last_step_skipped and scaler.scale == 512.0
+    for n, p in ddp.module.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    train_reference(reference, ref_opt, 5, clip=0.05)
+    assert_params_match(ddp.module, reference)
