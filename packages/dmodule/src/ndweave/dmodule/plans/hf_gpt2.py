@@ -9,8 +9,11 @@ of q and half of k. The plan keeps the parameter as the original (E, 3E) tensor 
 ``full_tensor()``, checkpoints and gradients see the unchanged HF layout; only the local shards are
 strided. Two patches make the module use it:
 
-- ``hf_gpt2_fused_qkv`` (on each ``c_attn``): computes ``x @ w_local + b_local`` on local tensors and
-  returns the plain local [q_r | k_r | v_r] (all-gathering a sequence-sharded input first).
+- ``hf_gpt2_fused_qkv`` (on each ``c_attn``): lays weight and bias out strided (they arrive
+  ``Replicate``, as the core's parameter plan takes only Shard / Replicate / Partial; under
+  ``deferred_init`` that means each rank briefly holds the full (E, 3E) weight), then computes
+  ``x @ w_local + b_local`` on local tensors and returns the plain local [q_r | k_r | v_r]
+  (all-gathering a sequence-sharded input first).
 - ``hf_gpt2_attention_local_heads`` (on each ``GPT2Attention``): sets ``split_size`` to E / tp so the
   local output splits into local q, k, v; heads are reshaped with ``-1`` already. Checks that
   ``n_head`` divides by the mesh size.
@@ -51,8 +54,8 @@ def hf_gpt2_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
 
     parameter: dict[str, Any] = {
         "transformer.wte.weight": [Shard(0)],
-        rf"{_H}.attn.c_attn.weight": [_StridedShard(1, split_factor=3)],
-        rf"{_H}.attn.c_attn.bias": [_StridedShard(0, split_factor=3)],
+        # c_attn.weight / .bias: laid out _StridedShard(1 / 0, split_factor=3) by the hf_gpt2_fused_qkv
+        # patch (the core's parameter section takes Shard / Replicate / Partial only)
         rf"{_H}.attn.c_proj.weight": [Shard(0)],
         rf"{_H}.attn.c_proj.bias": [Replicate()],
         rf"{_H}.mlp.c_fc.weight": [Shard(1)],
@@ -116,8 +119,8 @@ def fused_qkv_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> N
                 f"{fqn}.{name}: the fused q|k|v projection must be laid out {want} (rank r holds its own q, k "
                 f"and v columns); {list(param.placements)} would mix q, k and v heads across ranks"
             )
-        full = param.to_local() if isinstance(param, DTensor) else param.detach()
         with torch.no_grad():
+            full = (param.to_local() if isinstance(param, DTensor) else param).detach()
             laid = distribute_tensor(full, device_mesh, want)
         module.register_parameter(name, nn.Parameter(laid, requires_grad=param.requires_grad))
 
