@@ -10,7 +10,7 @@ parallelism without patches to its own code:
 
 ``lm_head`` is tied to ``wte`` by default (as in nanoGPT; ``GPTConfig(tie_weights=False)`` unties it).
 
-    from examples.nanogpt import GPT, GPTConfig     # or load by path: it is a plain file
+    sys.path.insert(0, "examples"); from nanogpt import GPT, GPTConfig   # a plain file, not a package
     model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32))
     logits, loss = model(idx, targets)
 """
