@@ -141,10 +141,10 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str,
         elif isinstance(t, DTensor):
             install(t if tuple(t.placements) == placements else t.redistribute(mesh, placements))
         elif is_model_sharded:
-            local = t.detach().to(mesh.device_type)
-            install(DTensor.from_local(local, mesh, placements, run_check=False,
-                                       shape=_global_shape(local, mesh, placements),
-                                       stride=None))
+            local = t.detach().contiguous().to(mesh.device_type)
+            shape = _global_shape(local, mesh, placements)
+            stride = torch.empty(shape, device="meta").stride()
+            install(DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride))
         else:
             install(distribute_tensor(t.detach().to(mesh.device_type), mesh, placements))
     if program is not None:

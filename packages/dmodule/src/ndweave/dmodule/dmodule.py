@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ndweave.dmodule.plan import mesh_str
 from ndweave.mesh.contracts import reduce_partial_grads
 
 __all__ = ["DModule", "DModuleState", "GradSyncEntry"]
@@ -86,14 +87,14 @@ class DModule:
                 if t is None:
                     continue
                 local = t.to_local() if isinstance(t, DTensor) else t
-                placements = ", ".join(map(str, t.placements)) if isinstance(t, DTensor) else "(plain tensor)"
+                placements = ", ".join(map(repr, t.placements)) if isinstance(t, DTensor) else "(plain tensor)"
                 nbytes = local.numel() * local.element_size()
                 total += nbytes
                 rows.append((fqn, kind, placements, str(tuple(t.shape)), str(tuple(local.shape)), str(nbytes)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        lines.append(f"mesh {self.device_mesh}; local total {total} bytes")
+        lines.append(f"mesh {mesh_str(self.device_mesh)}; local total {total} bytes")
         out = "\n".join(lines)
         if print_out:
             print(out)

@@ -142,7 +142,7 @@ def check_placements(spec: PlacementSpec, tensor: torch.Tensor, mesh: DeviceMesh
     placements = spec.placements
     if len(placements) != mesh.ndim:
         raise ValueError(
-            f"{what}: {len(placements)} placements {list(placements)} for a {mesh.ndim}-D mesh {_mesh_str(mesh)}; "
+            f"{what}: {len(placements)} placements {list(placements)} for a {mesh.ndim}-D mesh {mesh_str(mesh)}; "
             "give one placement per mesh dim"
         )
     out = []
@@ -150,16 +150,16 @@ def check_placements(spec: PlacementSpec, tensor: torch.Tensor, mesh: DeviceMesh
         if isinstance(p, Shard):
             if not -tensor.ndim <= p.dim < max(tensor.ndim, 1):
                 raise ValueError(
-                    f"{what}: {p} is out of range for a {tensor.ndim}-D tensor of shape {tuple(tensor.shape)} "
-                    f"on mesh {_mesh_str(mesh)}"
+                    f"{what}: {p!r} is out of range for a {tensor.ndim}-D tensor of shape {tuple(tensor.shape)} "
+                    f"on mesh {mesh_str(mesh)}"
                 )
             p = Shard(p.dim % tensor.ndim)
         elif not isinstance(p, (Replicate, Partial)):
-            raise TypeError(f"{what}: unsupported placement {p!r} on mesh {_mesh_str(mesh)}")
+            raise TypeError(f"{what}: unsupported placement {p!r} on mesh {mesh_str(mesh)}")
         out.append(p)
     return tuple(out)
 
 
-def _mesh_str(mesh: DeviceMesh) -> str:
+def mesh_str(mesh: DeviceMesh) -> str:
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     return f"DeviceMesh({mesh.device_type}, {dict(zip(names, mesh.shape))})"
