@@ -1,0 +1,203 @@
+"""ndweave DDP vs torch DDP: step time, peak memory, and all-reduce bus bandwidth.
+
+    python benchmarks/bench_ddp.py                       # world sizes 2 and 4, CPU/gloo
+    python benchmarks/bench_ddp.py --world-sizes 2 --steps 30 --layers 8 --width 1024
+
+Same plain model (an MLP), same data, same bucket size (``--bucket-mb``, torch's ``bucket_cap_mb``),
+plain SGD. Per world size it prints:
+
+* step time (forward + backward + sync + optimizer step), median over interleaved rounds, and the
+  ratio ours / torch (target: <= 0.95);
+* peak memory per rank: CUDA's max allocated bytes on GPUs; on CPU the growth of the process's peak
+  RSS from just before wrapping to the end of training (each framework in fresh processes);
+* the bus bandwidth our bucketed all-reduce achieves (``finish_grad_sync`` with overlap off, so it
+  is pure communication) next to a raw ``all_reduce`` of the same bytes in one tensor.
+  Bus bandwidth = bytes / time * 2 (n - 1) / n, the nccl-tests convention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _model(args) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(args.width, 10))
+
+
+def _wrap(kind: str, model, args, device):
+    bucket_elems = int(args.bucket_mb * 2**20) // 4
+    if kind == "ndweave":
+        from ndweave.ddp import DDP
+        from ndweave.mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("DP",))
+        return DDP(model, mesh["DP"], bucket_size=bucket_elems)
+    ids = [device.index] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=args.bucket_mb)
+
+
+def _step(ddp, opt, x, y):
+    loss = torch.nn.functional.cross_entropy(ddp(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rss_bytes() -> int:
+    # ru_maxrss is in KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _worker(rank: int, world: int, port: int, mode: str, kind: str, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    use_cuda = args.device == "cuda"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(dist.get_default_backend_for_device(device.type), rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, args.width, generator=g).to(device)
+    y = torch.randint(0, 10, (args.batch,), generator=g).to(device)
+    result = {}
+    if mode == "time":
+        runs = {}
+        for k in ("ndweave", "torch"):
+            model = _model(args).to(device)
+            ddp = _wrap(k, model, args, device)
+            runs[k] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
+            for _ in range(args.warmup):
+                _step(*runs[k], x, y)
+        times = {k: [] for k in runs}
+        for _ in range(args.rounds):  # interleave, so machine noise hits both alike
+            for k, (ddp, opt) in runs.items():
+                dist.barrier()
+                _sync(device)
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    _step(ddp, opt, x, y)
+                _sync(device)
+                times[k].append((time.perf_counter() - t0) / args.steps)
+        result = {k: statistics.median(v) for k, v in times.items()}
+        result.update(_bandwidth(runs["ndweave"][0], args, device))
+    else:  # mode == "memory": one framework per process
+        model = _model(args).to(device)
+        _sync(device)
+        if use_cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        else:
+            base = _rss_bytes()
+        ddp = _wrap(kind, model, args, device)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        for _ in range(args.warmup + 2):
+            _step(ddp, opt, x, y)
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device) if use_cuda else _rss_bytes()
+        result = {"peak_growth": peak - base}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        queue.put(gathered)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _bandwidth(ddp, args, device) -> dict:
+    """Bus bandwidth of our bucketed all-reduce vs one raw all_reduce of the same bytes."""
+    world = dist.get_world_size()
+    nbytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.grad_buckets())
+    factor = 2 * (world - 1) / world
+    ddp.overlap_grad_reduce = False  # finish_grad_sync then launches every bucket: pure comm
+    ddp.finish_grad_sync_in_backward = False
+    x = torch.randn(args.batch, args.width, device=device)
+    ours, raw = [], []
+    flat = torch.randn(nbytes // 4, device=device)
+    for _ in range(args.rounds * 2):
+        torch.nn.functional.mse_loss(ddp(x), torch.zeros(args.batch, 10, device=device)).backward()
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        ddp.finish_grad_sync()
+        _sync(device)
+        ours.append(time.perf_counter() - t0)
+        ddp.zero_grad_buffer()
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        dist.all_reduce(flat)
+        _sync(device)
+        raw.append(time.perf_counter() - t0)
+    return {
+        "bytes": nbytes,
+        "ours_busbw": nbytes / statistics.median(ours) * factor,
+        "raw_busbw": nbytes / statistics.median(raw) * factor,
+        "num_buckets": len(ddp.grad_buckets()),
+    }
+
+
+def _spawn(world: int, mode: str, kind: str, args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(world, port, mode, kind, args, queue), nprocs=world, start_method="spawn")
+    return queue.get()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--bucket-mb", type=float, default=4.0)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    args = parser.parse_args()
+    numel = sum(p.numel() for p in _model(args).parameters())
+    print(f"model: {args.layers}x Linear({args.width}, {args.width}) + head, {numel / 1e6:.1f}M params; "
+          f"batch {args.batch}/rank; bucket {args.bucket_mb} MiB; device {args.device}")
+    header = f"{'world':>5} | {'ours ms':>8} | {'torch ms':>8} | {'ratio':>5} | {'ours peak MiB':>13} | " \
+             f"{'torch peak MiB':>14} | {'ours busbw GB/s':>15} | {'raw busbw GB/s':>14}"
+    print(header, flush=True)
+    for world in args.world_sizes:
+        timing = _spawn(world, "time", "", args)
+        memory = {k: max(r["peak_growth"] for r in _spawn(world, "memory", k, args)) for k in ("ndweave", "torch")}
+        ours = max(r["ndweave"] for r in timing)
+        theirs = max(r["torch"] for r in timing)
+        bw = timing[0]
+        print(
+            f"{world:>5} | {ours * 1e3:>8.2f} | {theirs * 1e3:>8.2f} | {ours / theirs:>5.2f} | "
+            f"{memory['ndweave'] / 2**20:>13.1f} | {memory['torch'] / 2**20:>14.1f} | "
+            f"{bw['ours_busbw'] / 1e9:>15.2f} | {bw['raw_busbw'] / 1e9:>14.2f}",
+            flush=True,
+        )
+    print(f"(ratio = ours / torch step time; busbw over {bw['num_buckets']} buckets of "
+          f"{bw['bytes'] / 2**20:.1f} MiB in all vs one raw all_reduce of the same bytes)")
+
+
+if __name__ == "__main__":
+    main()
