@@ -1,0 +1,77 @@
+"""Models and the single-process reference loop shared by the integration tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_example(name: str):
+    """``examples/<name>.py`` as a module (the examples folder is not a package)."""
+    key = f"ndweave_examples_{name}"
+    if key not in sys.modules:
+        sys.path.insert(0, str(ROOT / "examples"))  # train_demo imports nanogpt by bare name
+        spec = importlib.util.spec_from_file_location(key, ROOT / "examples" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+class MLP(nn.Module):
+    """The seed's MLP (DModule doc)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.fc2(self.relu(self.fc1(x))), y)
+
+
+def build(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        return MLP()
+    ng = load_example("nanogpt")
+    # bias=False: a key-projection bias has an exactly-zero true gradient (softmax ignores a constant
+    # per query), so Adam would turn two runs' different rounding noise into full-size steps.
+    return ng.GPT(ng.GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, dropout=0.0, bias=False))
+
+
+def batches(kind: str, steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "mlp":
+        return [(torch.randn(batch, 4, generator=g), torch.randn(batch, 4, generator=g)) for _ in range(steps)]
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 64, (batch, 9), generator=g)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def loss_of(output) -> torch.Tensor:
+    """nanoGPT returns ``(logits, loss)``; the MLP returns the loss."""
+    return output[1] if isinstance(output, tuple) else output
+
+
+def train_reference(model: nn.Module, data, opt_cls, opt_kwargs, clip: float) -> list[float]:
+    optimizer = opt_cls(model.parameters(), **opt_kwargs)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = loss_of(model(x, y))
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses

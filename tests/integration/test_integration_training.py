@@ -1,0 +1,99 @@
+"""DModule (TP/SP) + DDP + optimizer on one (DP=2, TP=2) mesh, trained 20 steps, against one process.
+
+This is the seed's loop as users write it: ``zero_grad(); loss.backward(); step()`` with no other call.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+
+from integration_models import batches, build, load_example, loss_of, train_reference
+from ndweave.ddp import DistributedDataParallel as DDP
+from ndweave.dmodule import get_plan, parallelize_module
+from ndweave.mesh import DEVICE_MESH
+from ndweave.mesh.testing import assert_close, distributed, full_tensor
+from ndweave.optim import BasicOptimizer, DistributedOptimizer
+
+STEPS, BATCH = 20, 8
+TOL = dict(rtol=1e-4, atol=2e-5)
+SEED_MLP_PLAN = {
+    "parameter": {"fc1.weight": [Shard(0)], "fc1.bias": [Shard(0)], "fc2.weight": [Shard(1)], "fc2.bias": [Replicate()]},
+    "forward": {"fc1.input": [[Replicate()]], "fc2.output": [[Replicate()]],
+                # this MLP takes the loss in forward: its target joins the mesh too (root FQN is "")
+                ".input": [None, [Replicate()]]},
+}
+
+
+def _plan(kind, model):
+    if kind == "mlp":
+        return SEED_MLP_PLAN
+    return get_plan("nanogpt", model, sequence_parallel=(kind == "nanogpt_sp"))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "nanogpt", "nanogpt_sp"])
+@pytest.mark.parametrize("optim", ["zero", "zero_overlap", "basic", "torch"])
+@distributed(world_size=4, timeout=240)
+def test_seed_loop_matches_one_process(kind, optim):
+    DEVICE_MESH.init_device_mesh("cpu", mesh_shape=(2, 2), mesh_dim_names=("DP", "TP"))
+    reference = build(kind)
+    model = copy.deepcopy(reference)
+    opt_cls, opt_kwargs, clip = torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}, 0.5
+
+    # the seed's composition
+    if DEVICE_MESH.get_strategy_size("TP") > 1:
+        model = parallelize_module(model, DEVICE_MESH["TP"], _plan(kind, model))
+    sharded = optim.startswith("zero")
+    model = DDP(model, DEVICE_MESH["DP"], use_distributed_optimizer=sharded, bucket_size=500)
+    if sharded:
+        optimizer = DistributedOptimizer(opt_cls, models=[model], clip_grad=clip,
+                                         overlap_param_gather=optim == "zero_overlap", optimizer_kwargs=opt_kwargs)
+    elif optim == "basic":
+        optimizer = BasicOptimizer(opt_cls, models=[model], clip_grad=clip, optimizer_kwargs=opt_kwargs)
+    else:  # a plain torch optimizer: the user finishes the grad sync and clips themselves
+        optimizer = opt_cls(model.parameters(), **opt_kwargs)
+
+    data = batches("mlp" if kind == "mlp" else "gpt", STEPS, BATCH)
+    dp_rank, dp_group = DEVICE_MESH.get_data_parallel_rank(), DEVICE_MESH.get_data_parallel_group()
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = loss_of(model(x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]))
+        loss.backward()
+        if optim == "torch":
+            model.finish_grad_sync()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        local = full_tensor(loss).reshape(1)
+        dist.all_reduce(local, group=dp_group)
+        losses.append(local.item() / 2)
+
+    ref_losses = train_reference(reference, data, opt_cls, opt_kwargs, clip)
+    assert_close(torch.tensor(losses), torch.tensor(ref_losses), name="losses", **TOL)
+    ref_params = dict(reference.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(names) == sorted(ref_params), "DDP/DModule changed the parameter names"
+    for name, p in model.named_parameters():
+        assert_close(p, ref_params[name], name=name, **TOL)
+
+
+@distributed(world_size=4, timeout=240)
+def test_training_demo_functions_match():
+    """The demo (examples/train_demo.py) as CI sees it: its own parallel and reference loops."""
+    demo = load_example("train_demo")
+    args = demo.argparse.Namespace(dp=2, tp=2, no_sp=False, steps=6, batch=4, lr=3e-3, seed=3)
+    DEVICE_MESH.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
+    cfg = demo.model_config()
+    data = demo.make_batches(cfg, args.steps, args.batch, args.seed)
+    torch.manual_seed(args.seed)
+    reference = demo.GPT(cfg)
+    losses, model = demo.train_parallel(copy.deepcopy(reference), data, args, "cpu")
+    ref_losses = demo.train_reference(reference, data, args, "cpu")
+    # the demo's own pass criterion (see demo.ATOL for why AdamW needs it)
+    tol = dict(rtol=0.0, atol=demo.ATOL)
+    assert_close(torch.tensor(losses), torch.tensor(ref_losses), name="demo losses", **tol)
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert_close(p, ref_params[name], name=name, **tol)
