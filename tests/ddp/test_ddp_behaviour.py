@@ -127,7 +127,6 @@ def _summing():
 
 @distributed(world_size=2)
 def test_ignored_params_keep_their_local_grads():
-    rank = dist.get_rank()
     plain = MLP()
     _local_step(plain)
     ddp = DDP(MLP(), _dp_mesh(), params_to_ignore=["head.bias"], bucket_size=40)
@@ -141,7 +140,6 @@ def test_ignored_params_keep_their_local_grads():
     assert_close(ddp.module.head.weight.grad, first_grads["head.weight"], name="synced head.weight.grad")
     with pytest.raises(ValueError, match="does not have"):
         DDP(MLP(), _dp_mesh(), params_to_ignore=["nope.weight"])
-    del rank
 
 
 @distributed(world_size=2)
@@ -277,3 +275,22 @@ def _bucket_layout():
             assert bp.offset == offset and bp.numel == bp.param.numel()
             offset += bp.numel
         assert b.param_data is None
+
+
+class _Checkpointed(MLP):
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(lambda t: torch.tanh(self.fc2(torch.tanh(self.fc1(t)))), x, use_reentrant=True)
+        return self.head(h)
+
+
+@distributed(world_size=2)
+def test_reentrant_checkpointing_still_gives_the_right_grads():
+    _, g0 = reference_mlp_run(1)
+    ddp = DDP(_Checkpointed(), _dp_mesh(), bucket_size=40)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    x, y = batch(0)
+    F.mse_loss(ddp(rows(x, rank, size).requires_grad_()), rows(y, rank, size)).backward()
+    for name, p in ddp.named_parameters():
+        assert_close(p.grad, g0[name], name=name)

@@ -9,10 +9,9 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from ndweave.ddp import sync
-from ndweave.ddp.buffer import ParamSlot, build_buckets, local_tensor
+from ndweave.ddp.buffer import ParamSlot, build_buckets
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import GradBucket
 
