@@ -1,0 +1,157 @@
+"""ndweave.dmodule vs torch's ``parallelize_module`` (Colwise/Rowwise): tensor-parallel step time.
+
+    python benchmarks/bench_dmodule.py                        # world sizes 2 and 4, CPU/gloo
+    python benchmarks/bench_dmodule.py --world-sizes 2 --layers 8 --width 512 --tokens 512
+
+Same model (a stack of MLP blocks: Linear(d, 4d), GELU, Linear(4d, d)), same weights, same input,
+same mesh and processes. Timed: forward + backward (+ ``finish_grad_sync`` for ours, which has
+nothing to reduce under pure TP), median over interleaved rounds. Three variants:
+
+* ``torch``: ``ColwiseParallel()`` on every fc1, ``RowwiseParallel()`` on every fc2; activations
+  between modules are plain local tensors (``use_local_output=True``, torch's default);
+* ``ours-local``: the same layout as an ndweave plan (fc1 output ``PlacementSpec([Shard(-1)],
+  to_local=True)``, fc2 input ``[[Shard(-1)]]``, fc2 output ``PlacementSpec([Replicate()],
+  to_local=True)``): what a like-for-like user plan looks like;
+* ``ours-dtensor``: the seed's style (fc1 input ``[[Replicate()]]``, fc2 output
+  ``[[Replicate()]]``): activations stay DTensors through GELU, paying DTensor dispatch per op.
+
+Printed per world size: ms/step of each and the ratios ours / torch (target: <= 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _model(args) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(args.width) for _ in range(args.layers)])
+
+
+def _torch_tp(mesh, args) -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {}
+    for i in range(args.layers):
+        plan[f"{i}.fc1"] = ColwiseParallel()
+        plan[f"{i}.fc2"] = RowwiseParallel()
+    return parallelize_module(_model(args), mesh, plan)
+
+
+def _ours(mesh, args, style: str) -> nn.Module:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from ndweave.dmodule import PlacementSpec, parallelize_module
+
+    R = Replicate()
+    params = {r"\d+\.fc1.weight": [Shard(0)], r"\d+\.fc1.bias": [Shard(0)], r"\d+\.fc2.weight": [Shard(1)]}
+    if style == "local":
+        forward = {
+            r"\d+\.fc1.input": [[R]],
+            r"\d+\.fc1.output": [PlacementSpec([Shard(-1)], to_local=True)],
+            r"\d+\.fc2.input": [[Shard(-1)]],
+            r"\d+\.fc2.output": [PlacementSpec([R], to_local=True)],
+        }
+    else:
+        forward = {r"\d+\.fc1.input": [[R]], r"\d+\.fc2.output": [[R]]}
+    return parallelize_module(_model(args), mesh, {"parameter": params, "forward": forward})
+
+
+def _step(model, x, ours: bool) -> None:
+    out = model(x)
+    out.pow(2).mean().backward()
+    if ours:
+        model.finish_grad_sync()
+    model.zero_grad(set_to_none=True)
+
+
+def _worker(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("TP",))
+    models = {
+        "torch": (_torch_tp(mesh, args), False),
+        "ours-local": (_ours(mesh, args, "local"), True),
+        "ours-dtensor": (_ours(mesh, args, "dtensor"), True),
+    }
+    x = torch.randn(args.tokens, args.width, generator=torch.Generator().manual_seed(1))
+    # same numbers from all three (a benchmark of a wrong computation is worthless)
+    with torch.no_grad():
+        outs = {k: m(x) for k, (m, _) in models.items()}
+    outs = {k: (o.full_tensor() if hasattr(o, "full_tensor") else o) for k, o in outs.items()}
+    for k, o in outs.items():
+        torch.testing.assert_close(o, outs["torch"], rtol=1e-4, atol=1e-5, msg=f"{k} output differs from torch's")
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for name, (m, ours) in models.items():  # warm up
+        for _ in range(args.warmup):
+            _step(m, x, ours)
+    for _ in range(args.rounds):
+        for name, (m, ours) in models.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                _step(m, x, ours)
+            dist.barrier()
+            times[name].append((time.perf_counter() - t0) / args.steps)
+    if rank == 0:
+        queue.put({k: statistics.median(v) for k, v in times.items()})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    print(f"MLP TP: {args.layers} blocks, width {args.width} (hidden {4 * args.width}), {args.tokens} tokens, "
+          f"CPU/gloo, {args.threads} thread(s) per rank; forward+backward, median of {args.rounds} rounds "
+          f"x {args.steps} steps")
+    ctx = mp.get_context("spawn")
+    for world in args.world_sizes:
+        queue = ctx.SimpleQueue()
+        mp.spawn(_worker, args=(world, _free_port(), args, queue), nprocs=world, join=True)
+        res = queue.get()
+        t = res["torch"]
+        print(f"world {world}: torch {t * 1e3:.2f} ms/step | ours-local {res['ours-local'] * 1e3:.2f} ms/step "
+              f"(ratio {res['ours-local'] / t:.3f}) | ours-dtensor {res['ours-dtensor'] * 1e3:.2f} ms/step "
+              f"(ratio {res['ours-dtensor'] / t:.3f})")
+
+
+if __name__ == "__main__":
+    main()
