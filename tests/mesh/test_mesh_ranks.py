@@ -39,7 +39,13 @@ def test_1d_2d_and_4d_meshes_on_4_ranks():
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         _check_roles(mesh)
         assert mesh.get_global_rank(mesh.get_strategy_coordinate()) == dist.get_rank()
-        assert mesh.size() == 4 and mesh.shape == shape
+        assert mesh.size() == 4 and mesh.shape == shape and mesh.ndim == len(shape)
+        for axis, name in enumerate(mesh.mesh_dim_names):
+            # a dim by name or by index, as a group or as a submesh: all the same ranks
+            siblings = [g for g in mesh.get_all_submeshes(name) if dist.get_rank() in g][0]
+            assert _members(mesh.get_group(axis)) == _members(mesh.get_group(name)) == siblings
+            assert mesh.get_submesh(name).mesh.tolist() == siblings == mesh[name].mesh.tolist()
+            assert mesh.size(name) == mesh.get_strategy_size(axis) == shape[axis]
     # a flattened view is a real group over the ranks it names
     mesh = init_device_mesh("cpu", (1, 2, 1, 2), mesh_dim_names=("PP", "DP", "CP", "TP"))
     flat = mesh.flatten(("DP", "CP"), "DPCP")
@@ -74,7 +80,10 @@ def test_3d_mesh_on_two_nodes_of_four():
 def test_seed_default_mesh_and_resolve():
     DEVICE_MESH.init_device_mesh("cpu", mesh_shape=(2, 2), mesh_dim_names=("DP", "TP"))
     assert DEVICE_MESH.get_strategy_size("TP") == 2 and DEVICE_MESH.get_strategy_size("DP") == 2
-    assert resolve_mesh(None, "TP") is DEVICE_MESH["TP"] or resolve_mesh(None, "TP") == DEVICE_MESH["TP"]
+    assert resolve_mesh(None, "TP").mesh.tolist() == DEVICE_MESH.get_all_submeshes("TP")[dist.get_rank() // 2]
+    assert resolve_mesh(DEVICE_MESH).mesh.tolist() == [[0, 1], [2, 3]]
+    two_d = DEVICE_MESH.get_submesh(("DP", "TP"))
+    assert two_d.mesh.tolist() == [[0, 1], [2, 3]] and two_d.mesh_dim_names == ("DP", "TP")
     from_group = resolve_mesh(DEVICE_MESH.get_group("DP"), "DP")
     assert from_group.mesh.tolist() == DEVICE_MESH["DP"].mesh.tolist()
     with pytest.raises(KeyError, match="no dim 'PP'"):
