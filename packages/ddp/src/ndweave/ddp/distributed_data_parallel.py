@@ -249,6 +249,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _start_step(self) -> None:
         self._step_open = True
+        self._callback_queued = False  # (one queued by a backward that raised never ran)
         self._reset_counts()
         with torch.no_grad():
             for slot in self._slots:

@@ -114,7 +114,7 @@ def accumulate(slot: ParamSlot, grad: torch.Tensor, ddp) -> None:
     if isinstance(grad, DTensor):
         if slot.grad_placements is None:
             _fix_grad_placements(slot, grad, ddp)
-        if tuple(grad.placements) != slot.grad_placements:
+        if tuple(grad.placements) != slot.grad_placements and _differ(grad, slot.grad_placements):
             grad = grad.redistribute(grad.device_mesh, slot.grad_placements)
         grad = grad._local_tensor
     main = slot.main_grad
@@ -136,16 +136,23 @@ def _fix_grad_placements(slot: ParamSlot, grad: DTensor, ddp) -> None:
     redistributed to the param's placement. ``Partial(sum)`` on the DP dim means the grad is a share
     of the global-batch grad: it must be summed over DP, not averaged, so its scale is raised by DP.
     """
-    param = slot.param
+    param, mesh = slot.param, grad.device_mesh
     placements = []
     for i, (p_pl, g_pl) in enumerate(zip(param.placements, grad.placements)):
-        keep = g_pl.is_partial() and p_pl.is_replicate()
+        keep = g_pl.is_partial() and p_pl.is_replicate() and mesh.size(i) > 1  # Partial over 1 rank: done
         if i == slot.dp_mesh_dim:
             keep = keep and getattr(g_pl, "reduce_op", "sum") == "sum"
         placements.append(g_pl if keep else p_pl)
     slot.grad_placements = tuple(placements)
     if slot.dp_mesh_dim is not None and placements[slot.dp_mesh_dim].is_partial() and ddp.average_grads:
         slot.scale = ddp._base_scale() * ddp.data_parallel_size
+
+
+def _differ(grad: DTensor, placements: tuple) -> bool:
+    """Whether ``grad``'s local tensor differs from one laid out as ``placements`` (size-1 mesh dims,
+    e.g. a DP dim of size 1, hold the same local tensor whatever their placement)."""
+    mesh = grad.device_mesh
+    return any(have != want and mesh.size(i) > 1 for i, (have, want) in enumerate(zip(grad.placements, placements)))
 
 
 def _carry_scale(slot: ParamSlot, ddp) -> float:
