@@ -84,14 +84,19 @@ def batch(name: str, model: nn.Module, step: int):
     return ids, torch.roll(ids, -1, dims=1)
 
 
-def run(name: str, model: nn.Module, inputs, targets):
+def run(name: str, model: nn.Module, inputs, targets, step: int = 0):
     """(logits or output, loss): one training forward, whatever the family's calling convention."""
     if name == "mlp":
         out = model(inputs)
         return out, out.sum()
     if name == "nanogpt":
         return model(inputs, targets)
-    out = model(input_ids=inputs, labels=targets)
+    kwargs = {}
+    if step % 2:  # odd steps: left padding on the second sequence, through HF's own mask building
+        mask = torch.ones_like(inputs)
+        mask[1, :3] = 0
+        kwargs["attention_mask"] = mask
+    out = model(input_ids=inputs, labels=targets, **kwargs)
     return out.logits, out.loss
 
 
@@ -129,8 +134,8 @@ def check_parity(name: str, *, sequence_parallel: bool = False, steps: int = 2, 
     ref_opt, opt = make_optimizer(reference.parameters()), make_optimizer(model.parameters())
     for step in range(steps):
         inputs, targets = batch(name, reference, step)
-        ref_out, ref_loss = run(name, reference, inputs, targets)
-        out, loss = run(name, model, inputs, targets)
+        ref_out, ref_loss = run(name, reference, inputs, targets, step)
+        out, loss = run(name, model, inputs, targets, step)
         assert_close(out, ref_out, name=f"step {step} output", **TOL)
         assert_close(loss, ref_loss, name=f"step {step} loss", **TOL)
         ref_loss.backward()
@@ -145,3 +150,21 @@ def check_parity(name: str, *, sequence_parallel: bool = False, steps: int = 2, 
         opt.zero_grad()
     for fqn, ref_p in ref_params.items():
         assert_close(params[fqn], ref_p, name=f"{fqn} after {steps} steps", **TOL)
+
+
+def check_deferred(name: str, **overrides) -> None:
+    """Run on every rank: a ``deferred_init`` model parallelized with its zoo plan (patches included)
+    holds exactly the eager model's values and computes the same loss."""
+    from ndweave.dmodule import deferred_init, parallelize_module
+    from ndweave.dmodule.plans import get_plan
+
+    torch.manual_seed(0)
+    eager = build(name, **overrides)
+    torch.manual_seed(0)
+    model = deferred_init(build, name, **overrides)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("TP",))
+    model = parallelize_module(model, mesh, get_plan(name, eager))
+    for (fqn, p), (_, q) in zip(eager.named_parameters(), model.named_parameters()):
+        assert torch.equal(q.full_tensor(), p), f"{fqn} differs from eager init"
+    inputs, targets = batch(name, eager, 0)
+    assert_close(run(name, model, inputs, targets)[1], run(name, eager, inputs, targets)[1], name="loss", **TOL)

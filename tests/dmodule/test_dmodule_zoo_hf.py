@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from dmodule_zoo_models import build, check_parity  # noqa: E402
+from dmodule_zoo_models import build, check_deferred, check_parity  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
@@ -50,6 +50,12 @@ def test_hf_gpt2_plan_matches_one_process_on_2_ranks(sequence_parallel):
 @distributed(world_size=4)
 def test_hf_gpt2_plan_matches_one_process_on_4_ranks_sdpa_adam():
     check_parity("hf_gpt2", attn_implementation="sdpa", optimizer="adam")
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
+@distributed(world_size=2)
+def test_hf_plans_with_deferred_init(name):
+    check_deferred(name)
 
 
 @distributed(world_size=2)

@@ -3,7 +3,7 @@ one process (outputs, loss, every gradient, parameters after optimizer steps) on
 
 import pytest
 import torch.distributed as dist
-from dmodule_zoo_models import build, check_parity
+from dmodule_zoo_models import build, check_deferred, check_parity
 from torch.distributed.device_mesh import init_device_mesh
 
 from ndweave.mesh.testing import distributed
@@ -32,6 +32,11 @@ def test_nanogpt_plan_matches_one_process_on_4_ranks(sequence_parallel):
 @distributed(world_size=2)
 def test_nanogpt_plan_untied_without_biases_with_adam():
     check_parity("nanogpt", sequence_parallel=True, optimizer="adam", tie_weights=False, bias=False)
+
+
+@distributed(world_size=2)
+def test_nanogpt_plan_with_deferred_init():
+    check_deferred("nanogpt")
 
 
 @distributed(world_size=4)
