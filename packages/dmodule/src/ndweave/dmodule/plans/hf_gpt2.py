@@ -125,11 +125,12 @@ def fused_qkv_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> N
         module.register_parameter(name, nn.Parameter(laid, requires_grad=param.requires_grad))
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if isinstance(x, DTensor):
-            # the input gradient is a partial sum over ranks' heads: reduce it on the way back
-            x = x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim).to_local(
-                grad_placements=[Partial()] * x.device_mesh.ndim
-            )
+        mesh = module.weight.device_mesh
+        replicate = [Replicate()] * mesh.ndim
+        # a plain input is the full activation, the same on every rank
+        x = x.redistribute(mesh, replicate) if isinstance(x, DTensor) else DTensor.from_local(x, mesh, replicate, run_check=False)
+        # each rank's input gradient covers only its own heads: a partial sum, reduced on the way back
+        x = x.to_local(grad_placements=[Partial()] * mesh.ndim)
         weight, bias = module.weight.to_local(), module.bias.to_local()
         out = torch.addmm(bias, x.reshape(-1, x.size(-1)), weight)
         return out.view(*x.shape[:-1], weight.shape[-1])
