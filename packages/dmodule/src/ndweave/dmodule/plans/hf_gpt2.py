@@ -49,7 +49,8 @@ def hf_gpt2_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
         config = config_of(model, "hf_gpt2")
         require(hasattr(model, "transformer") and hasattr(model, "lm_head"), "hf_gpt2",
                 f"{type(model).__name__} does not look like GPT2LMHeadModel (transformer, lm_head)")
-        require(not getattr(config, "add_cross_attention", False), "hf_gpt2", "cross-attention (add_cross_attention=True) is not supported")
+        require(not getattr(config, "add_cross_attention", False), "hf_gpt2",
+                "cross-attention (add_cross_attention=True) is not supported")
     stream = seq_or_replicate(sequence_parallel)
 
     parameter: dict[str, Any] = {
@@ -88,6 +89,7 @@ def hf_gpt2_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
 
 def attention_local_heads(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
     """Patch for ``GPT2Attention``: split the local fused output into local q, k, v."""
+    _require_1d(device_mesh, fqn)
     tp = device_mesh.size()
     if getattr(module, "is_cross_attention", False):
         raise ValueError(f"{fqn}: cross-attention is not supported by the hf_gpt2 plan")
@@ -99,8 +101,9 @@ def attention_local_heads(module: nn.Module, device_mesh: DeviceMesh, fqn: str) 
     module.split_size = module.embed_dim // tp
 
 
-def _strided(mesh: DeviceMesh, dim: int) -> list:
-    return [_StridedShard(dim, split_factor=3)] + [Replicate()] * (mesh.ndim - 1)
+def _require_1d(device_mesh: DeviceMesh, fqn: str) -> None:
+    if device_mesh.ndim != 1:
+        raise ValueError(f"{fqn}: the hf_gpt2 plan is for a 1-D tensor-parallel mesh, not {device_mesh}")
 
 
 def fused_qkv_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
@@ -109,9 +112,10 @@ def fused_qkv_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> N
     A weight that arrives ``Replicate`` (a plan that left it out) is re-laid strided here; a plain
     ``Shard`` layout is refused, since it would mix q, k and v heads across ranks.
     """
+    _require_1d(device_mesh, fqn)
     for name, dim in (("weight", 1), ("bias", 0)):
         param = getattr(module, name)
-        want = _strided(device_mesh, dim)
+        want = [_StridedShard(dim, split_factor=3)]
         if isinstance(param, DTensor) and list(param.placements) == want:
             continue
         if isinstance(param, DTensor) and not all(isinstance(p, Replicate) for p in param.placements):
@@ -126,11 +130,14 @@ def fused_qkv_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> N
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         mesh = module.weight.device_mesh
-        replicate = [Replicate()] * mesh.ndim
+        replicate = [Replicate()]
         # a plain input is the full activation, the same on every rank
-        x = x.redistribute(mesh, replicate) if isinstance(x, DTensor) else DTensor.from_local(x, mesh, replicate, run_check=False)
+        if isinstance(x, DTensor):
+            x = x.redistribute(mesh, replicate)
+        else:
+            x = DTensor.from_local(x, mesh, replicate, run_check=False)
         # each rank's input gradient covers only its own heads: a partial sum, reduced on the way back
-        x = x.to_local(grad_placements=[Partial()] * mesh.ndim)
+        x = x.to_local(grad_placements=[Partial()])
         weight, bias = module.weight.to_local(), module.bias.to_local()
         out = torch.addmm(bias, x.reshape(-1, x.size(-1)), weight)
         return out.view(*x.shape[:-1], weight.shape[-1])

@@ -43,8 +43,10 @@ def hf_llama_plan(model: nn.Module | None = None, *, sequence_parallel: bool = F
         config = config_of(model, "hf_llama")
         require(hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(model, "lm_head"), "hf_llama",
                 f"{type(model).__name__} does not look like LlamaForCausalLM (model.layers, lm_head)")
-        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        require(heads % kv_heads == 0, "hf_llama", f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        require(heads % kv_heads == 0, "hf_llama",
+                f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         attention_bias = bool(getattr(config, "attention_bias", False))
         mlp_bias = bool(getattr(config, "mlp_bias", False))
     stream = seq_or_replicate(sequence_parallel)

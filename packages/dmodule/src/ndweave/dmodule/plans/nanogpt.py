@@ -41,7 +41,8 @@ def nanogpt_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
         config = config_of(model, "nanogpt")
         require(hasattr(model, "transformer") and hasattr(model, "lm_head"), "nanogpt",
                 f"{type(model).__name__} is not the GPT of examples/nanogpt.py (no .transformer / .lm_head)")
-        require(config.n_embd % config.n_head == 0, "nanogpt", f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
+        require(config.n_embd % config.n_head == 0, "nanogpt",
+                f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
         bias = config.bias
     stream = seq_or_replicate(sequence_parallel)
 

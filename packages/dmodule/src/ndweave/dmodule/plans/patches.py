@@ -40,7 +40,9 @@ def vocab_parallel_embedding(module: nn.Module, device_mesh: DeviceMesh, fqn: st
             f"(Replicate on the others); it is {placements or 'a plain tensor'} on {device_mesh}"
         )
     if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
-        raise ValueError(f"vocab_parallel_embedding on {fqn!r}: max_norm, sparse and scale_grad_by_freq are not supported")
+        raise ValueError(
+            f"vocab_parallel_embedding on {fqn!r}: max_norm, sparse and scale_grad_by_freq are not supported"
+        )
     local_shape, global_offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, placements)
     start, stop = global_offset[0], global_offset[0] + local_shape[0]
     padding_idx = module.padding_idx
