@@ -36,6 +36,8 @@ class DModuleState:
 
     mesh: DeviceMesh
     factory: bool = False
+    named_params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    """The root's parameters as parallelization left them (grad sync walks this list every step)."""
     hook_handles: list = field(default_factory=list)
     last_synced: list[GradSyncEntry] = field(default_factory=list)
 
@@ -57,24 +59,22 @@ class DModule:
         Partial grads come from sequence parallelism: a replicated norm weight fed a sequence-sharded
         activation gets a partial sum per rank. Implements ``ndweave.mesh.contracts.GradSyncable``.
         """
-        named = {id(p): (n, p) for n, p in self.named_parameters()}
-        pending = [
-            GradSyncEntry(n, tuple(p.grad.placements), "synced") for n, p in named.values() if _is_partial(p.grad)
-        ]
-        reduce_partial_grads(p for _, p in named.values())
-        for _, p in named.values():
+        params = self._dmodule.named_params
+        partial = [(n, p) for n, p in params if _is_partial(p.grad)]
+        if partial:
+            self._dmodule.last_synced = [GradSyncEntry(n, tuple(p.grad.placements), "synced") for n, p in partial]
+            reduce_partial_grads(p for _, p in partial)
+        for _, p in params:
             g = p.grad
-            if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+            if isinstance(g, DTensor) and g.placements != p.placements:
                 p.grad = g.redistribute(p.device_mesh, p.placements)
-        if pending:
-            self._dmodule.last_synced = pending
 
     def list_grad_sync(self) -> list[GradSyncEntry]:
         """Gradients ``finish_grad_sync`` will reduce now (status ``"pending"``), or, when none are
         pending, the ones it reduced last time (status ``"synced"``)."""
         pending = [
             GradSyncEntry(n, tuple(p.grad.placements), "pending")
-            for n, p in self.named_parameters() if _is_partial(p.grad)
+            for n, p in self._dmodule.named_params if _is_partial(p.grad)
         ]
         return pending or list(self._dmodule.last_synced)
 
@@ -129,6 +129,7 @@ def make_dmodule(module: nn.Module, state: DModuleState) -> nn.Module:
         dcls = type(f"DModule{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
         _CLASSES[(cls, state.factory)] = dcls
     module.__class__ = dcls
+    state.named_params = list(module.named_parameters())
     module._dmodule = state
     return module
 
