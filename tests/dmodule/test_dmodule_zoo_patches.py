@@ -1,0 +1,47 @@
+"""The zoo's patches on their own: vocab-parallel embedding (uneven rows, padding_idx, bad layouts)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ndweave.mesh.testing import assert_close, distributed
+
+
+@pytest.mark.parametrize("output", ["replicate", "shard_seq"])
+@distributed(world_size=2)
+def test_vocab_parallel_embedding_matches_one_process(output):
+    from ndweave.dmodule import parallelize_module
+
+    torch.manual_seed(0)
+    ref = nn.Embedding(11, 4, padding_idx=7)  # 11 rows: 6 on rank 0, 5 on rank 1; row 7 on rank 1
+    torch.manual_seed(0)
+    emb = parallelize_module(
+        nn.Embedding(11, 4, padding_idx=7),
+        init_device_mesh("cpu", (2,)),
+        {"parameter": {"weight": [Shard(0)]},
+         "forward": {"output": [[Replicate()] if output == "replicate" else [Shard(1)]]},
+         "patch": {"": ["vocab_parallel_embedding"]}},
+    )
+    assert emb.vocab_range == ((0, 6) if dist.get_rank() == 0 else (6, 11))
+    ids = torch.tensor([[0, 5, 6, 7, 10, 7], [3, 3, 9, 1, 7, 6]])
+    out, expected = emb(ids), ref(ids)
+    assert_close(out, expected, name="lookup")
+    grad = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+    (out * DTensor.from_local(grad, emb.device_mesh, [Replicate()]).redistribute(
+        emb.device_mesh, out.placements)).sum().backward()
+    (expected * grad).sum().backward()
+    emb.finish_grad_sync()
+    assert emb.weight.grad.placements == (Shard(0),)
+    assert_close(emb.weight.grad, ref.weight.grad, name="weight grad")  # padding row 7 gets none
+
+
+@distributed(world_size=2)
+def test_vocab_parallel_embedding_needs_row_sharding():
+    from ndweave.dmodule import parallelize_module
+
+    with pytest.raises(ValueError, match=r"weight must be sharded \[Shard\(0\)\]"):
+        parallelize_module(nn.Embedding(8, 4), init_device_mesh("cpu", (2,)),
+                           {"patch": {"": ["vocab_parallel_embedding"]}})
