@@ -267,9 +267,12 @@ def test_inputs_by_name_and_none_entries():
     torch.manual_seed(0)
     dm = parallelize_module(Two(), _tp_mesh(), {
         "parameter": {"fc.weight": [Shard(0)]},
-        "forward": {".input": {"x": [R], "scale": [R]}, "fc.output": [[R]]},
+        "forward": {".input": {"x": [R], "scale": [R]}, "fc.output": [PlacementSpec([R], async_op=True)]},
     })
     x, s = torch.randn(2, 4), torch.randn(2, 4)
     out_pos, out_kw = dm(x, s), dm(x, scale=s)
     assert out_pos.placements == out_kw.placements == (R,)
     assert torch.equal(out_pos.to_local(), out_kw.to_local())
+    torch.manual_seed(0)
+    ref = Two()
+    assert_close(out_pos, ref(x, s), name="output with inputs by name")
