@@ -147,3 +147,29 @@ def test_overlap_waits_every_bucket_before_its_first_module():
     train_reference(reference, ref_opt, 3)
     assert_params_match(ddp.module, reference)
 
+
+
+@distributed(world_size=2)
+def test_grad_to_fp32_false_steps_the_bf16_params_directly():
+    """No master copy: the reference steps bf16 params with torch.optim.Adam, fed bf16(mean of the
+    ranks' fp32-cast micro-batch grads), which is what the fp32 buffer's reduce-scatter then the
+    cast compute."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, ddp = dp_setup(dtype=torch.bfloat16, grad_dtype=torch.float32)
+    opt = DistributedOptimizer(torch.optim.Adam, [ddp], optimizer_kwargs={"lr": 1e-2}, grad_to_fp32=False)
+    assert opt.master_param_bytes() == 0
+    train(ddp, opt, 5, rank, world, dtype=torch.bfloat16)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    for step in range(5):
+        grads = {n: torch.zeros(p.shape) for n, p in reference.named_parameters()}
+        for r in range(world):
+            reference.zero_grad()
+            x, y = local_batch(step, r, world, torch.bfloat16)
+            loss_fn(reference(x), y).backward()
+            for n, p in reference.named_parameters():
+                grads[n] += p.grad.float() / world
+        for n, p in reference.named_parameters():
+            p.grad = grads[n].to(torch.bfloat16)
+        ref_opt.step()
+    opt.wait_param_gather()
+    assert_params_match(ddp.module, reference, rtol=0, atol=0)

@@ -42,7 +42,7 @@ def counts_replica(t: torch.Tensor, skip_ranks: tuple[int, ...] | None = None) -
     if not isinstance(t, DTensor):
         return True
     mesh = t.device_mesh
-    key = (id(mesh), tuple(t.placements), skip_ranks)
+    key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), tuple(t.placements), skip_ranks)
     if key not in _replica_cache:
         coordinate = mesh.get_coordinate()
         owned = True
