@@ -276,3 +276,29 @@ def test_inputs_by_name_and_none_entries():
     torch.manual_seed(0)
     ref = Two()
     assert_close(out_pos, ref(x, s), name="output with inputs by name")
+
+
+@distributed(world_size=2)
+def test_forward_plan_weight_is_redistributed_before_forward():
+    torch.manual_seed(0)
+    ref = MLP()
+    torch.manual_seed(0)
+    plan = {
+        "parameter": {"fc1.weight": [Shard(0)], "fc1.bias": [Shard(0)], "fc2.weight": [Shard(0)]},
+        # fc2 computes with a gathered weight: its input must be replicated, its output stays so
+        "forward": {"fc1.input": [[R]], "fc2.input": [[R]], "fc2.weight": [R]},
+    }
+    dm = parallelize_module(MLP(), _tp_mesh(), plan)
+    x = torch.randn(3, 4)
+    with log_redistributions() as lines:
+        out = dm(x)
+    assert "fc2.weight: (Shard(dim=0),) -> (Replicate(),) shape (4, 8)" in lines, lines
+    assert "weight" not in dm.fc2.__dict__  # the gathered weight lives only during forward
+    assert out.placements == (R,)
+    assert_close(out, ref(x), name="output")
+    out.sum().backward()
+    ref(x).sum().backward()
+    dm.finish_grad_sync()
+    assert dm.fc2.weight.grad.placements == (Shard(0),)
+    for (name, p), (_, q) in zip(dm.named_parameters(), ref.named_parameters()):
+        assert_close(p.grad, q.grad, name=f"{name}.grad")
