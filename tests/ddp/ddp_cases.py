@@ -49,13 +49,12 @@ def micro_batches(ddp, k: int, mode: str = "no_sync"):
             yield i, contextlib.nullcontext()
 
 
-def reference_mlp_run(num_steps: int, lr: float = 0.05, momentum: float = 0.9):
+def _reference_run(model, batch_fn, num_steps: int, lr: float, momentum: float):
     """Single-process training on the full batch: the params after every step and the first grads."""
-    model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     history, first_grads = [], None
     for step in range(num_steps):
-        x, y = batch(step)
+        x, y = batch_fn(step)
         F.mse_loss(model(x), y).backward()
         if first_grads is None:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -63,6 +62,10 @@ def reference_mlp_run(num_steps: int, lr: float = 0.05, momentum: float = 0.9):
         opt.zero_grad()
         history.append({n: p.detach().clone() for n, p in model.named_parameters()})
     return history, first_grads
+
+
+def reference_mlp_run(num_steps: int, lr: float = 0.05, momentum: float = 0.9):
+    return _reference_run(MLP(), batch, num_steps, lr, momentum)
 
 
 # ---------------------------------------------------------------------- data x tensor parallel
@@ -121,18 +124,7 @@ def tp_loss(model, x, y, mesh, dp_rank: int, dp_size: int, mb: slice):
 
 
 def reference_tp_run(num_steps: int, lr: float = 0.05, momentum: float = 0.9):
-    model = TPBlock()
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    history, first_grads = [], None
-    for step in range(num_steps):
-        x, y = tp_batch(step)
-        ((model(x) - y) ** 2).mean().backward()
-        if first_grads is None:
-            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        history.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return history, first_grads
+    return _reference_run(TPBlock(), tp_batch, num_steps, lr, momentum)
 
 
 def dp_tp_mesh(tp_size: int):
