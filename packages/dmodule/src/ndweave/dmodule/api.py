@@ -119,7 +119,7 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str,
 
     program = _deferred.take_program(root) if _deferred.is_deferred(root) else None
     replicate = PlacementSpec([Replicate()] * mesh.ndim)
-    targets: dict[int, Callable[[torch.Tensor], int]] = {}
+    targets: dict[int, list[Callable[[torch.Tensor], int]]] = {}  # storage key -> its tensors' installers
     for tid, t in tensors.items():
         name = slots[tid][0][0]
         spec = chosen.get(tid, (None, replicate))[1]
@@ -137,14 +137,14 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str,
                 raise RuntimeError(f"{what} is a fake tensor: parallelize the module deferred_init returned, not a part of it")
             if any(isinstance(p, Partial) for p in placements):
                 raise ValueError(f"{what}: a deferred-init tensor cannot start Partial on {mesh}")
-            targets[_deferred._key(t)] = _local_shard_installer(t, mesh, placements, install)
+            targets.setdefault(_deferred._key(t), []).append(_local_shard_installer(t, mesh, placements, install))
         elif isinstance(t, DTensor):
             install(t if tuple(t.placements) == placements else t.redistribute(mesh, placements))
         elif is_model_sharded:
             local = t.detach().contiguous().to(mesh.device_type)
             shape = _global_shape(local, mesh, placements)
-            stride = torch.empty(shape, device="meta").stride()
-            install(DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride))
+            install(DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                                       stride=_contiguous_stride(shape)))
         else:
             install(distribute_tensor(t.detach().to(mesh.device_type), mesh, placements))
     if program is not None:
@@ -161,10 +161,19 @@ def _local_shard_installer(fake: torch.Tensor, mesh: DeviceMesh, placements: tup
         if local.numel() * local.element_size() < storage_root.untyped_storage().nbytes():
             local = local.clone()  # free the full tensor; a whole-storage replica is kept as is
         local = local.contiguous().to(mesh.device_type)
-        install(DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()))
+        install(DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape,
+                                   stride=_contiguous_stride(full.shape)))
         return local.numel() * local.element_size()
 
     return take
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, step = [], 1
+    for n in reversed(shape):
+        stride.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(stride))
 
 
 def _global_shape(local: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> torch.Size:

@@ -179,10 +179,10 @@ def take_program(module: nn.Module) -> DeferredProgram:
     return module.__dict__.pop(_ATTR)
 
 
-def replay(program: DeferredProgram, targets: dict[int, Callable[[torch.Tensor], int]]) -> MaterializeStats:
+def replay(program: DeferredProgram, targets: dict[int, list[Callable[[torch.Tensor], int]]]) -> MaterializeStats:
     """Replay ``program`` on CPU; when a storage in ``targets`` holds its final values, call its
-    callback with a real tensor over that storage (the callback keeps what it needs and returns the
-    bytes it kept), then free it.
+    callbacks with the real tensor that created that storage (each keeps what it needs, e.g. a local
+    shard, and returns the bytes it kept), then free it.
 
     A storage lives in *generations*: each op that overwrites it entirely starts a new one. Between
     the last op of one generation and the overwrite that starts the next, the storage is freed
@@ -272,7 +272,8 @@ def replay(program: DeferredProgram, targets: dict[int, Callable[[torch.Tensor],
             run(i)
             full = real(_tensors(ops[i].out)[j])
             stats.largest_full_param_bytes = max(stats.largest_full_param_bytes, full.untyped_storage().nbytes())
-            stats.local_bytes += targets[k](full)
+            for keep in targets[k]:
+                stats.local_bytes += keep(full)
             note_peak()
         release(k)
 

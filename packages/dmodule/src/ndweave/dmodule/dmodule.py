@@ -111,7 +111,7 @@ class FactoryDModule(DModule):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from ndweave.dmodule.factory import FactoryMode
 
-        with FactoryMode(self._dmodule.mesh):
+        with FactoryMode():
             return super().__call__(*args, **kwargs)
 
 

@@ -4,8 +4,8 @@ replicated DTensors instead of raising "mixed torch.Tensor and DTensor".
 A ``TorchFunctionMode`` active during the DModule's forward tags every tensor a factory function
 creates, and everything computed from tagged tensors alone (``torch.ones(t, t).tril()`` stays tagged).
 When an op mixes DTensors with tagged tensors, the tagged ones become ``Replicate`` DTensors on the
-DTensors' mesh. Untagged plain tensors are left alone: they are the user's, and mixing them is still
-an error worth seeing.
+mesh of the op's first DTensor (the module's mesh, or the submesh its tensors live on). Untagged
+plain tensors are left alone: they are the user's, and mixing them is still an error worth seeing.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -36,10 +35,6 @@ def _tagged(x: Any) -> bool:
 
 class FactoryMode(TorchFunctionMode):
     """Active during a ``factory=True`` DModule's forward; see the module docstring."""
-
-    def __init__(self, mesh: DeviceMesh) -> None:
-        super().__init__()
-        self.mesh = mesh
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
