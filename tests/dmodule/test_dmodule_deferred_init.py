@@ -124,10 +124,12 @@ def _profiled_peak_bytes(prof) -> int:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_deferred_init_peak_memory_is_bounded(world_size):
+def test_deferred_init_peak_memory_is_bounded(world_size, capsys):
     from ndweave.mesh.testing import run_distributed
 
-    run_distributed(_memory_body, world_size)
+    reports = run_distributed(_memory_body, world_size)
+    with capsys.disabled():  # into the test log even when the test passes
+        print("\n" + "\n".join(f"[deferred_init memory, rank {r}] {line}" for r, line in enumerate(reports)))
 
 
 def _memory_body():
@@ -145,9 +147,10 @@ def _memory_body():
     largest = max(full_bytes.values())
     bound = local + largest
     stats = dnet._materialize_stats
-    print(f"world {world}: full model {sum(full_bytes.values())} B, local shards {local} B, largest "
-          f"full param {largest} B, bound {bound} B; peak measured by the profiler {measured} B; "
-          f"replay accounting: {stats}")
+    report = (f"world {world}: full model {sum(full_bytes.values())} B, local shards {local} B, largest "
+              f"full param {largest} B, bound {bound} B; peak measured by the profiler {measured} B; "
+              f"replay accounting: {stats}")
+    print(report)
     assert stats.local_bytes == local
     assert stats.peak_bytes <= bound, stats
     # the replay saves and restores the CPU RNG state around itself: one more small tensor
@@ -155,3 +158,17 @@ def _memory_body():
     assert measured <= bound + rng_state_bytes, (measured, bound)
     # eager construction would hold every full parameter at once
     assert bound < sum(full_bytes.values())
+    return report
+
+
+class ReadsValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        if self.w.sum() > 100:  # control flow on values: impossible without the values
+            self.w.data.zero_()
+
+
+def test_deferred_init_explains_value_reads():
+    with pytest.raises(RuntimeError, match="construction reads tensor values"):
+        deferred_init(ReadsValues)

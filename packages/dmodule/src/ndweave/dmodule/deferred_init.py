@@ -28,7 +28,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -163,8 +168,15 @@ def deferred_init(module_fn: Callable[..., nn.Module], *args: Any, **kwargs: Any
     """
     program = DeferredProgram(rng_state=torch.get_rng_state())
     recorder = _Recorder(program)
-    with FakeTensorMode(allow_non_fake_inputs=True), recorder, _recorded_data_dependent_inits(recorder):
-        module = module_fn(*args, **kwargs)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), recorder, _recorded_data_dependent_inits(recorder):
+            module = module_fn(*args, **kwargs)
+    except (DataDependentOutputException, DynamicOutputShapeException) as err:
+        raise RuntimeError(
+            f"deferred_init({getattr(module_fn, '__name__', module_fn)}): construction reads tensor values "
+            f"({err}), which fake tensors do not have. torch.nn.init.{{{', '.join(_DATA_DEPENDENT_INITS)}}} "
+            "are handled when called through torch.nn.init; otherwise build the module eagerly."
+        ) from err
     if not isinstance(module, nn.Module):
         raise TypeError(f"deferred_init: module_fn returned a {type(module).__name__}, not an nn.Module")
     module.__dict__[_ATTR] = program
