@@ -9,6 +9,7 @@ single-device copy.
 from __future__ import annotations
 
 import copy
+import re
 import importlib.util
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from ndweave.mesh.testing import assert_close
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH, SEQ = 2, 16
+_NORM = re.compile(r"(norm|ln_\w+|layernorm)\.(weight|bias)$")
 # fp32, but the parallel run sums in another order (all-reduce, reduce-scatter, split matmuls)
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -140,6 +142,14 @@ def check_parity(name: str, *, sequence_parallel: bool = False, steps: int = 2, 
         assert_close(loss, ref_loss, name=f"step {step} loss", **TOL)
         ref_loss.backward()
         loss.backward()
+        pending = {e.fqn for e in model.list_grad_sync() if e.status == "pending"}
+        # only replicated norm weights may wait for finish_grad_sync: a Partial gradient anywhere else
+        # is a full-size gradient the plan failed to keep sharded
+        assert all(_NORM.search(fqn) for fqn in pending), f"unexpected Partial gradients: {sorted(pending)}"
+        if sequence_parallel and name != "mlp":
+            assert pending, "sequence parallel, yet no norm weight has a Partial gradient: is the stream sharded?"
+        if not sequence_parallel:  # tensor parallel reduces activation gradients where Megatron does
+            assert not pending, f"tensor parallel left Partial gradients: {sorted(pending)}"
         model.finish_grad_sync()
         for fqn, ref_p in ref_params.items():
             assert params[fqn].grad is not None, f"step {step}: {fqn} got no gradient"

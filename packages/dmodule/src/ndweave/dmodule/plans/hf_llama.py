@@ -17,9 +17,15 @@ Tensor parallel, per decoder layer::
 - ``embed_tokens``: vocab-parallel (``Shard(0)`` + ``vocab_parallel_embedding``); ``lm_head``:
   column-wise, logits gathered and handed on as a plain tensor so HF's loss runs unchanged.
   Tied embeddings (``tie_word_embeddings=True``) stay one parameter: both sides are ``Shard(0)``.
+- Tensor parallel only: each RMSNorm's output is handed on as a plain tensor and taken back as
+  ``Replicate`` by its consumer (``self_attn`` / ``mlp`` / ``lm_head``), so the projections'
+  partial input gradient is all-reduced right there, once per block (RMSNorm is pointwise ops that
+  would otherwise carry the ``Partial`` gradient back into ``o_proj`` / ``down_proj``, whose weight
+  gradients would then be full-size ``Partial`` tensors on every rank).
 - ``sequence_parallel=True``: residual stream and RMSNorms ``Shard(1)`` on the sequence; every
-  norm's output is all-gathered, ``o_proj`` / ``down_proj`` outputs reduce-scattered; the norms'
-  weight gradients come out ``Partial`` and ``finish_grad_sync()`` reduces them.
+  norm's output is all-gathered (its backward: a reduce-scatter), ``o_proj`` / ``down_proj``
+  outputs reduce-scattered; the norms' weight gradients come out ``Partial`` and
+  ``finish_grad_sync()`` reduces them.
 """
 
 from __future__ import annotations
@@ -76,9 +82,20 @@ def hf_llama_plan(model: nn.Module | None = None, *, sequence_parallel: bool = F
         rf"{_L}.mlp.down_proj.output": [stream],
         "lm_head.output": [local([Replicate()])],
     }
+    norms = rf"{_L}.(input_layernorm|post_attention_layernorm)"
     if sequence_parallel:
-        forward[rf"{_L}.(input_layernorm|post_attention_layernorm).output"] = [[Replicate()]]
+        forward[f"{norms}.output"] = [[Replicate()]]
         forward["model.norm.output"] = [[Replicate()]]
+    else:
+        # RMSNorm is plain pointwise ops, through which DTensor would carry the projections' Partial
+        # input gradient all the way back (o_proj / down_proj would get full-size Partial weight
+        # gradients). Handing the norm output over as a local tensor and taking it back as Replicate
+        # at its consumer puts the backward all-reduce right there (Megatron's "f").
+        forward[f"{norms}.output"] = [local([Replicate()])]
+        forward[rf"{_L}.self_attn.input"] = {"hidden_states": [Replicate()]}
+        forward[rf"{_L}.mlp.input"] = [[Replicate()]]
+        forward["model.norm.output"] = [local([Replicate()])]
+        forward["lm_head.input"] = [[Replicate()]]
 
     patch = {
         "model.embed_tokens": ["vocab_parallel_embedding"],
