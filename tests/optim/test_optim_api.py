@@ -133,3 +133,35 @@ def test_loss_scaling_unscales_and_skips_overflowing_steps():
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     train_reference(reference, ref_opt, 5, clip=0.05)
     assert_params_match(ddp.module, reference)
+
+
+class _ScaleBySequence(torch.nn.Module):
+    """A replicated weight applied to a sequence-sharded activation: its grad comes out Partial."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        self.weight = torch.nn.Parameter(distribute_tensor(torch.linspace(0.5, 1.5, 8), mesh, [Replicate()]))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+@distributed(world_size=2)
+def test_basic_optimizer_reduces_partial_grads_before_stepping():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = _ScaleBySequence(mesh)
+    opt = BasicOptimizer(torch.optim.SGD, [model], optimizer_kwargs={"lr": 0.1})
+    x = torch.arange(32.0).reshape(4, 8) / 32
+    local = x[dist.get_rank() * 2 : (dist.get_rank() + 1) * 2]
+    opt.zero_grad()
+    model(DTensor.from_local(local, mesh, [Shard(0)])).sum().backward()
+    assert model.weight.grad.placements[0].is_partial()  # what the step must reduce first
+    opt.step()
+    assert not any(p.is_partial() for p in model.weight.grad.placements)
+    expected = torch.linspace(0.5, 1.5, 8) - 0.1 * x.sum(0)
+    torch.testing.assert_close(model.weight.full_tensor(), expected)
