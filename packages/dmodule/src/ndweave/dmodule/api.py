@@ -138,6 +138,9 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str,
             if any(isinstance(p, Partial) for p in placements):
                 raise ValueError(f"{what}: a deferred-init tensor cannot start Partial on {mesh}")
             targets.setdefault(_deferred._key(t), []).append(_local_shard_installer(t, mesh, placements, install))
+        elif t.is_meta:
+            raise ValueError(f"{what} is on the meta device and has no values; build the module with "
+                             "deferred_init(module_fn, ...) to get values equal to eager init")
         elif isinstance(t, DTensor):
             install(t if tuple(t.placements) == placements else t.redistribute(mesh, placements))
         elif is_model_sharded:
