@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +19,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
     """A torch ``Optimizer`` whose ``param_groups`` and ``state`` are those of ``self.inner``.
 
     ``torch.optim.Optimizer.__init__`` is deliberately not called: it would register the params it is
-    given as its own; here the inner optimizer owns them and this object only forwards.
+    given as its own; here the inner optimizer owns them and this object only forwards. (So torch's
+    step/state-dict hook registries are not set up: register hooks on ``self.inner``.)
     """
 
     inner: torch.optim.Optimizer
@@ -37,11 +37,6 @@ class WrappedOptimizer(torch.optim.Optimizer):
         """``True`` when the last ``step()`` found inf/nan grads and changed nothing."""
         self._grads_ready = False
         self._found_inf = False
-        # the hook tables torch's Optimizer methods expect to exist
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-                     "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, name, OrderedDict())
 
     # ``param_groups`` and ``state`` live on the inner optimizer (lr schedulers edit them in place)
     @property

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ndweave.mesh.contracts import GradBucketProvider, finish_grad_sync
 from ndweave.optim.base import WrappedOptimizer
@@ -92,7 +93,7 @@ class BasicOptimizer(WrappedOptimizer):
 
     @staticmethod
     def _local(t: torch.Tensor) -> torch.Tensor:
-        return t._local_tensor if hasattr(t, "_local_tensor") else t
+        return t._local_tensor if isinstance(t, DTensor) else t
 
     def _owned_grads(self) -> list[torch.Tensor]:
         return [
@@ -121,6 +122,9 @@ class BasicOptimizer(WrappedOptimizer):
                 model.zero_grad_buffer()
         self.inner.zero_grad(set_to_none=set_to_none)
         self._grads_ready = False
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.inner.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

@@ -234,6 +234,12 @@ class DistributedOptimizer(WrappedOptimizer):
             shard.master.grad = None
         self._grads_ready = False
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "DistributedOptimizer shards the params of its models' grad buckets, fixed at construction: pass an "
+            "optimizer instance with all its param groups instead"
+        )
+
     # ---- overlap ------------------------------------------------------------------------------
     def wait_param_gather(self) -> None:
         """Wait for every pending parameter all-gather (needed only to read params outside forward)."""

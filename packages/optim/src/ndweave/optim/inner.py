@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "NON_ELEMENTWISE_OPTIMIZERS", "InnerSpec", "resolve_optimizer"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "NON_ELEMENTWISE_OPTIMIZERS", "InnerSpec", "check_elementwise", "resolve_optimizer"]
 
 #: torch optimizers whose update of an element depends only on that element's grad and state (and
 #: per-step scalars), so stepping any flat range of a parameter equals stepping the whole of it.
