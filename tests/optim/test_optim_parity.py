@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ndweave.mesh.testing import distributed
+from ndweave.mesh.testing import distributed, run_distributed
 from ndweave.optim import DistributedOptimizer
 
 from optim_common import (
@@ -35,17 +35,9 @@ def _check_dp(name: str, clip: float, overlap: bool) -> None:
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("clip", [0.0, 0.05], ids=["noclip", "clip"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-@distributed(world_size=2)
-def test_dp2_matches_single_device(name, clip, overlap):
-    _check_dp(name, clip, overlap)
-
-
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("clip", [0.0, 0.05], ids=["noclip", "clip"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-@distributed(world_size=4)
-def test_dp4_matches_single_device(name, clip, overlap):
-    _check_dp(name, clip, overlap)
+@pytest.mark.parametrize("world_size", [2, 4], ids=["dp2", "dp4"])
+def test_dp_matches_single_device(world_size, name, clip, overlap):
+    run_distributed(_check_dp, world_size, name, clip, overlap)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])

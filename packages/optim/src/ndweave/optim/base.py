@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -103,6 +103,20 @@ class WrappedOptimizer(torch.optim.Optimizer):
         total = global_norm(self._owned_grads(), norm_type, self.grad_norm_group, device=self._device())
         clip_by_norm(self._local_grads(), max_norm, total)
         return total
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Finish the models' grad syncs, unscale (``loss_scaler``), clip (``clip_grad``) and step;
+        a ``DistributedOptimizer`` then all-gathers the updated params. Skipped on inf/nan grads."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._begin_step():
+            self._apply_step()
+        return loss
+
+    def _apply_step(self) -> None:
+        self.inner.step()
 
     def _begin_step(self) -> bool:
         """Everything before the inner step: sync, unscale, overflow check, clip. ``False``: skip."""

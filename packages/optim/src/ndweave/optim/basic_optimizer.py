@@ -4,7 +4,7 @@ buckets in flight, sequence-parallel ``Partial`` grads, plain models)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -104,16 +104,6 @@ class BasicOptimizer(WrappedOptimizer):
 
     def _local_grads(self) -> list[torch.Tensor]:
         return [self._local(p.grad) for p in self._params() if p.grad is not None]
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Finish grad syncs, (unscale, clip,) and step."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._begin_step():
-            self.inner.step()
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the params' grads and, for DDP-wrapped models, their grad buffers."""

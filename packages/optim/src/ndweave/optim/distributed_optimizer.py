@@ -20,7 +20,7 @@ memory is not 1/DP: this is not full ZeRO-2. Full-size buffers that remain per r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,16 +207,9 @@ class DistributedOptimizer(WrappedOptimizer):
     def _local_grads(self) -> list[torch.Tensor]:
         return [s.master.grad for s in self._shards if s.master.grad is not None]
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Finish grad syncs, (unscale, clip,) step the shards and all-gather the new params."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._begin_step():
-            self.inner.step()
-            self._publish()
-        return loss
+    def _apply_step(self) -> None:
+        self.inner.step()
+        self._publish()
 
     def _publish(self) -> None:
         """Write the masters into the model's ranges and all-gather every bucket."""
