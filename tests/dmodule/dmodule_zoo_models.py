@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
 
 from ndweave.mesh.testing import assert_close
 
@@ -102,6 +103,30 @@ def run(name: str, model: nn.Module, inputs, targets, step: int = 0):
     return out.logits, out.loss
 
 
+def expected_collectives(name: str, model: nn.Module, sequence_parallel: bool) -> tuple[dict, dict]:
+    """Collectives of one forward and one backward under Megatron's layout (what the plans aim at).
+
+    Tensor parallel: one all-reduce per row-wise projection forward, one per column-wise group
+    backward (plus the embedding's in forward, lm_head's input in backward), and the logits'
+    all-gather. Sequence parallel turns each all-reduce into an all-gather + reduce-scatter pair.
+    """
+    if name == "mlp":  # (its loss, out.sum(), sends back an all-ones gradient: already replicated)
+        return ({"reduce_scatter_tensor" if sequence_parallel else "all_reduce": 1}, {})
+    config = model.config
+    layers = getattr(config, "n_layer", None) or config.num_hidden_layers
+    learned_positions = name != "hf_llama"  # wpe's output is sliced to the sequence shard: its grad gathered
+    if not sequence_parallel:
+        return ({"all_reduce": 2 * layers + 1, "all_gather_into_tensor": 1}, {"all_reduce": 2 * layers + 1})
+    return (
+        {"reduce_scatter_tensor": 2 * layers + 1, "all_gather_into_tensor": 2 * layers + 2},
+        {"reduce_scatter_tensor": 2 * layers + 1, "all_gather_into_tensor": 2 * layers + 1 + learned_positions},
+    )
+
+
+def _counts(mode: CommDebugMode) -> dict[str, int]:
+    return {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items()}
+
+
 def _aliases(model: nn.Module) -> dict[str, str]:
     """Every parameter name -> the name ``named_parameters()`` reports for it (tied names differ)."""
     first: dict[int, str] = {}
@@ -137,11 +162,16 @@ def check_parity(name: str, *, sequence_parallel: bool = False, steps: int = 2, 
     for step in range(steps):
         inputs, targets = batch(name, reference, step)
         ref_out, ref_loss = run(name, reference, inputs, targets, step)
-        out, loss = run(name, model, inputs, targets, step)
+        with CommDebugMode() as forward_comms:
+            out, loss = run(name, model, inputs, targets, step)
         assert_close(out, ref_out, name=f"step {step} output", **TOL)
         assert_close(loss, ref_loss, name=f"step {step} loss", **TOL)
         ref_loss.backward()
-        loss.backward()
+        with CommDebugMode() as backward_comms:
+            loss.backward()
+        expected = expected_collectives(name, reference, sequence_parallel)
+        actual = (_counts(forward_comms), _counts(backward_comms))
+        assert actual == expected, f"step {step}: collectives (forward, backward) {actual}, Megatron's {expected}"
         pending = {e.fqn for e in model.list_grad_sync() if e.status == "pending"}
         # only replicated norm weights may wait for finish_grad_sync: a Partial gradient anywhere else
         # is a full-size gradient the plan failed to keep sharded

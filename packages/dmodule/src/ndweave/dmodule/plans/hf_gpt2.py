@@ -130,12 +130,12 @@ def fused_qkv_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> N
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         mesh = module.weight.device_mesh
-        replicate = [Replicate()]
-        # a plain input is the full activation, the same on every rank
-        if isinstance(x, DTensor):
-            x = x.redistribute(mesh, replicate)
-        else:
-            x = DTensor.from_local(x, mesh, replicate, run_check=False)
+        if not isinstance(x, DTensor):  # a plain input is the full activation, the same on every rank
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        elif x.placements != (Replicate(),):
+            # (only when needed: even a no-op redistribute would turn the Partial gradient below
+            # into an all-reduce where a sequence-parallel reduce-scatter suffices)
+            x = x.redistribute(mesh, [Replicate()])
         # each rank's input gradient covers only its own heads: a partial sum, reduced on the way back
         x = x.to_local(grad_placements=[Partial()])
         weight, bias = module.weight.to_local(), module.bias.to_local()
