@@ -5,8 +5,9 @@
 
 Same model (a stack of MLP blocks: Linear(d, 4d), GELU, Linear(4d, d)), same weights, same input,
 same mesh and processes. Timed: forward + backward (+ ``finish_grad_sync`` for ours, which has
-nothing to reduce under pure TP), median and best of interleaved rounds (the best round is the
-steadier figure on a shared machine). Three variants:
+nothing to reduce under pure TP) over interleaved rounds: wall time (median and best round) and
+the CPU time of the busiest rank (median round; the steadier figure on a shared machine, where wall
+time swings with other load). Three variants:
 
 * ``torch``: ``ColwiseParallel()`` on every fc1, ``RowwiseParallel()`` on every fc2; activations
   between modules are plain local tensors (``use_local_output=True``, torch's default);
@@ -106,19 +107,25 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     for k, o in outs.items():
         torch.testing.assert_close(o, outs["torch"], rtol=1e-4, atol=1e-5, msg=f"{k} output differs from torch's")
     times: dict[str, list[float]] = {k: [] for k in models}
+    cpu: dict[str, list[float]] = {k: [] for k in models}
     for name, (m, ours) in models.items():  # warm up
         for _ in range(args.warmup):
             _step(m, x, ours)
     for _ in range(args.rounds):
         for name, (m, ours) in models.items():
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 _step(m, x, ours)
+            c1 = time.process_time()
             dist.barrier()
             times[name].append((time.perf_counter() - t0) / args.steps)
+            cpu[name].append((c1 - c0) / args.steps)
+    # CPU seconds of the busiest rank: steadier than wall time when the machine is shared
+    cpu_med = torch.tensor([statistics.median(cpu[k]) for k in models], dtype=torch.float64)
+    dist.all_reduce(cpu_med, op=dist.ReduceOp.MAX)
     if rank == 0:
-        queue.put({k: (statistics.median(v), min(v)) for k, v in times.items()})
+        queue.put({k: (statistics.median(v), min(v), cpu_med[i].item()) for i, (k, v) in enumerate(times.items())})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -148,9 +155,9 @@ def main() -> None:
         queue = ctx.SimpleQueue()
         mp.spawn(_worker, args=(world, _free_port(), args, queue), nprocs=world, join=True)
         res = queue.get()
-        for i, stat in enumerate(("median", "best")):
+        for i, stat in enumerate(("wall, median round", "wall, best round", "CPU time, busiest rank")):
             t = res["torch"][i]
-            print(f"world {world} ({stat} round): torch {t * 1e3:.2f} ms/step | ours-local "
+            print(f"world {world} ({stat}): torch {t * 1e3:.2f} ms/step | ours-local "
                   f"{res['ours-local'][i] * 1e3:.2f} ms/step (ratio {res['ours-local'][i] / t:.3f}) | ours-dtensor "
                   f"{res['ours-dtensor'][i] * 1e3:.2f} ms/step (ratio {res['ours-dtensor'][i] / t:.3f})")
 
