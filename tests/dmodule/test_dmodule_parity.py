@@ -136,3 +136,26 @@ def test_mlp_2d_tp_mesh():
 def test_custom_modules_2d_tp_sp_mesh():
     partial = _run_parity(lambda: NormMLP(8, 16), NORM_MLP_TP_SP_2D, _mesh_2d(), (2, 8, 8), True, "sgd")
     assert "norm.weight" in partial, partial
+
+
+@distributed(world_size=2)
+def test_finish_grad_sync_is_one_collective_per_bucket():
+    torch.manual_seed(0)
+    dmodel = parallelize_module(NormMLP(8, 16), _mesh_1d(2), NORM_MLP_TP_SP)
+    x = _local_chunk(torch.randn(2, 6, 8), dmodel.device_mesh, [S1])
+    dmodel(x).pow(2).sum().backward()
+    pending = dmodel.list_grad_sync()
+    assert {e.fqn for e in pending} == {"norm.weight", "ln_f.weight", "ln_f.bias"}, pending
+    calls = []
+    original = torch.distributed.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    torch.distributed.all_reduce = counting
+    try:
+        dmodel.finish_grad_sync()
+    finally:
+        torch.distributed.all_reduce = original
+    assert calls == [8 + 8 + 8], calls  # three Partial grads, one bucket, one all-reduce
