@@ -4,7 +4,7 @@ GPT-2's projections are ``Conv1D``: weight (in, out), the transpose of ``nn.Line
 is ``Shard(1)`` on the weight (bias ``Shard(0)``) and row-wise ``Shard(0)`` (bias ``Replicate``).
 
 The fused ``c_attn`` (weight (E, 3E) = [q | k | v]) is the catch: ``Shard(1)`` would give rank 0 all
-of q and half of k. The plan keeps the parameter as the original (E, 3E) tensor but lays it out
+of q and half of k. The parameter stays the original (E, 3E) tensor, laid out
 ``_StridedShard(1, split_factor=3)``: rank r holds columns [q_r | k_r | v_r], its own heads of each.
 ``full_tensor()``, checkpoints and gradients see the unchanged HF layout; only the local shards are
 strided. Two patches make the module use it:
