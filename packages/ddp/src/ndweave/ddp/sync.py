@@ -20,6 +20,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from ndweave.ddp.buffer import ParamSlot, local_tensor
+from ndweave.mesh.collectives import reduce_scatter_flat
 from ndweave.mesh.contracts import reduce_partial_grads
 
 __all__ = [
@@ -79,8 +80,7 @@ def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup) 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op, group) -> dist.Work:
     """Async reduce-scatter of ``input`` into ``output`` (this rank's range of it; in place is fine)."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, op=op, group=group, async_op=True)
+    return reduce_scatter_flat(output, input, op=op, group=group, async_op=True)
 
 
 def start_step(slot: ParamSlot, *, carry: bool, ddp) -> None:

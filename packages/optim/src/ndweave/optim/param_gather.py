@@ -2,7 +2,7 @@
 next forward.
 
 After a sharded step each DP rank has fresh values only in its range of every bucket's
-``param_data``; one ``all_gather_into_tensor`` per bucket (in place: the input is the rank's own
+``param_data``; one all-gather per bucket (in place: the input is the rank's own
 range of the output) gives every rank every value. With overlap the gathers are issued async and
 each bucket is waited on in a forward pre-hook of the first module (in forward order) that owns one
 of its params, so the gather of later buckets runs while earlier layers compute.
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ndweave.mesh.collectives import all_gather_flat
 from ndweave.mesh.contracts import GradBucket
 
 __all__ = ["ParamGatherer"]
@@ -63,8 +64,8 @@ class ParamGatherer:
             if bucket.data_parallel_size == 1:
                 continue
             start, end = bucket.shard_range()
-            work = dist.all_gather_into_tensor(bucket.param_data, bucket.param_data[start:end],
-                                               group=bucket.data_parallel_group, async_op=self.overlap)
+            work = all_gather_flat(bucket.param_data, bucket.param_data[start:end],
+                                   group=bucket.data_parallel_group, async_op=self.overlap)
             if self.overlap:
                 self._handles[index] = work
 
