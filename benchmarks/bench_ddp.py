@@ -18,23 +18,18 @@ plain SGD. Per world size it prints:
 from __future__ import annotations
 
 import argparse
-import os
 import resource
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from common import init_rank, mlp, spawn, sync
 
 
 def _model(args) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(args.layers):
-        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(args.width, 10))
+    return mlp(args.layers, args.width)
 
 
 def _wrap(kind: str, model, args, device):
@@ -56,24 +51,14 @@ def _step(ddp, opt, x, y):
     opt.zero_grad()
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _rss_bytes() -> int:
     # ru_maxrss is in KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _worker(rank: int, world: int, port: int, mode: str, kind: str, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
-    use_cuda = args.device == "cuda"
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group(dist.get_default_backend_for_device(device.type), rank=rank, world_size=world)
+    device = init_rank(rank, world, port, args.device, args.threads)
+    use_cuda = device.type == "cuda"
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.width, generator=g).to(device)
     y = torch.randint(0, 10, (args.batch,), generator=g).to(device)
@@ -90,17 +75,17 @@ def _worker(rank: int, world: int, port: int, mode: str, kind: str, args, queue)
         for _ in range(args.rounds):  # interleave, so machine noise hits both alike
             for k, (ddp, opt) in runs.items():
                 dist.barrier()
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     _step(ddp, opt, x, y)
-                _sync(device)
+                sync(device)
                 times[k].append((time.perf_counter() - t0) / args.steps)
         result = {k: statistics.median(v) for k, v in times.items()}
         result.update(_bandwidth(runs["ndweave"][0], args, device))
     else:  # mode == "memory": one framework per process
         model = _model(args).to(device)
-        _sync(device)
+        sync(device)
         if use_cuda:
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
@@ -110,7 +95,7 @@ def _worker(rank: int, world: int, port: int, mode: str, kind: str, args, queue)
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
         for _ in range(args.warmup + 2):
             _step(ddp, opt, x, y)
-        _sync(device)
+        sync(device)
         peak = torch.cuda.max_memory_allocated(device) if use_cuda else _rss_bytes()
         result = {"peak_growth": peak - base}
     gathered = [None] * world
@@ -134,17 +119,17 @@ def _bandwidth(ddp, args, device) -> dict:
     for _ in range(args.rounds * 2):
         torch.nn.functional.mse_loss(ddp(x), torch.zeros(args.batch, 10, device=device)).backward()
         dist.barrier()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         ddp.finish_grad_sync()
-        _sync(device)
+        sync(device)
         ours.append(time.perf_counter() - t0)
         ddp.zero_grad_buffer()
         dist.barrier()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         dist.all_reduce(flat)
-        _sync(device)
+        sync(device)
         raw.append(time.perf_counter() - t0)
     return {
         "bytes": nbytes,
@@ -152,16 +137,6 @@ def _bandwidth(ddp, args, device) -> dict:
         "raw_busbw": nbytes / statistics.median(raw) * factor,
         "num_buckets": len(ddp.grad_buckets()),
     }
-
-
-def _spawn(world: int, mode: str, kind: str, args):
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(world, port, mode, kind, args, queue), nprocs=world, start_method="spawn")
-    return queue.get()
 
 
 def main() -> None:
@@ -184,8 +159,8 @@ def main() -> None:
              f"{'torch peak MiB':>14} | {'ours busbw GB/s':>15} | {'raw busbw GB/s':>14}"
     print(header, flush=True)
     for world in args.world_sizes:
-        timing = _spawn(world, "time", "", args)
-        memory = {k: max(r["peak_growth"] for r in _spawn(world, "memory", k, args)) for k in ("ndweave", "torch")}
+        timing = spawn(_worker, world, "time", "", args)
+        memory = {k: max(r["peak_growth"] for r in spawn(_worker, world, "memory", k, args)) for k in ("ndweave", "torch")}
         ours = max(r["ndweave"] for r in timing)
         theirs = max(r["torch"] for r in timing)
         bw = timing[0]

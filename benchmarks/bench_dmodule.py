@@ -23,15 +23,14 @@ Printed per world size: ms/step of each and the ratios ours / torch (target: <= 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from common import init_rank, spawn
 
 
 class Block(nn.Module):
@@ -88,9 +87,7 @@ def _step(model, x, ours: bool) -> None:
 
 
 def _worker(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_rank(rank, world, port, "cpu", args.threads)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("TP",))
@@ -130,12 +127,6 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -150,11 +141,8 @@ def main() -> None:
     print(f"MLP TP: {args.layers} blocks, width {args.width} (hidden {4 * args.width}), {args.tokens} tokens, "
           f"CPU/gloo, {args.threads} thread(s) per rank; forward+backward, median of {args.rounds} rounds "
           f"x {args.steps} steps")
-    ctx = mp.get_context("spawn")
     for world in args.world_sizes:
-        queue = ctx.SimpleQueue()
-        mp.spawn(_worker, args=(world, _free_port(), args, queue), nprocs=world, join=True)
-        res = queue.get()
+        res = spawn(_worker, world, args)
         for i, stat in enumerate(("wall, median round", "wall, best round", "CPU time, busiest rank")):
             t = res["torch"][i]
             print(f"world {world} ({stat}): torch {t * 1e3:.2f} ms/step | ours-local "

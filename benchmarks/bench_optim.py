@@ -25,24 +25,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from common import init_rank, mlp, spawn, sync
 
 KINDS = ("unsharded", "torch-zero", "ndweave", "ndweave+overlap")
 
 
 def _model(args) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(args.layers):
-        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(args.width, 10))
+    return mlp(args.layers, args.width)
 
 
 def _ndweave_ddp(model, device, args):
@@ -84,33 +80,22 @@ def _state_bytes(kind: str, opt) -> int:
     return sum(v.numel() * v.element_size() for s in state.values() for v in s.values() if torch.is_tensor(v))
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _worker(rank: int, world: int, port: int, kind: str, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
-    use_cuda = args.device == "cuda"
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group(dist.get_default_backend_for_device(device.type), rank=rank, world_size=world)
+    device = init_rank(rank, world, port, args.device, args.threads)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.width, generator=g).to(device)
     y = torch.randint(0, 10, (args.batch,), generator=g).to(device)
     ddp, opt, source = _build(kind, _model(args).to(device), device, args)
     iters, steps = [], []
     for i in range(args.warmup + args.steps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
         opt.step()
-        _sync(device)
+        sync(device)
         t2 = time.perf_counter()
         if i >= args.warmup:
             iters.append(t2 - t0)
@@ -127,17 +112,8 @@ def _worker(rank: int, world: int, port: int, kind: str, args, queue) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(kind: str, world: int, args) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(world, _free_port(), kind, args, queue), nprocs=world, start_method="spawn")
-    return queue.get()
+    return spawn(_worker, world, kind, args)
 
 
 def main() -> None:
