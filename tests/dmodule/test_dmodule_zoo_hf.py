@@ -80,3 +80,38 @@ def test_hf_gpt2_plan_layout():
     assert (w.to_local() == torch.cat([q[:, half], k[:, half], v[:, half]], dim=1)).all()
     assert (w.full_tensor() == c_attn).all()
     assert "transformer.h.0.attn.c_attn.weight" in model.dump_plan()
+
+
+@distributed(world_size=2)
+def test_hf_gpt2_deferred_init_keeps_only_local_c_attn_columns():
+    """The plan's parameter section lays c_attn out strided, so deferred init never keeps it whole."""
+    from ndweave.dmodule import deferred_init, parallelize_module
+    from ndweave.dmodule.plans import get_plan
+
+    torch.manual_seed(0)
+    eager = build("hf_gpt2")
+    torch.manual_seed(0)
+    model = parallelize_module(deferred_init(build, "hf_gpt2"), init_device_mesh("cpu", (2,)), get_plan("hf_gpt2"))
+    for i, block in enumerate(model.transformer.h):
+        for name, full in (("weight", eager.transformer.h[i].attn.c_attn.weight),
+                           ("bias", eager.transformer.h[i].attn.c_attn.bias)):
+            p = getattr(block.attn.c_attn, name)
+            assert p.placements == (_StridedShard(full.dim() - 1, split_factor=3),)
+            assert p.to_local().shape[-1] == 3 * 32 // 2 and torch.equal(p.full_tensor(), full)
+    stats = model._materialize_stats
+    local = sum(t.to_local().numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    assert stats.local_bytes == local, stats  # a Replicate c_attn would count its full (E, 3E) here
+    assert stats.peak_bytes <= local + stats.largest_full_param_bytes, stats
+
+
+@distributed(world_size=2)
+def test_hf_gpt2_fused_qkv_patch_needs_the_strided_layout():
+    from ndweave.dmodule import parallelize_module
+    from ndweave.dmodule.plans import get_plan
+
+    model = build("hf_gpt2")
+    plan = get_plan("hf_gpt2", model)
+    del plan["parameter"][r"transformer.h.\d+.attn.c_attn.weight"]  # arrives Replicate
+    with pytest.raises(ValueError, match=r"c_attn.weight: the fused q\|k\|v projection must be laid out "
+                                         r"\[_StridedShard\(dim=1, sf=3\)\].*parameter section; it is \(Replicate\(\),\)"):
+        parallelize_module(model, init_device_mesh("cpu", (2,)), plan)

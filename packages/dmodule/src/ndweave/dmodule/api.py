@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ndweave.dmodule import deferred_init as _deferred
 from ndweave.dmodule.dmodule import DModuleState, make_dmodule
@@ -159,16 +159,43 @@ def _local_shard_installer(fake: torch.Tensor, mesh: DeviceMesh, placements: tup
                            install: Callable[[DTensor], None]) -> Callable[[torch.Tensor], int]:
     def take(storage_root: torch.Tensor) -> int:
         full = storage_root.as_strided(fake.size(), fake.stride(), fake.storage_offset())
-        shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
-        local = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
-        if local.numel() * local.element_size() < storage_root.untyped_storage().nbytes():
-            local = local.clone()  # free the full tensor; a whole-storage replica is kept as is
+        local = local_shard(full, mesh, placements)
+        if local.numel() * local.element_size() < local.untyped_storage().nbytes():
+            # a view (of the full tensor, or of a strided copy a later Shard cut): keep only the shard
+            # so the rest is freed; a whole-storage replica or a fresh strided copy is kept as is
+            local = local.clone()
         local = local.contiguous().to(mesh.device_type)
         install(DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape,
                                    stride=_contiguous_stride(full.shape)))
         return local.numel() * local.element_size()
 
     return take
+
+
+def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> torch.Tensor:
+    """This rank's shard of ``full``: what ``distribute_tensor(full, mesh, placements)`` leaves on it,
+    bit for bit, but with no communication and no full-size copy (deferred init replays the full
+    tensor on every rank already; a scatter would only move what each rank has).
+
+    Mesh dims are applied left to right, as ``distribute_tensor`` does. ``Shard`` keeps a view (torch's
+    own chunking). ``_StridedShard``'s rank pieces are not one block (rank r of ``split_factor=3``
+    holds [q_r | k_r | v_r]): torch's ``_StridedShard._split_tensor`` chunks the dim into
+    ``split_factor`` pieces, chunks each over the ranks and concatenates piece r of each; we do the
+    same for this rank alone, with torch's own chunking, so one ``cat`` copies just the shard (torch's
+    would ``cat`` every rank's shard: a second full-size tensor).
+    """
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # not in the mesh: no shard (as distribute_tensor)
+        return full.new_empty(0)
+    local = full
+    for mesh_dim, p in enumerate(placements):
+        n, r = mesh.size(mesh_dim), coordinate[mesh_dim]
+        if isinstance(p, Shard):
+            local = p._split_tensor(local, n, with_padding=False, contiguous=False)[0][r]
+        elif isinstance(p, _StridedShard):
+            pieces = Shard._custom_chunk(local, p.split_factor, dim=p.dim)
+            local = torch.cat([Shard._custom_chunk(piece, n, dim=p.dim)[r] for piece in pieces], dim=p.dim)
+    return local
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -184,7 +211,7 @@ def _global_shape(local: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> t
     shape = list(local.shape)
     for mesh_dim in reversed(range(mesh.ndim)):
         p = placements[mesh_dim]
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):  # a strided shard also holds its share of the dim
             group = mesh.get_group(mesh_dim)
             mine = torch.tensor([shape[p.dim]], dtype=torch.int64, device=local.device)
             sizes = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = ["PlacementSpec", "Plan", "normalize_plan", "match_modules", "check_placements", "IO_LEAVES"]
 
@@ -29,7 +29,9 @@ IO_LEAVES = ("input", "output")
 class PlacementSpec:
     """Placements plus options, usable anywhere a plan takes a list of placements.
 
-    - ``placements``: one ``Shard``/``Replicate``/``Partial`` per mesh dim.
+    - ``placements``: one ``Shard``/``Replicate``/``Partial`` per mesh dim (parameter plans also
+      take ``_StridedShard(dim, split_factor=f)``: a fused [q | k | v] weight, rank r holding its
+      own [q_r | k_r | v_r]).
     - ``async_op``: launch the redistribution asynchronously (the result waits on first use).
     - ``grad_placements``: for outputs returned as local tensors, the layout their gradient has
       (passed to ``DTensor.to_local(grad_placements=...)``); default: same as ``placements``.
@@ -147,17 +149,56 @@ def check_placements(spec: PlacementSpec, tensor: torch.Tensor, mesh: DeviceMesh
         )
     out = []
     for p in placements:
-        if isinstance(p, Shard):
-            if not -tensor.ndim <= p.dim < max(tensor.ndim, 1):
+        # _StridedShard is not a Shard subclass in torch 2.13 (both derive from the C++ placement),
+        # so it is matched on its own; its dim is checked and normalized exactly like Shard's
+        if isinstance(p, (Shard, _StridedShard)):
+            if not -tensor.ndim <= p.dim < tensor.ndim:  # (a 0-D tensor has no dim to shard)
                 raise ValueError(
                     f"{what}: {p!r} is out of range for a {tensor.ndim}-D tensor of shape {tuple(tensor.shape)} "
                     f"on mesh {mesh_str(mesh)}"
                 )
-            p = Shard(p.dim % tensor.ndim)
+            if isinstance(p, _StridedShard):
+                if int(p.split_factor) < 1:
+                    raise ValueError(f"{what}: {p!r} needs split_factor >= 1 (on mesh {mesh_str(mesh)})")
+                p = _StridedShard(p.dim % tensor.ndim, split_factor=p.split_factor)
+            else:
+                p = Shard(p.dim % tensor.ndim)
         elif not isinstance(p, (Replicate, Partial)):
             raise TypeError(f"{what}: unsupported placement {p!r} on mesh {mesh_str(mesh)}")
         out.append(p)
+    _check_strided_shards_even(out, tensor, mesh, what)
     return tuple(out)
+
+
+def _check_strided_shards_even(placements: list[Placement], tensor: torch.Tensor, mesh: DeviceMesh,
+                               what: str) -> None:
+    """Refuse a ``_StridedShard`` whose ranks would get pieces of different sizes.
+
+    torch's ``distribute_tensor`` (and its scatter) needs equal pieces there and fails with a bare
+    ``AssertionError`` otherwise; deferred init would quietly build them. Sizes are followed mesh dim
+    by mesh dim (an earlier ``Shard`` of the same tensor dim changes what the strided one splits),
+    with torch's own chunking run on an ``arange`` of each size.
+    """
+    if not any(isinstance(p, _StridedShard) for p in placements):
+        return
+    sizes: dict[int, set[int]] = {}  # tensor dim -> the sizes it can have on some rank, so far
+    for mesh_dim, p in enumerate(placements):
+        if not isinstance(p, (Shard, _StridedShard)):
+            continue
+        n = mesh.size(mesh_dim)
+        on_dim0 = _StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0)
+        after: set[int] = set()
+        for size in sorted(sizes.get(p.dim, {tensor.shape[p.dim]})):
+            pieces = [len(x) for x in on_dim0._split_tensor(torch.arange(size), n, with_padding=False,
+                                                             contiguous=False)[0]]
+            if isinstance(p, _StridedShard) and len(set(pieces)) > 1:
+                raise ValueError(
+                    f"{what}: {p!r} on mesh dim {mesh_dim} splits a size-{size} dim into pieces of {pieces} over "
+                    f"{n} ranks of {mesh_str(mesh)}; torch's _StridedShard needs equal pieces: make it a "
+                    f"multiple of split_factor * {n}"
+                )
+            after.update(pieces)
+        sizes[p.dim] = after
 
 
 def mesh_str(mesh: DeviceMesh) -> str:

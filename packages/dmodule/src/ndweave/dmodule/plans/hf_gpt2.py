@@ -7,13 +7,13 @@ The fused ``c_attn`` (weight (E, 3E) = [q | k | v]) is the catch: ``Shard(1)`` w
 of q and half of k. The parameter stays the original (E, 3E) tensor, laid out
 ``_StridedShard(1, split_factor=3)``: rank r holds columns [q_r | k_r | v_r], its own heads of each.
 ``full_tensor()``, checkpoints and gradients see the unchanged HF layout; only the local shards are
-strided. Two patches make the module use it:
+strided. The plan and two patches make the module use it:
 
-- ``hf_gpt2_fused_qkv`` (on each ``c_attn``): lays weight and bias out strided (they arrive
-  ``Replicate``, as the core's parameter plan takes only Shard / Replicate / Partial; under
-  ``deferred_init`` that means each rank briefly holds the full (E, 3E) weight), then computes
-  ``x @ w_local + b_local`` on local tensors and returns the plain local [q_r | k_r | v_r]
-  (all-gathering a sequence-sharded input first).
+- the parameter section lays weight and bias out ``_StridedShard(1 / 0, split_factor=3)``, so even
+  under ``deferred_init`` a rank only ever keeps its own columns;
+- ``hf_gpt2_fused_qkv`` (on each ``c_attn``): checks that layout, then computes ``x @ w_local +
+  b_local`` on local tensors and returns the plain local [q_r | k_r | v_r] (all-gathering a
+  sequence-sharded input first);
 - ``hf_gpt2_attention_local_heads`` (on each ``GPT2Attention``): sets ``split_size`` to E / tp so the
   local output splits into local q, k, v; heads are reshaped with ``-1`` already. Checks that
   ``n_head`` divides by the mesh size.
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ndweave.dmodule.plans.common import config_of, local, require, seq_or_replicate
@@ -55,8 +55,9 @@ def hf_gpt2_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
 
     parameter: dict[str, Any] = {
         "transformer.wte.weight": [Shard(0)],
-        # c_attn.weight / .bias: laid out _StridedShard(1 / 0, split_factor=3) by the hf_gpt2_fused_qkv
-        # patch (the core's parameter section takes Shard / Replicate / Partial only)
+        # fused [q | k | v]: rank r keeps its own [q_r | k_r | v_r] columns (plain Shard(1) would mix heads)
+        rf"{_H}.attn.c_attn.weight": [_StridedShard(1, split_factor=3)],
+        rf"{_H}.attn.c_attn.bias": [_StridedShard(0, split_factor=3)],
         rf"{_H}.attn.c_proj.weight": [Shard(0)],
         rf"{_H}.attn.c_proj.bias": [Replicate()],
         rf"{_H}.mlp.c_fc.weight": [Shard(1)],
@@ -109,24 +110,21 @@ def _require_1d(device_mesh: DeviceMesh, fqn: str) -> None:
 def fused_qkv_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
     """Patch for a fused-qkv ``Conv1D``: per-rank [q_r | k_r | v_r] columns, computed locally.
 
-    A weight that arrives ``Replicate`` (a plan that left it out) is re-laid strided here; a plain
-    ``Shard`` layout is refused, since it would mix q, k and v heads across ranks.
+    The plan's parameter section lays weight and bias out ``_StridedShard(1 / 0, split_factor=3)``;
+    any other layout (``Replicate`` from a plan that left them out, plain ``Shard``, which would mix
+    q, k and v heads across ranks) is refused here rather than silently re-laid: re-laying a
+    replicated weight would cost every rank the full (E, 3E) tensor.
     """
     _require_1d(device_mesh, fqn)
     for name, dim in (("weight", 1), ("bias", 0)):
         param = getattr(module, name)
-        want = [_StridedShard(dim, split_factor=3)]
-        if isinstance(param, DTensor) and list(param.placements) == want:
-            continue
-        if isinstance(param, DTensor) and not all(isinstance(p, Replicate) for p in param.placements):
+        want = (_StridedShard(dim, split_factor=3),)
+        got = tuple(param.placements) if isinstance(param, DTensor) else "a plain tensor"
+        if got != want:
             raise ValueError(
-                f"{fqn}.{name}: the fused q|k|v projection must be laid out {want} (rank r holds its own q, k "
-                f"and v columns); {list(param.placements)} would mix q, k and v heads across ranks"
+                f"{fqn}.{name}: the fused q|k|v projection must be laid out {list(want)} (rank r holds its own "
+                f"q, k and v columns), given in the plan's parameter section; it is {got}"
             )
-        with torch.no_grad():
-            full = (param.to_local() if isinstance(param, DTensor) else param).detach()
-            laid = distribute_tensor(full, device_mesh, want)
-        module.register_parameter(name, nn.Parameter(laid, requires_grad=param.requires_grad))
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         mesh = module.weight.device_mesh
