@@ -90,6 +90,18 @@ def train_reference(model, opt, steps: int, clip: float = 0.0, first_step: int =
             scheduler.step()
 
 
+def mean_micro_batch_grads(reference: nn.Module, step: int, dp_size: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """What data parallelism computes in fp32: each rank's micro-batch grad, cast up, averaged."""
+    grads = {n: torch.zeros(p.shape) for n, p in reference.named_parameters()}
+    for r in range(dp_size):
+        reference.zero_grad()
+        x, y = local_batch(step, r, dp_size, dtype)
+        loss_fn(reference(x), y).backward()
+        for n, p in reference.named_parameters():
+            grads[n] += p.grad.float() / dp_size
+    return grads
+
+
 def assert_params_match(model: nn.Module, reference: nn.Module, rtol=1e-4, atol=1e-5) -> None:
     ours = dict(model.named_parameters())
     for name, ref in reference.named_parameters():

@@ -10,7 +10,8 @@ from ndweave.mesh.testing import distributed, run_distributed
 from ndweave.optim import DistributedOptimizer
 
 from optim_common import (
-    assert_params_match, batch, dp_setup, local_batch, loss_fn, tp_setup, train, train_reference,
+    assert_params_match, batch, dp_setup, local_batch, loss_fn, mean_micro_batch_grads, tp_setup, train,
+    train_reference,
 )
 
 OPTIMIZERS = {
@@ -100,13 +101,7 @@ def test_bf16_model_with_fp32_master_matches_fp32_master_reference(overlap):
     masters = {n: torch.nn.Parameter(p.detach().float()) for n, p in reference.named_parameters()}
     ref_opt = torch.optim.Adam(masters.values(), lr=1e-2)
     for step in range(STEPS):
-        grads = {n: torch.zeros_like(m) for n, m in masters.items()}
-        for r in range(world):
-            reference.zero_grad()
-            x, y = local_batch(step, r, world, torch.bfloat16)
-            loss_fn(reference(x), y).backward()
-            for n, p in reference.named_parameters():
-                grads[n] += p.grad.float() / world
+        grads = mean_micro_batch_grads(reference, step, world, torch.bfloat16)
         for n, m in masters.items():
             m.grad = grads[n]
         ref_opt.step()
@@ -153,13 +148,7 @@ def test_grad_to_fp32_false_steps_the_bf16_params_directly():
     train(ddp, opt, 5, rank, world, dtype=torch.bfloat16)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     for step in range(5):
-        grads = {n: torch.zeros(p.shape) for n, p in reference.named_parameters()}
-        for r in range(world):
-            reference.zero_grad()
-            x, y = local_batch(step, r, world, torch.bfloat16)
-            loss_fn(reference(x), y).backward()
-            for n, p in reference.named_parameters():
-                grads[n] += p.grad.float() / world
+        grads = mean_micro_batch_grads(reference, step, world, torch.bfloat16)
         for n, p in reference.named_parameters():
             p.grad = grads[n].to(torch.bfloat16)
         ref_opt.step()
