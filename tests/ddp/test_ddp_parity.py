@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from ddp_cases import (
     MLP,
@@ -178,3 +179,26 @@ def test_distributed_optimizer_reduce_scatter_contract(world_size, tp_size, buck
 
 def test_public_names():
     assert DDP is DistributedDataParallel
+
+
+# ------------------------------------------------------------------ uneven TP shards and ZeRO
+def _uneven_tp_layout_matches_across_tp():
+    """With a sharded optimizer, Partial grads are TP-reduced over whole local tensors after the DP
+    reduce-scatter, so TP peers must own the same elements: same bucket sizes, same offsets, even
+    when a parameter ahead of them is sharded unevenly (vocab 9 over TP=2: 5 and 4 rows)."""
+    mesh = dp_tp_mesh(2)
+    tp_mesh = mesh["TP"]
+    model = torch.nn.Module()
+    model.register_parameter("norm", torch.nn.Parameter(distribute_tensor(torch.ones(8), tp_mesh, [Replicate()])))
+    model.register_parameter("head", torch.nn.Parameter(distribute_tensor(torch.randn(9, 8), tp_mesh, [Shard(0)])))
+    ddp = DDP(model, mesh["DP"], bucket_size=None, use_distributed_optimizer=True)
+    layout = [(b.grad_data.numel(), [(bp.name, bp.offset) for bp in b.params]) for b in ddp.grad_buckets()]
+    peers = [None, None]
+    dist.all_gather_object(peers, layout, group=mesh.get_group("TP"))
+    assert peers[0] == peers[1], f"TP peers lay their buckets out differently: {peers}"
+    numels = {bp.name: bp.numel for b in ddp.grad_buckets() for bp in b.params}
+    assert numels["head"] == (5 if mesh.get_tensor_parallel_rank() == 0 else 4) * 8
+
+
+def test_uneven_tp_shards_keep_tp_peers_layouts_equal():
+    run_distributed(_uneven_tp_layout_matches_across_tp, 4)

@@ -20,14 +20,14 @@ TOL = dict(rtol=1e-4, atol=2e-5)
 STEPS, BATCH, SEQ = 4, 4, 8
 
 
-def _build(name):
+def _build(name, vocab=128):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if name == "hf_gpt2":
         cfg = transformers.GPT2Config(vocab_size=50257, n_embd=32, n_layer=2, n_head=4, n_positions=16,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
         return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32,
                                    attention_dropout=0.0, attn_implementation="sdpa")
     return transformers.LlamaForCausalLM(cfg)
@@ -50,11 +50,14 @@ def _train(model, optimizer, data, dp_rank=None, dp_group=None):
     return losses
 
 
-@pytest.mark.parametrize("name,sp", [("hf_gpt2", False), ("hf_llama", True)])
+# vocab 129: an uneven lm_head shard that DDP lays out first (reverse registration order), ahead of
+# the sequence-parallel norm weights whose Partial grads must still be reduced on the right elements
+@pytest.mark.parametrize("name,sp,vocab", [("hf_gpt2", False, None), ("hf_gpt2", True, None),
+                                          ("hf_llama", True, 128), ("hf_llama", True, 129)])
 @distributed(world_size=4, timeout=300)
-def test_hf_model_dp_tp_zero_matches_one_process(name, sp):
+def test_hf_model_dp_tp_zero_matches_one_process(name, sp, vocab):
     DEVICE_MESH.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
-    reference = _build(name)
+    reference = _build(name, vocab)
     model = copy.deepcopy(reference)
     model = parallelize_module(model, DEVICE_MESH["TP"], get_plan(name, model, sequence_parallel=sp))
     model = DDP(model, DEVICE_MESH["DP"], use_distributed_optimizer=True, bucket_size=20_000)

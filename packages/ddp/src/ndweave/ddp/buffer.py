@@ -4,7 +4,9 @@ Layout (Megatron's): parameters are grouped by (device, param dtype, grad dtype)
 they are laid out in *reverse registration order*, which is roughly the order backward produces
 their grads, and cut into buckets of at least ``bucket_size`` elements (a parameter is never split
 between buckets). Each bucket is padded so that its numel divides by the data-parallel size, which
-lets a reduce-scatter hand every DP rank an equal contiguous range.
+lets a reduce-scatter hand every DP rank an equal contiguous range. An unevenly sharded parameter's
+slot is as large as its largest peer shard (see :func:`reserved_numel`), so tensor-parallel peers
+share one layout.
 
 Each group owns one contiguous grad buffer; a bucket's ``grad_data`` and every parameter's grad view
 are slices of it. With ``use_distributed_optimizer=True`` a matching parameter buffer is built too and
@@ -23,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from ndweave.mesh.contracts import BucketParam, GradBucket
 
-__all__ = ["ParamSlot", "build_buckets", "local_tensor"]
+__all__ = ["ParamSlot", "build_buckets", "local_tensor", "reserved_numel"]
 
 #: Buckets are padded to a multiple of ``dp_size * _ALIGN`` elements so that every DP rank's range
 #: starts on a 256-byte boundary for fp32 (fast collectives on accelerators); still "a multiple of
@@ -113,7 +115,7 @@ def build_buckets(
         for name, p in members:
             n = local_tensor(p).numel()
             current.append((name, p, size, n))
-            size += n
+            size += reserved_numel(p)
             if size >= limit:
                 padded = -(-size // pad_to) * pad_to
                 plan.append((start, start + padded, current))
@@ -145,6 +147,26 @@ def build_buckets(
                 )
             )
     return buckets, slots, grad_buffers
+
+
+def reserved_numel(p: torch.Tensor) -> int:
+    """Elements a parameter's slot takes: the largest local shard any of its peers holds.
+
+    Sharded optimizers reduce ``Partial`` grads over whole local tensors after the DP
+    reduce-scatter, which is only right when tensor-parallel peers own the same elements of each
+    bucket. With uneven shards (a 50257-row vocab over TP=2: 25129 and 25128 rows) local sizes
+    differ, so every rank reserves the largest one: offsets and bucket sizes then agree across peers.
+    torch chunks the first pieces largest, so the largest is a ceiling division per sharded dim,
+    known to every rank without communication.
+    """
+    if not isinstance(p, DTensor):
+        return p.numel()
+    shape = list(p.shape)
+    for mesh_dim, placement in enumerate(p.placements):
+        dim = getattr(placement, "dim", None)  # Shard and _StridedShard (not a Shard subclass in 2.13)
+        if dim is not None:
+            shape[dim] = -(-shape[dim] // p.device_mesh.size(mesh_dim))
+    return max(math.prod(shape), local_tensor(p).numel())
 
 
 @torch.no_grad()

@@ -43,7 +43,8 @@ class GradBucket:
     """One bucket of a data-parallel gradient buffer."""
 
     params: tuple[BucketParam, ...]
-    """The parameters in the bucket, in buffer order."""
+    """The parameters in the bucket, in buffer order. Elements no parameter covers are padding
+    (zero); tensor-parallel peers see the same offsets even where their shards differ in size."""
     grad_data: torch.Tensor
     """1-D gradient buffer (may be fp32 for a bf16 model); numel divisible by the DP size."""
     param_data: torch.Tensor | None
