@@ -9,8 +9,8 @@ from ndweave.mesh.parallel_mesh import (
     DEVICE_MESH,
     ParallelMesh,
     init_device_mesh,
-    resolve_mesh,
 )
+from ndweave.mesh.resolve import resolve_mesh
 
 __version__ = "0.1.0"
 

@@ -13,14 +13,13 @@ from collections.abc import Mapping, Sequence
 from typing import Union
 
 import numpy as np
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
 from ndweave.mesh import layout
 
-__all__ = ["ParallelMesh", "DEVICE_MESH", "init_device_mesh", "resolve_mesh", "DEFAULT_DIM_NAMES", "Dim"]
+__all__ = ["ParallelMesh", "DEVICE_MESH", "init_device_mesh", "DEFAULT_DIM_NAMES", "Dim"]
 
 #: Default names for a mesh of n <= 3 dims are the last n of these (outermost first): a 2-D mesh is
 #: ("DP", "TP"), so TP, the most communication-hungry dim, gets neighbouring ranks (same node).
@@ -371,40 +370,3 @@ def init_device_mesh(
     mesh = ParallelMesh()
     mesh.init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names)
     return mesh
-
-
-def resolve_mesh(
-    mesh: "ParallelMesh | DeviceMesh | dist.ProcessGroup | None" = None, dim: str | None = None
-) -> DeviceMesh:
-    """The torch ``DeviceMesh`` an ndweave API should run on.
-
-    Every package funnels its ``mesh`` argument through here: ``None`` means the default
-    :data:`DEVICE_MESH`; a ``ParallelMesh`` or a multi-dim ``DeviceMesh`` is narrowed to ``dim`` when
-    given; a ``ProcessGroup`` becomes a 1-D mesh over its ranks.
-    """
-    if mesh is None:
-        if not DEVICE_MESH.is_initialized():
-            raise RuntimeError(
-                "no mesh was passed and the default DEVICE_MESH is not initialized; pass a mesh, or call "
-                "DEVICE_MESH.init_device_mesh(device_type, mesh_shape, mesh_dim_names=...) first"
-            )
-        mesh = DEVICE_MESH
-    if isinstance(mesh, ParallelMesh):
-        return mesh[dim] if dim is not None else mesh.device_mesh
-    if isinstance(mesh, DeviceMesh):
-        if dim is None or (mesh.ndim == 1 and mesh.mesh_dim_names in (None, (dim,))):
-            return mesh
-        names = mesh.mesh_dim_names or ()
-        if dim not in names:
-            raise KeyError(f"mesh {mesh} has no dim {dim!r}; its dims are {list(names)}")
-        return mesh[dim]
-    if isinstance(mesh, dist.ProcessGroup):
-        backend = dist.get_backend(mesh)
-        device_type = "cpu" if backend == "gloo" else _accelerator_type()
-        return DeviceMesh.from_group(mesh, device_type, mesh_dim_names=(dim,) if dim else None)
-    raise TypeError(f"expected a ParallelMesh, DeviceMesh, ProcessGroup or None; got {type(mesh).__name__}")
-
-
-def _accelerator_type() -> str:
-    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    return acc.type if acc is not None else "cpu"
