@@ -77,6 +77,7 @@ class BasicOptimizer(WrappedOptimizer):
                         params.append(p)
             inner = spec.build([params])
         self._init_wrapper(inner, models, clip_grad=clip_grad, loss_scaler=loss_scaler, grad_norm_group=grad_norm_group)
+        self._counted: dict[tuple, bool] = {}
 
     def _params(self) -> list[torch.nn.Parameter]:
         seen: set[int] = set()
@@ -98,9 +99,18 @@ class BasicOptimizer(WrappedOptimizer):
     def _owned_grads(self) -> list[torch.Tensor]:
         return [
             self._local(p.grad) for p in self._params()
-            if p.grad is not None and self._dp_rank.get(id(p), 0) == 0 and counts_replica(p.grad)
+            if p.grad is not None and self._dp_rank.get(id(p), 0) == 0 and self._counts(p.grad)
             and not getattr(p, "ndweave_tied_replica", False)
         ]
+
+    def _counts(self, grad: torch.Tensor) -> bool:
+        """``counts_replica`` for a grad, memoized per (mesh, placements): asked for every grad each step."""
+        if not isinstance(grad, DTensor):
+            return True
+        key = (grad.device_mesh, tuple(grad.placements))
+        if key not in self._counted:
+            self._counted[key] = counts_replica(grad)
+        return self._counted[key]
 
     def _local_grads(self) -> list[torch.Tensor]:
         return [self._local(p.grad) for p in self._params() if p.grad is not None]

@@ -32,9 +32,6 @@ from torch.distributed.tensor import DTensor
 
 __all__ = ["counts_replica", "global_norm", "clip_by_norm"]
 
-_replica_cache: dict[tuple, bool] = {}
-
-
 def counts_replica(t: torch.Tensor, skip_ranks: tuple[int, ...] | None = None) -> bool:
     """Whether this rank counts ``t``'s local values: ``False`` on a non-zero coordinate of a
     ``Replicate`` mesh dim. A mesh dim whose group's ranks are ``skip_ranks`` (the DP group, whose
@@ -42,18 +39,14 @@ def counts_replica(t: torch.Tensor, skip_ranks: tuple[int, ...] | None = None) -
     if not isinstance(t, DTensor):
         return True
     mesh = t.device_mesh
-    key = (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), tuple(t.placements), skip_ranks)
-    if key not in _replica_cache:
-        coordinate = mesh.get_coordinate()
-        owned = True
-        for dim, placement in enumerate(t.placements):
-            if not placement.is_replicate() or coordinate[dim] == 0:
-                continue
-            if skip_ranks is not None and tuple(dist.get_process_group_ranks(mesh.get_group(dim))) == skip_ranks:
-                continue
-            owned = False
-        _replica_cache[key] = owned
-    return _replica_cache[key]
+    coordinate = mesh.get_coordinate()
+    for dim, placement in enumerate(t.placements):
+        if not placement.is_replicate() or coordinate[dim] == 0:
+            continue
+        if skip_ranks is not None and tuple(dist.get_process_group_ranks(mesh.get_group(dim))) == skip_ranks:
+            continue
+        return False
+    return True
 
 
 def global_norm(
