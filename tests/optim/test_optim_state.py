@@ -21,11 +21,14 @@ LR = {"lr": 1e-2}
 
 def _save_at_dp4(folder: str) -> None:
     rank = dist.get_rank()
-    _, ddp = dp_setup()
+    reference, ddp = dp_setup()
     opt = DistributedOptimizer(torch.optim.Adam, [ddp], optimizer_kwargs=LR, clip_grad=0.1)
     train(ddp, opt, 10, rank, 4)
     torch.save(opt.state_dict(), os.path.join(folder, f"optim_rank{rank}.pt"))
     train(ddp, opt, 10, rank, 4, first_step=10)  # the uninterrupted run
+    # the baseline the resumed runs are held to is itself single-process training
+    train_reference(reference, torch.optim.Adam(reference.parameters(), **LR), 20, clip=0.1)
+    assert_params_match(ddp.module, reference)
     if rank == 0:
         torch.save({n: p.detach().clone() for n, p in ddp.module.named_parameters()}, os.path.join(folder, "final.pt"))
 
