@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
+from core_models import MLP  # the seed's MLP (4 -> 8 -> 4)
 from ndweave.mesh.testing import assert_close
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,19 +39,6 @@ def load_nanogpt():
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
-
-
-class MLP(nn.Module):
-    """The DModule README's MLP."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(4, 8)
-        self.relu = nn.ReLU()
-        self.fc2 = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.fc2(self.relu(self.fc1(x)))
 
 
 def build(name: str, **overrides) -> nn.Module:
