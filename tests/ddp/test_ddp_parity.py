@@ -24,6 +24,7 @@ from ddp_cases import (
 from ndweave.ddp import DDP, DistributedDataParallel
 from ndweave.mesh import DEVICE_MESH, init_device_mesh
 from ndweave.mesh.testing import assert_close, run_distributed
+from ndweave.mesh.torch_compat import local_tensor
 
 NUM_STEPS = 20
 
@@ -108,7 +109,7 @@ def _train_tp(*, tp_size: int, on_2d_mesh: bool, overlap: bool, bucket_size, k: 
         if step == 0:
             for name, p in ddp.named_parameters():
                 assert tuple(p.grad.placements) == tuple(p.placements), name
-                assert p.grad._local_tensor.data_ptr() == p.main_grad._local_tensor.data_ptr()
+                assert local_tensor(p.grad).data_ptr() == local_tensor(p.main_grad).data_ptr()
                 assert_close(p.grad, first_grads[name], name=f"{name}.grad")
         opt.step()
         opt.zero_grad()
@@ -146,7 +147,7 @@ def _distributed_optimizer_contract(*, tp_size: int, bucket_size):
         assert bucket.grad_data.numel() % dp_size == 0
         assert bucket.param_data is not None and bucket.param_data.numel() == bucket.grad_data.numel()
         for bp in bucket.params:  # params are views of param_data
-            local = bp.param._local_tensor if tp else bp.param
+            local = local_tensor(bp.param)
             assert local.data_ptr() == bucket.param_data[bp.offset :].data_ptr()
     for step in range(NUM_STEPS):
         if tp:

@@ -10,7 +10,7 @@ from test_dmodule_deferred_init import _profiled_peak_bytes
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from ndweave.mesh.torch_compat import StridedShard as _StridedShard
 from torch.profiler import ProfilerActivity, profile
 
 from ndweave.dmodule import PlacementSpec, deferred_init, parallelize_module

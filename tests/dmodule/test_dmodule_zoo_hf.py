@@ -10,7 +10,7 @@ import torch.distributed as dist  # noqa: E402
 from dmodule_zoo_models import build, check_deferred, check_parity  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import Shard  # noqa: E402
-from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
+from ndweave.mesh.torch_compat import StridedShard as _StridedShard  # noqa: E402
 
 from ndweave.mesh.testing import distributed  # noqa: E402
 

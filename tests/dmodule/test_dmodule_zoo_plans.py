@@ -7,7 +7,7 @@ import pytest
 from dmodule_zoo_models import build
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from ndweave.mesh.torch_compat import StridedShard as _StridedShard
 
 from ndweave.dmodule import PlacementSpec
 from ndweave.dmodule.plan import normalize_plan

@@ -24,18 +24,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ndweave.mesh.contracts import BucketParam, GradBucket
+from ndweave.mesh.torch_compat import is_shard_like, local_tensor
 
-__all__ = ["ParamSlot", "build_buckets", "local_tensor", "reserved_numel"]
+__all__ = ["ParamSlot", "build_buckets", "reserved_numel"]
 
 #: Buckets are padded to a multiple of ``dp_size * _ALIGN`` elements so that every DP rank's range
 #: starts on a 256-byte boundary for fp32 (fast collectives on accelerators); still "a multiple of
 #: the DP size", as the contract asks.
 _ALIGN = 64
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds: a DTensor's local shard, or ``t`` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 @dataclass(eq=False)
@@ -163,9 +159,8 @@ def reserved_numel(p: torch.Tensor) -> int:
         return p.numel()
     shape = list(p.shape)
     for mesh_dim, placement in enumerate(p.placements):
-        dim = getattr(placement, "dim", None)  # Shard and _StridedShard (not a Shard subclass in 2.13)
-        if dim is not None:
-            shape[dim] = -(-shape[dim] // p.device_mesh.size(mesh_dim))
+        if is_shard_like(placement):
+            shape[placement.dim] = -(-shape[placement.dim] // p.device_mesh.size(mesh_dim))
     return max(math.prod(shape), local_tensor(p).numel())
 
 

@@ -14,6 +14,7 @@ from ndweave.ddp import sync
 from ndweave.ddp.buffer import ParamSlot, build_buckets
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import GradBucket
+from ndweave.mesh.torch_compat import queue_backward_callback
 
 __all__ = ["DistributedDataParallel", "DDP", "DEFAULT_BUCKET_SIZE"]
 
@@ -234,7 +235,7 @@ class DistributedDataParallel(torch.nn.Module):
                 return
             if self.finish_grad_sync_in_backward and not self._callback_queued:
                 self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish_at_backward_end)
+                queue_backward_callback(self._finish_at_backward_end)
             if not slot.ready:
                 slot.ready = True
                 self._num_ready[slot.bucket_index] += 1

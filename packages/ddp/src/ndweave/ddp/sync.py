@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
-from ndweave.ddp.buffer import ParamSlot, local_tensor
+from ndweave.ddp.buffer import ParamSlot
 from ndweave.mesh.collectives import reduce_scatter_flat
 from ndweave.mesh.contracts import reduce_partial_grads
+from ndweave.mesh.torch_compat import flatten_dense_tensors, local_tensor, unflatten_dense_tensors
 
 __all__ = [
     "accumulate",
@@ -71,9 +71,9 @@ def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup) 
                     chunk.append(t)
                     size += t.numel() * t.element_size()
                 if chunk and (t is None or size >= _BROADCAST_BYTES):
-                    flat = _flatten_dense_tensors(chunk)
+                    flat = flatten_dense_tensors(chunk)
                     dist.broadcast(flat, src=src, group=group)
-                    for dst, value in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
+                    for dst, value in zip(chunk, unflatten_dense_tensors(flat, chunk)):
                         dst.copy_(value)
                     chunk, size = [], 0
 
@@ -116,7 +116,7 @@ def accumulate(slot: ParamSlot, grad: torch.Tensor, ddp) -> None:
             _fix_grad_placements(slot, grad, ddp)
         if tuple(grad.placements) != slot.grad_placements and _differ(grad, slot.grad_placements):
             grad = grad.redistribute(grad.device_mesh, slot.grad_placements)
-        grad = grad._local_tensor
+        grad = local_tensor(grad)
     main = slot.main_grad
     if not slot.fresh:
         main.add_(grad, alpha=slot.scale)

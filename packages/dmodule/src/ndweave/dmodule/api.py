@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from ndweave.dmodule import deferred_init as _deferred
 from ndweave.dmodule.dmodule import DModuleState, make_dmodule
@@ -35,6 +34,7 @@ from ndweave.dmodule.plan import (
     split_key,
 )
 from ndweave.mesh import ParallelMesh, resolve_mesh
+from ndweave.mesh.torch_compat import StridedShard, custom_chunk, is_shard_like, split_tensor
 
 __all__ = ["parallelize_module"]
 
@@ -191,10 +191,10 @@ def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> torc
     for mesh_dim, p in enumerate(placements):
         n, r = mesh.size(mesh_dim), coordinate[mesh_dim]
         if isinstance(p, Shard):
-            local = p._split_tensor(local, n, with_padding=False, contiguous=False)[0][r]
-        elif isinstance(p, _StridedShard):
-            pieces = Shard._custom_chunk(local, p.split_factor, dim=p.dim)
-            local = torch.cat([Shard._custom_chunk(piece, n, dim=p.dim)[r] for piece in pieces], dim=p.dim)
+            local = split_tensor(p, local, n)[r]
+        elif isinstance(p, StridedShard):
+            pieces = custom_chunk(local, p.split_factor, dim=p.dim)
+            local = torch.cat([custom_chunk(piece, n, dim=p.dim)[r] for piece in pieces], dim=p.dim)
     return local
 
 
@@ -211,7 +211,7 @@ def _global_shape(local: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> t
     shape = list(local.shape)
     for mesh_dim in reversed(range(mesh.ndim)):
         p = placements[mesh_dim]
-        if isinstance(p, (Shard, _StridedShard)):  # a strided shard also holds its share of the dim
+        if is_shard_like(p):  # a strided shard also holds its share of the dim
             group = mesh.get_group(mesh_dim)
             mine = torch.tensor([shape[p.dim]], dtype=torch.int64, device=local.device)
             sizes = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]

@@ -28,14 +28,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import (
+
+from ndweave.mesh.torch_compat import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
+    TorchDispatchMode,
+    tree_flatten,
+    tree_map,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["deferred_init", "is_deferred", "DeferredProgram", "MaterializeStats"]
 

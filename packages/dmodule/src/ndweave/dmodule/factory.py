@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+from ndweave.mesh.torch_compat import tree_flatten, tree_map
 
 __all__ = ["FactoryMode", "FACTORY_FUNCTIONS"]
 

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
+
+from ndweave.mesh.torch_compat import StridedShard, chunk_sizes, is_shard_like
 
 __all__ = ["PlacementSpec", "Plan", "normalize_plan", "match_modules", "check_placements", "IO_LEAVES"]
 
@@ -149,18 +151,17 @@ def check_placements(spec: PlacementSpec, tensor: torch.Tensor, mesh: DeviceMesh
         )
     out = []
     for p in placements:
-        # _StridedShard is not a Shard subclass in torch 2.13 (both derive from the C++ placement),
-        # so it is matched on its own; its dim is checked and normalized exactly like Shard's
-        if isinstance(p, (Shard, _StridedShard)):
+        # a strided shard's dim is checked and normalized exactly like Shard's
+        if is_shard_like(p):
             if not -tensor.ndim <= p.dim < tensor.ndim:  # (a 0-D tensor has no dim to shard)
                 raise ValueError(
                     f"{what}: {p!r} is out of range for a {tensor.ndim}-D tensor of shape {tuple(tensor.shape)} "
                     f"on mesh {mesh_str(mesh)}"
                 )
-            if isinstance(p, _StridedShard):
+            if isinstance(p, StridedShard):
                 if int(p.split_factor) < 1:
                     raise ValueError(f"{what}: {p!r} needs split_factor >= 1 (on mesh {mesh_str(mesh)})")
-                p = _StridedShard(p.dim % tensor.ndim, split_factor=p.split_factor)
+                p = StridedShard(p.dim % tensor.ndim, split_factor=p.split_factor)
             else:
                 p = Shard(p.dim % tensor.ndim)
         elif not isinstance(p, (Replicate, Partial)):
@@ -179,19 +180,17 @@ def _check_strided_shards_even(placements: list[Placement], tensor: torch.Tensor
     by mesh dim (an earlier ``Shard`` of the same tensor dim changes what the strided one splits),
     with torch's own chunking run on an ``arange`` of each size.
     """
-    if not any(isinstance(p, _StridedShard) for p in placements):
+    if not any(isinstance(p, StridedShard) for p in placements):
         return
     sizes: dict[int, set[int]] = {}  # tensor dim -> the sizes it can have on some rank, so far
     for mesh_dim, p in enumerate(placements):
-        if not isinstance(p, (Shard, _StridedShard)):
+        if not is_shard_like(p):
             continue
         n = mesh.size(mesh_dim)
-        on_dim0 = _StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0)
         after: set[int] = set()
         for size in sorted(sizes.get(p.dim, {tensor.shape[p.dim]})):
-            pieces = [len(x) for x in on_dim0._split_tensor(torch.arange(size), n, with_padding=False,
-                                                             contiguous=False)[0]]
-            if isinstance(p, _StridedShard) and len(set(pieces)) > 1:
+            pieces = chunk_sizes(p, size, n)
+            if isinstance(p, StridedShard) and len(set(pieces)) > 1:
                 raise ValueError(
                     f"{what}: {p!r} on mesh dim {mesh_dim} splits a size-{size} dim into pieces of {pieces} over "
                     f"{n} ranks of {mesh_str(mesh)}; torch's _StridedShard needs equal pieces: make it a "

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
 from ndweave.mesh import layout
+from ndweave.mesh.torch_compat import flatten_mesh
 
 __all__ = ["ParallelMesh", "DEVICE_MESH", "init_device_mesh", "DEFAULT_DIM_NAMES", "Dim"]
 
@@ -224,7 +225,7 @@ class ParallelMesh:
         if len(set(indices)) != len(indices) or list(indices) != sorted(indices):
             raise ValueError(f"flatten needs distinct dims in mesh order {self.mesh_dim_names}; got {dims}")
         root_names = tuple(self.mesh_dim_names[i] for i in indices)
-        flat = self.device_mesh[root_names]._flatten(name)
+        flat = flatten_mesh(self.device_mesh[root_names], name)
         self._flattened[name] = indices
         self._flat_meshes[name] = flat
         return flat

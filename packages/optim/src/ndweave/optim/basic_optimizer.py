@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ndweave.mesh.contracts import GradBucketProvider, finish_grad_sync
+from ndweave.mesh.torch_compat import local_tensor
 from ndweave.optim.base import WrappedOptimizer
 from ndweave.optim.grad_norm import counts_replica
 from ndweave.optim.inner import resolve_optimizer
@@ -92,13 +93,9 @@ class BasicOptimizer(WrappedOptimizer):
     def _sync_grads(self) -> None:
         finish_grad_sync(self.models)
 
-    @staticmethod
-    def _local(t: torch.Tensor) -> torch.Tensor:
-        return t._local_tensor if isinstance(t, DTensor) else t
-
     def _owned_grads(self) -> list[torch.Tensor]:
         return [
-            self._local(p.grad) for p in self._params()
+            local_tensor(p.grad) for p in self._params()
             if p.grad is not None and self._dp_rank.get(id(p), 0) == 0 and self._counts(p.grad)
             and not getattr(p, "ndweave_tied_replica", False)
         ]
@@ -113,7 +110,7 @@ class BasicOptimizer(WrappedOptimizer):
         return self._counted[key]
 
     def _local_grads(self) -> list[torch.Tensor]:
-        return [self._local(p.grad) for p in self._params() if p.grad is not None]
+        return [local_tensor(p.grad) for p in self._params() if p.grad is not None]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the params' grads and, for DDP-wrapped models, their grad buffers."""

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ndweave.mesh.contracts import FlatShard, GradBucket, GradBucketProvider, finish_grad_sync
+from ndweave.mesh.torch_compat import local_shape_and_offset
 from ndweave.optim.base import WrappedOptimizer
 from ndweave.optim.grad_norm import counts_replica
 from ndweave.optim.inner import check_elementwise, resolve_optimizer
@@ -74,10 +75,7 @@ class _Shard:
 def _placement_info(param: torch.nn.Parameter) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(local_shape, local_offset)`` of ``param``'s local tensor in the global one."""
     if isinstance(param, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-        return tuple(shape), tuple(offset)
+        return local_shape_and_offset(param.shape, param.device_mesh, param.placements)
     return tuple(param.shape), (0,) * param.dim()
 
 

@@ -35,9 +35,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
-
 from ndweave.dmodule.plans.common import config_of, local, require, seq_or_replicate
+from ndweave.mesh.torch_compat import StridedShard
 
 __all__ = ["hf_gpt2_plan", "attention_local_heads", "fused_qkv_colwise"]
 
@@ -56,8 +55,8 @@ def hf_gpt2_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
     parameter: dict[str, Any] = {
         "transformer.wte.weight": [Shard(0)],
         # fused [q | k | v]: rank r keeps its own [q_r | k_r | v_r] columns (plain Shard(1) would mix heads)
-        rf"{_H}.attn.c_attn.weight": [_StridedShard(1, split_factor=3)],
-        rf"{_H}.attn.c_attn.bias": [_StridedShard(0, split_factor=3)],
+        rf"{_H}.attn.c_attn.weight": [StridedShard(1, split_factor=3)],
+        rf"{_H}.attn.c_attn.bias": [StridedShard(0, split_factor=3)],
         rf"{_H}.attn.c_proj.weight": [Shard(0)],
         rf"{_H}.attn.c_proj.bias": [Replicate()],
         rf"{_H}.mlp.c_fc.weight": [Shard(1)],
@@ -118,7 +117,7 @@ def fused_qkv_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> N
     _require_1d(device_mesh, fqn)
     for name, dim in (("weight", 1), ("bias", 0)):
         param = getattr(module, name)
-        want = (_StridedShard(dim, split_factor=3),)
+        want = (StridedShard(dim, split_factor=3),)
         got = tuple(param.placements) if isinstance(param, DTensor) else "a plain tensor"
         if got != want:
             raise ValueError(

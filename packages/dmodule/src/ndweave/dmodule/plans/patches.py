@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from ndweave.mesh.torch_compat import local_shape_and_offset
+
 __all__ = ["BUILTIN_PATCHES", "vocab_parallel_embedding"]
 
 
@@ -28,8 +30,6 @@ def vocab_parallel_embedding(module: nn.Module, device_mesh: DeviceMesh, fqn: st
     reduce-scatter). The vocabulary need not divide by the mesh size (GPT-2's 50257 over 2 ranks is
     25129 + 25128 rows). The weight's gradient stays ``Shard(0)``: no rank ever holds a full one.
     """
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     weight = module.weight
     placements = tuple(weight.placements) if isinstance(weight, DTensor) else ()
     shard_dims = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0]
@@ -43,7 +43,7 @@ def vocab_parallel_embedding(module: nn.Module, device_mesh: DeviceMesh, fqn: st
         raise ValueError(
             f"vocab_parallel_embedding on {fqn!r}: max_norm, sparse and scale_grad_by_freq are not supported"
         )
-    local_shape, global_offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, placements)
+    local_shape, global_offset = local_shape_and_offset(weight.shape, weight.device_mesh, placements)
     start, stop = global_offset[0], global_offset[0] + local_shape[0]
     padding_idx = module.padding_idx
     local_padding_idx = padding_idx - start if padding_idx is not None and start <= padding_idx < stop else None

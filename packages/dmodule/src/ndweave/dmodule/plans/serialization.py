@@ -21,7 +21,9 @@ import os
 from typing import IO, Any
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
+
+from ndweave.mesh.torch_compat import StridedShard
 
 __all__ = ["save_plan", "load_plan", "encode_plan", "decode_plan"]
 
@@ -34,7 +36,7 @@ def _encode(value: Any, where: str) -> Any:
 
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, _StridedShard):
+    if isinstance(value, StridedShard):
         return {"StridedShard": [value.dim, value.split_factor]}
     if isinstance(value, Shard):
         return {"Shard": value.dim}
@@ -73,7 +75,7 @@ def _decode(value: Any, where: str) -> Any:
             if tag == "Partial":
                 return Partial(arg)
             if tag == "StridedShard":
-                return _StridedShard(int(arg[0]), split_factor=int(arg[1]))
+                return StridedShard(int(arg[0]), split_factor=int(arg[1]))
             if tag == "PlacementSpec":
                 from ndweave.dmodule import PlacementSpec
 

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from ndweave.mesh.torch_compat import local_tensor
+
 __all__ = ["GradSyncable", "finish_grad_sync", "reduce_partial_grads", "DEFAULT_PARTIAL_BUCKET_NUMEL"]
 
 #: Elements per bucket for partial-grad reduction (64 MiB of fp32).
@@ -75,7 +77,7 @@ def reduce_partial_grads(
     reduced: list[torch.nn.Parameter] = []
     for (mesh, placements, _dtype), members in groups.items():
         for bucket in _buckets(members, bucket_numel):
-            locals_ = [p.grad._local_tensor for p in bucket]
+            locals_ = [local_tensor(p.grad) for p in bucket]
             flat = torch.cat([t.reshape(-1) for t in locals_])
             for mesh_dim, pl in enumerate(placements):
                 if pl.is_partial():
@@ -94,7 +96,7 @@ def reduce_partial_grads(
 def _buckets(params: list[torch.nn.Parameter], bucket_numel: int) -> Iterable[list[torch.nn.Parameter]]:
     bucket, size = [], 0
     for p in params:
-        n = p.grad._local_tensor.numel()
+        n = local_tensor(p.grad).numel()
         if bucket and size + n > bucket_numel:
             yield bucket
             bucket, size = [], 0

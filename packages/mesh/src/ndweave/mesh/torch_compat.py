@@ -1,0 +1,121 @@
+"""Every private torch API ndweave uses, in one place.
+
+torch keeps some things we need behind underscores: a DTensor's local shard without an autograd
+node, ``_StridedShard``, the chunking DTensor itself uses, the local shape/offset of a shard, mesh
+flattening, the fake process group's store, the autograd engine's end-of-backward callback, fake
+tensors and pytrees. Packages import them from here, never from torch directly, so a torch release
+that moves one breaks one file, and ``tests/mesh/test_mesh_torch_compat.py`` says which.
+
+Checked against torch 2.11 (the CUDA machine) and 2.13 (CPU CI); the floor in ``pyproject.toml``
+is the oldest release these are known to exist in with the behaviour the tests pin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: F401  (re-exported)
+
+__all__ = [
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "FakeTensor",
+    "FakeTensorMode",
+    "StridedShard",
+    "TorchDispatchMode",
+    "chunk_sizes",
+    "custom_chunk",
+    "fake_store",
+    "flatten_dense_tensors",
+    "flatten_mesh",
+    "is_shard_like",
+    "local_shape_and_offset",
+    "local_tensor",
+    "queue_backward_callback",
+    "split_tensor",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+    "unflatten_dense_tensors",
+]
+
+#: ``_StridedShard(dim, split_factor=f)``: the dim is cut into ``f`` pieces, each piece is sharded
+#: over the ranks, and rank r holds the concatenation of its share of each piece (a fused
+#: [q | k | v] weight where rank r holds [q_r | k_r | v_r]). Not a ``Shard`` subclass in 2.13.
+StridedShard = _StridedShard
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself, no autograd node, unlike ``to_local()``), or ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def is_shard_like(p: Placement) -> bool:
+    """``Shard`` or ``_StridedShard``: the placement holds a part of tensor dim ``p.dim``."""
+    return isinstance(p, (Shard, _StridedShard))
+
+
+def custom_chunk(t: torch.Tensor, num_chunks: int, dim: int) -> list[torch.Tensor]:
+    """``t`` cut into ``num_chunks`` pieces along ``dim`` exactly as DTensor's ``Shard`` cuts it
+    (first pieces largest, empty pieces at the end when the dim is short)."""
+    return list(Shard._custom_chunk(t, num_chunks, dim=dim))
+
+
+def split_tensor(placement: Placement, t: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
+    """Every rank's piece of ``t`` under one ``Shard``/``_StridedShard`` placement (views, unpadded)."""
+    return list(placement._split_tensor(t, num_chunks, with_padding=False, contiguous=False)[0])
+
+
+def chunk_sizes(placement: Placement, size: int, num_chunks: int) -> list[int]:
+    """Sizes of the pieces ``split_tensor`` makes of a dim of ``size`` elements."""
+    on_dim0 = type(placement)(0, split_factor=placement.split_factor) if isinstance(placement, _StridedShard) else Shard(0)
+    return [len(piece) for piece in split_tensor(on_dim0, torch.arange(size), num_chunks)]
+
+
+def local_shape_and_offset(global_shape: Sequence[int], mesh: DeviceMesh,
+                           placements: Sequence[Placement]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(local_shape, global_offset)`` of this rank's shard, as DTensor computes them. The offset is
+    only meaningful without ``_StridedShard`` (a strided shard is not one block)."""
+    shape, offset = compute_local_shape_and_global_offset(tuple(global_shape), mesh, list(placements))
+    return tuple(shape), tuple(offset)
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """A 1-D mesh over every rank of ``mesh``, registered under ``name`` (``DeviceMesh._flatten``)."""
+    return mesh._flatten(name)
+
+
+def fake_store() -> torch.distributed.Store:
+    """The store torch's ``"fake"`` process group runs on; importing it registers that backend."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the current backward pass has finished (what torch's DDP does at its end)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One flat tensor holding ``tensors`` back to back (a copy)."""
+    return _flatten_dense_tensors(list(tensors))
+
+
+def unflatten_dense_tensors(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``like`` (the inverse of :func:`flatten_dense_tensors`)."""
+    return list(_unflatten_dense_tensors(flat, list(like)))
+

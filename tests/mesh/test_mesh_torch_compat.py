@@ -1,0 +1,102 @@
+"""``ndweave.mesh.torch_compat``: each private torch API we use still exists and behaves as we rely
+on, in the installed torch; and no package reaches for one anywhere else."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ndweave.mesh import init_device_mesh
+from ndweave.mesh import torch_compat as tc
+from ndweave.mesh.testing import distributed, fake_world
+
+ROOT = Path(__file__).resolve().parents[2]
+# What a private torch API looks like in source: a ``torch._x`` module, an underscored name imported
+# from torch, or an underscored attribute of a DTensor/mesh/placement/autograd object.
+PRIVATE = re.compile(
+    r"torch\._\w|torch\.\w+(\.\w+)*\._\w|from torch[\w.]* import (\(?\s*|[^\n]*,\s*)_[A-Za-z]"
+    r"|\._local_tensor\b|\._flatten\(|\._split_tensor\(|\._custom_chunk\(|\._execution_engine\b"
+)
+
+
+def test_no_package_uses_a_private_torch_api_outside_torch_compat():
+    offenders = []
+    for path in sorted((ROOT / "packages").glob("*/src/ndweave/**/*.py")):
+        if path.name == "torch_compat.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if PRIVATE.search(code) and not code.lstrip().startswith(('"', "'", "``")):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "import these from ndweave.mesh.torch_compat instead:\n" + "\n".join(offenders)
+
+
+def test_installed_torch_is_in_the_supported_range():
+    floor = tomllib.loads((ROOT / "packages/mesh/pyproject.toml").read_text())["project"]["dependencies"]
+    spec = next(d for d in floor if d.startswith("torch"))
+    minimum = tuple(int(x) for x in re.search(r">=\s*([\d.]+)", spec).group(1).split("."))
+    installed = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+    assert installed >= minimum[:2], f"torch {torch.__version__} is older than the floor {spec}"
+
+
+def test_chunking_matches_dtensor_sharding():
+    t = torch.arange(10)
+    assert [len(c) for c in tc.custom_chunk(t, 4, dim=0)] == [3, 3, 3, 1]
+    assert [c.tolist() for c in tc.split_tensor(Shard(0), t, 3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    strided = tc.StridedShard(0, split_factor=2)  # pieces [0..4], [5..9]; rank r: its share of each
+    assert [c.tolist() for c in tc.split_tensor(strided, t, 2)] == [[0, 1, 2, 5, 6, 7], [3, 4, 8, 9]]
+    assert tc.chunk_sizes(strided, 10, 2) == [6, 4] and tc.chunk_sizes(Shard(3), 7, 4) == [2, 2, 2, 1]
+    assert tc.is_shard_like(strided) and tc.is_shard_like(Shard(1)) and not tc.is_shard_like(Replicate())
+
+
+def test_dense_flatten_round_trip_and_fake_tensors_and_pytrees():
+    a, b = torch.arange(3.0), torch.ones(2, 2)
+    flat = tc.flatten_dense_tensors([a, b])
+    assert flat.tolist() == [0, 1, 2, 1, 1, 1, 1]
+    back = tc.unflatten_dense_tensors(flat, [a, b])
+    assert torch.equal(back[0], a) and torch.equal(back[1], b)
+    with tc.FakeTensorMode():
+        fake = torch.empty(4, 4)
+    assert isinstance(fake, tc.FakeTensor) and fake.shape == (4, 4)
+    leaves, spec = tc.tree_flatten({"x": (1, [2, 3])})
+    assert leaves == [1, 2, 3] and tc.tree_unflatten(leaves, spec) == {"x": (1, [2, 3])}
+    assert issubclass(tc.DataDependentOutputException, Exception) and issubclass(tc.TorchDispatchMode, object)
+
+
+def test_backward_callback_runs_after_every_grad():
+    w = torch.nn.Parameter(torch.ones(3))
+    seen = []
+    w.register_hook(lambda g: tc.queue_backward_callback(lambda: seen.append(w.grad.clone())))
+    (w * 2).sum().backward()
+    assert len(seen) == 1 and torch.equal(seen[0], torch.full((3,), 2.0))
+
+
+def test_fake_store_backs_the_fake_process_group():
+    with fake_world(8, rank=3):
+        assert dist.get_rank() == 3 and dist.get_world_size() == 8
+        assert isinstance(tc.fake_store(), dist.Store)
+
+
+@distributed(world_size=4)
+def test_dtensor_internals():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
+    full = torch.arange(30.0).view(5, 6)
+    dt = distribute_tensor(full, mesh.device_mesh, [Shard(0), Shard(1)])
+    local = tc.local_tensor(dt)
+    assert local.data_ptr() == dt.to_local().data_ptr() and local.grad_fn is None
+    assert tc.local_tensor(full) is full
+    shape, offset = tc.local_shape_and_offset(full.shape, mesh.device_mesh, dt.placements)
+    dp, tp = mesh.get_strategy_coordinate()
+    assert shape == tuple(local.shape) and offset == ((0, 3)[dp], 3 * tp)
+    assert torch.equal(full[offset[0]: offset[0] + shape[0], offset[1]: offset[1] + shape[1]], local)
+    flat = tc.flatten_mesh(mesh.device_mesh, "DPTP_compat")
+    assert flat.ndim == 1 and flat.size() == 4 and flat.get_local_rank() == dist.get_rank()
+    strided = distribute_tensor(full, mesh["TP"], [tc.StridedShard(1, split_factor=3)])
+    pieces = tc.split_tensor(tc.StridedShard(1, split_factor=3), full, 2)
+    assert torch.equal(tc.local_tensor(strided), pieces[mesh.lookup_rank("TP")])
+    assert isinstance(strided, DTensor)
