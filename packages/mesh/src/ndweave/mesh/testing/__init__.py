@@ -12,16 +12,31 @@ process group in one process.
 
 from ndweave.mesh.testing.decorator import distributed
 from ndweave.mesh.testing.fake import fake_world
-from ndweave.mesh.testing.parity import assert_close, full_tensor
+from ndweave.mesh.testing.parity import (
+    SAFETY,
+    STRICT,
+    STRICT_DTYPE,
+    Tolerance,
+    assert_close,
+    full_tensor,
+    max_difference,
+    measured_tolerance,
+)
 from ndweave.mesh.testing.pool import DistributedTestError, RankFailure, run_distributed, shutdown_pools
 
 __all__ = [
+    "SAFETY",
+    "STRICT",
+    "STRICT_DTYPE",
+    "Tolerance",
     "DistributedTestError",
     "RankFailure",
     "assert_close",
     "distributed",
     "fake_world",
     "full_tensor",
+    "max_difference",
+    "measured_tolerance",
     "run_distributed",
     "shutdown_pools",
 ]

@@ -17,14 +17,12 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
     Good for mesh arithmetic at sizes no machine here can run (64 ranks, 4-D meshes); useless for
     checking numbers, since no data moves. The default :data:`DEVICE_MESH` is reset on exit.
     """
-    # torch's own test utility: the "fake" backend registers on import of this module.
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from ndweave.mesh import DEVICE_MESH
+    from ndweave.mesh.torch_compat import fake_store
 
     if dist.is_initialized():
         raise RuntimeError("fake_world needs a process without a process group; one is already initialized")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
