@@ -1,4 +1,6 @@
-"""Models, data and single-process references shared by the ddp tests (module-level: ranks import it)."""
+"""Models, data and single-process references shared by the ddp tests (module-level: ranks import it).
+
+Everything is float64 unless a test asks otherwise: parity is strict (``ndweave.mesh.testing.STRICT``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ndweave.mesh import init_device_mesh
+from ndweave.mesh.testing import STRICT_DTYPE
 
 GLOBAL_BATCH = 24
 SEQ, HIDDEN, FFN = 4, 8, 16
@@ -17,7 +20,7 @@ SEQ, HIDDEN, FFN = 4, 8, 16
 
 # ---------------------------------------------------------------------- plain data parallel
 class MLP(torch.nn.Module):
-    def __init__(self, seed: int = 0, dtype=torch.float32) -> None:
+    def __init__(self, seed: int = 0, dtype=STRICT_DTYPE) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.fc1 = torch.nn.Linear(6, 12, dtype=dtype)
@@ -28,7 +31,7 @@ class MLP(torch.nn.Module):
         return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
-def batch(step: int, dtype=torch.float32):
+def batch(step: int, dtype=STRICT_DTYPE):
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(GLOBAL_BATCH, 6, generator=g, dtype=dtype), torch.randn(GLOBAL_BATCH, 3, generator=g, dtype=dtype)
 
@@ -81,10 +84,10 @@ class TPBlock(torch.nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         full = {
-            "norm": 1 + 0.1 * torch.randn(HIDDEN),
-            "w1": torch.randn(FFN, HIDDEN) / HIDDEN**0.5,
-            "b1": 0.1 * torch.randn(FFN),
-            "w2": torch.randn(HIDDEN, FFN) / FFN**0.5,
+            "norm": 1 + 0.1 * torch.randn(HIDDEN, dtype=STRICT_DTYPE),
+            "w1": torch.randn(FFN, HIDDEN, dtype=STRICT_DTYPE) / HIDDEN**0.5,
+            "b1": 0.1 * torch.randn(FFN, dtype=STRICT_DTYPE),
+            "w2": torch.randn(HIDDEN, FFN, dtype=STRICT_DTYPE) / FFN**0.5,
         }
         self.mesh = mesh
         tp = {"norm": Replicate(), "w1": Shard(0), "b1": Shard(0), "w2": Shard(1)}
@@ -104,7 +107,8 @@ class TPBlock(torch.nn.Module):
 
 def tp_batch(step: int):
     g = torch.Generator().manual_seed(2000 + step)
-    return torch.randn(GLOBAL_BATCH, SEQ, HIDDEN, generator=g), torch.randn(GLOBAL_BATCH, SEQ, HIDDEN, generator=g)
+    shape = (GLOBAL_BATCH, SEQ, HIDDEN)
+    return torch.randn(*shape, generator=g, dtype=STRICT_DTYPE), torch.randn(*shape, generator=g, dtype=STRICT_DTYPE)
 
 
 def tp_loss(model, x, y, mesh, dp_rank: int, dp_size: int, mb: slice):

@@ -23,6 +23,7 @@ from ddp_cases import (
 )
 from ndweave.ddp import DDP, DistributedDataParallel
 from ndweave.mesh import DEVICE_MESH, init_device_mesh
+from ndweave.mesh.collectives import all_gather_flat
 from ndweave.mesh.testing import assert_close, run_distributed
 from ndweave.mesh.torch_compat import local_tensor
 
@@ -66,6 +67,7 @@ def _train_mlp(*, overlap: bool, bucket_size, k: int, mode: str, mesh_kind: str)
             assert_close(p, expected[step][name], name=f"{name} after step {step}")
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("bucket_size", [None, 40])
@@ -74,6 +76,7 @@ def test_dp_matches_single_device(world_size, overlap, bucket_size):
                     mesh_kind="submesh")
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("mode", ["no_sync", "flag"])
 @pytest.mark.parametrize("overlap", [True, False])
@@ -81,6 +84,7 @@ def test_dp_accumulation_matches_one_big_batch(world_size, mode, overlap):
     run_distributed(_train_mlp, world_size, overlap=overlap, bucket_size=40, k=3, mode=mode, mesh_kind="submesh")
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("mesh_kind", ["parallel_mesh", "group", "default"])
 def test_dp_accepts_every_kind_of_mesh(mesh_kind):
     run_distributed(_train_mlp, 2, overlap=True, bucket_size=None, k=1, mode="no_sync", mesh_kind=mesh_kind)
@@ -117,6 +121,7 @@ def _train_tp(*, tp_size: int, on_2d_mesh: bool, overlap: bool, bucket_size, k: 
             assert_close(p, expected[step][name], name=f"{name} after step {step}")
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize(
     "world_size,tp_size", [(2, 2), (2, 1), (4, 2)], ids=["dp1xtp2", "dp2xtp1", "dp2xtp2"]
 )
@@ -127,6 +132,7 @@ def test_dp_tp_matches_single_device(world_size, tp_size, overlap, on_2d_mesh):
                     bucket_size=30, k=1)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("on_2d_mesh", [False, True], ids=["tp_submesh", "dp_tp_mesh"])
 def test_dp_tp_accumulation_matches_one_big_batch(on_2d_mesh):
     run_distributed(_train_tp, 4, tp_size=2, on_2d_mesh=on_2d_mesh, overlap=True, bucket_size=30, k=3)
@@ -165,13 +171,14 @@ def _distributed_optimizer_contract(*, tp_size: int, bucket_size):
                 assert_close(bucket.grad_data[start:end], want[start:end], name=f"shard {start}:{end}")
             with torch.no_grad():  # plain SGD on the owned range, then gather the params
                 bucket.param_data[start:end].add_(bucket.grad_data[start:end], alpha=-0.1)
-            dist.all_gather_into_tensor(bucket.param_data, bucket.param_data[start:end].clone(), group=group)
+            all_gather_flat(bucket.param_data, bucket.param_data[start:end].clone(), group=group)
         ddp.zero_grad_buffer()
         for name, p in ddp.named_parameters():
             want = expected[step][name]
             assert_close(p, want, name=f"{name} after step {step}")
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("world_size,tp_size", [(2, 1), (4, 1), (4, 2)], ids=["dp2", "dp4", "dp2xtp2"])
 @pytest.mark.parametrize("bucket_size", [None, 30])
 def test_distributed_optimizer_reduce_scatter_contract(world_size, tp_size, bucket_size):
@@ -190,8 +197,8 @@ def _uneven_tp_layout_matches_across_tp():
     mesh = dp_tp_mesh(2)
     tp_mesh = mesh["TP"]
     model = torch.nn.Module()
-    model.register_parameter("norm", torch.nn.Parameter(distribute_tensor(torch.ones(8), tp_mesh, [Replicate()])))
-    model.register_parameter("head", torch.nn.Parameter(distribute_tensor(torch.randn(9, 8), tp_mesh, [Shard(0)])))
+    model.register_parameter("norm", torch.nn.Parameter(distribute_tensor(torch.ones(8, dtype=torch.float64), tp_mesh, [Replicate()])))
+    model.register_parameter("head", torch.nn.Parameter(distribute_tensor(torch.randn(9, 8, dtype=torch.float64), tp_mesh, [Shard(0)])))
     ddp = DDP(model, mesh["DP"], bucket_size=None, use_distributed_optimizer=True)
     layout = [(b.grad_data.numel(), [(bp.name, bp.offset) for bp in b.params]) for b in ddp.grad_buckets()]
     peers = [None, None]

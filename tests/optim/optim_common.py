@@ -1,4 +1,7 @@
-"""Models, data and single-device references shared by the ``ndweave.optim`` tests."""
+"""Models, data and single-device references shared by the ``ndweave.optim`` tests.
+
+Everything defaults to float64 (strict parity, :data:`ndweave.mesh.testing.STRICT`); the bf16 tests
+pass their dtype and measure their bound (:func:`ndweave.mesh.testing.measured_tolerance`)."""
 
 from __future__ import annotations
 
@@ -11,20 +14,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from ndweave.mesh.testing import STRICT_DTYPE, Tolerance, assert_close
 from optim_fake_ddp import FakeDDP
 
 IN, HIDDEN, OUT = 8, 16, 4
 GLOBAL_BATCH = 16
 
 
-def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Sequential:
+def make_model(seed: int = 0, dtype: torch.dtype = STRICT_DTYPE) -> nn.Sequential:
     """Linear(8,16) - Tanh - Linear(16,16) - Tanh - Linear(16,4): 484 params, several buckets."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
     return model.to(dtype)
 
 
-def batch(step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, dtype: torch.dtype = STRICT_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step`` (identical on every rank)."""
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(GLOBAL_BATCH, IN, generator=g)
@@ -32,17 +36,18 @@ def batch(step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, 
     return x.to(dtype), y.to(dtype)
 
 
-def local_batch(step: int, dp_rank: int, dp_size: int, dtype: torch.dtype = torch.float32):
+def local_batch(step: int, dp_rank: int, dp_size: int, dtype: torch.dtype = STRICT_DTYPE):
     x, y = batch(step, dtype)
     n = GLOBAL_BATCH // dp_size
     return x[dp_rank * n : (dp_rank + 1) * n], y[dp_rank * n : (dp_rank + 1) * n]
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return ((out.float() - y.float()) ** 2).mean()
+    dtype = torch.promote_types(out.dtype, torch.float32)  # a bf16 model's loss in fp32
+    return ((out.to(dtype) - y.to(dtype)) ** 2).mean()
 
 
-def dp_setup(seed: int = 0, bucket_numel: int = 64, dtype: torch.dtype = torch.float32, **ddp_kwargs):
+def dp_setup(seed: int = 0, bucket_numel: int = 64, dtype: torch.dtype = STRICT_DTYPE, **ddp_kwargs):
     """(reference copy of the model, FakeDDP over the whole world as DP)."""
     model = make_model(seed, dtype)
     reference = copy.deepcopy(model)
@@ -67,7 +72,7 @@ def tp_setup(seed: int = 0, bucket_numel: int = 64):
     return reference, ddp, mesh.get_local_rank("DP"), 2
 
 
-def train(ddp, opt, steps: int, dp_rank: int, dp_size: int, first_step: int = 0, dtype=torch.float32,
+def train(ddp, opt, steps: int, dp_rank: int, dp_size: int, first_step: int = 0, dtype=STRICT_DTYPE,
           scheduler=None) -> None:
     for step in range(first_step, first_step + steps):
         opt.zero_grad()
@@ -90,10 +95,12 @@ def train_reference(model, opt, steps: int, clip: float = 0.0, first_step: int =
             scheduler.step()
 
 
-def mean_micro_batch_grads(reference: nn.Module, step: int, dp_size: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """What data parallelism computes in fp32: each rank's micro-batch grad, cast up, averaged."""
+def mean_micro_batch_grads(reference: nn.Module, step: int, dp_size: int, dtype=STRICT_DTYPE,
+                           reverse: bool = False) -> dict[str, torch.Tensor]:
+    """What data parallelism computes in fp32: each rank's micro-batch grad, cast up, averaged
+    (``reverse``: summed in the other order, for a measured tolerance)."""
     grads = {n: torch.zeros(p.shape) for n, p in reference.named_parameters()}
-    for r in range(dp_size):
+    for r in reversed(range(dp_size)) if reverse else range(dp_size):
         reference.zero_grad()
         x, y = local_batch(step, r, dp_size, dtype)
         loss_fn(reference(x), y).backward()
@@ -102,10 +109,8 @@ def mean_micro_batch_grads(reference: nn.Module, step: int, dp_size: int, dtype=
     return grads
 
 
-def assert_params_match(model: nn.Module, reference: nn.Module, rtol=1e-4, atol=1e-5) -> None:
+def assert_params_match(model: nn.Module, reference: nn.Module, tol: Tolerance | None = None) -> None:
+    """Every parameter equals the reference's (strict for float64; ``tol`` otherwise)."""
     ours = dict(model.named_parameters())
     for name, ref in reference.named_parameters():
-        mine = ours[name]
-        mine = mine.full_tensor() if isinstance(mine, DTensor) else mine
-        torch.testing.assert_close(mine.detach().float(), ref.detach().float(), rtol=rtol, atol=atol,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        assert_close(ours[name], ref, name=name, tol=tol)

@@ -96,7 +96,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         return not self._found_inf
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip every rank's grads to a global norm of ``max_norm``; return the global norm (before
+        """Clip every rank's grads to a global norm of ``max_norm``; return the global norm (float64; before
         clipping, after unscaling). A collective: call it on every rank, after ``backward()`` and
         before ``step()`` (or pass ``clip_grad=`` and let ``step()`` do it)."""
         self._ready_grads()

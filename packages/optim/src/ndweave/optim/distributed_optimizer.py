@@ -180,7 +180,8 @@ class DistributedOptimizer(WrappedOptimizer):
 
     def _make_shard(self, bucket: GradBucket, bp, start: int, end: int, dp_ranks) -> _Shard:
         view = bucket.param_data[start:end]
-        master_dtype = torch.float32 if self.grad_to_fp32 else view.dtype
+        # "fp32" masters means at least fp32: a float64 model keeps float64 masters
+        master_dtype = torch.promote_types(view.dtype, torch.float32) if self.grad_to_fp32 else view.dtype
         aliases = view.dtype == master_dtype
         master = torch.nn.Parameter(view if aliases else view.detach().to(master_dtype))
         local_shape, local_offset = _placement_info(bp.param)

@@ -55,29 +55,34 @@ def global_norm(
 ) -> torch.Tensor:
     """The ``norm_type`` norm of the owned local ``grads`` of every rank of ``group`` (a collective).
 
-    ``grads`` are plain local tensors this rank owns (see the module docstring); returns an fp32
+    ``grads`` are plain local tensors this rank owns (see the module docstring); returns a float64
     scalar tensor, identical on every rank.
     """
     norm_type = float(norm_type)
     grads = [g for g in grads if g.numel()]
     if device is None:
         device = grads[0].device if grads else torch.device("cpu")
-    if norm_type == math.inf:
-        local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else torch.zeros((), device=device)
-        local = local.to(device)
-        if dist.is_initialized():
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        return local
-    if norm_type != 2.0:
+    if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
-    if grads:
-        local = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float32) for g in grads]).square().sum()
+    # at least fp32 (bf16 grads), and float64 for a float64 model: the clip coefficient multiplies
+    # every grad, so its precision bounds the step's
+    dtype = torch.float32
+    for g in grads:
+        dtype = torch.promote_types(dtype, g.dtype)
+    if not grads:
+        local = torch.zeros((), device=device, dtype=dtype)
+    elif norm_type == math.inf:
+        local = torch.stack([g.detach().abs().max().to(dtype) for g in grads]).max()
     else:
-        local = torch.zeros((), device=device)
-    local = local.to(device)
+        local = torch.stack([torch.linalg.vector_norm(g.detach(), dtype=dtype) for g in grads]).square().sum()
+    # reduced and returned in float64 whatever the grads: a rank that owns nothing (only padding) has
+    # no dtype of its own, yet every rank must pass the collective the same one and derive the same
+    # clip coefficient from the result
+    total = local.to(device, torch.float64)
     if dist.is_initialized():
-        dist.all_reduce(local, group=group)
-    return local.sqrt()
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=group)
+    return total if norm_type == math.inf else total.sqrt()
 
 
 def clip_by_norm(grads: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
