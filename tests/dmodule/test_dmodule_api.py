@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ndweave.dmodule import DModule, PlacementSpec, log_redistributions, parallelize_module
 from ndweave.mesh import DEVICE_MESH
 from ndweave.mesh.contracts import GradSyncable
-from ndweave.mesh.testing import assert_close, distributed
+from ndweave.mesh.testing import STRICT_DTYPE, assert_close, distributed
 
 R = Replicate()
 MLP_TP = {
@@ -81,6 +81,7 @@ def _record_fqn(module, device_mesh, fqn):
     module.patched_as = fqn
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_local_head_attention_and_patches(world_size):
     from ndweave.mesh.testing import run_distributed
@@ -89,6 +90,7 @@ def test_local_head_attention_and_patches(world_size):
 
 
 def _attention_body():
+    torch.set_default_dtype(STRICT_DTYPE)  # strict parity: both sides in float64
     torch.manual_seed(0)
     ref = Blocks()
     torch.manual_seed(0)
@@ -108,7 +110,7 @@ def _attention_body():
     expected.pow(2).sum().backward()
     dm.finish_grad_sync()
     for (name, p), (_, q) in zip(dm.named_parameters(), ref.named_parameters()):
-        assert_close(p.grad, q.grad, name=f"{name}.grad", rtol=1e-4, atol=1e-5)
+        assert_close(p.grad, q.grad, name=f"{name}.grad")
 
 
 def _double_output(module, device_mesh, fqn):
@@ -116,8 +118,10 @@ def _double_output(module, device_mesh, fqn):
     module.forward = lambda x: 2 * forward(x)
 
 
+@pytest.mark.parity
 @distributed(world_size=2)
 def test_patch_may_replace_forward_and_hooks_still_apply():
+    torch.set_default_dtype(STRICT_DTYPE)  # strict parity: both sides in float64
     torch.manual_seed(0)
     ref = MLP()
     torch.manual_seed(0)
@@ -142,8 +146,10 @@ class MaskedLinear(nn.Module):
         return h * mask + torch.arange(h.shape[-1])
 
 
+@pytest.mark.parity
 @distributed(world_size=2)
 def test_factory_tensors_become_replicated_dtensors():
+    torch.set_default_dtype(STRICT_DTYPE)  # strict parity: both sides in float64
     plan = {"parameter": {"fc.weight": [Shard(0)], "fc.bias": [Shard(0)]}, "forward": {"fc.input": [[R]]}}
     torch.manual_seed(0)
     ref = MaskedLinear()
@@ -232,8 +238,10 @@ def test_list_grad_sync_shows_pending_then_synced():
 
 
 # ------------------------------------------------------------------------------------ inputs
+@pytest.mark.parity
 @distributed(world_size=2)
 def test_presharded_model_and_mesh_resolution():
+    torch.set_default_dtype(STRICT_DTYPE)  # strict parity: both sides in float64
     torch.manual_seed(0)
     ref = MLP(4, 6)
     # is_model_sharded: each rank already holds its shard (hidden 6 -> 3 per rank)
@@ -256,8 +264,10 @@ def test_presharded_model_and_mesh_resolution():
     assert dm2.device_mesh.mesh_dim_names == ("TP",)
 
 
+@pytest.mark.parity
 @distributed(world_size=2)
 def test_inputs_by_name_and_none_entries():
+    torch.set_default_dtype(STRICT_DTYPE)  # strict parity: both sides in float64
     class Two(nn.Module):
         def __init__(self):
             super().__init__()
@@ -280,8 +290,10 @@ def test_inputs_by_name_and_none_entries():
     assert_close(out_pos, ref(x, s), name="output with inputs by name")
 
 
+@pytest.mark.parity
 @distributed(world_size=2)
 def test_forward_plan_weight_is_redistributed_before_forward():
+    torch.set_default_dtype(STRICT_DTYPE)  # strict parity: both sides in float64
     torch.manual_seed(0)
     ref = MLP()
     torch.manual_seed(0)

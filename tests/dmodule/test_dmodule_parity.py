@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ndweave.dmodule import parallelize_module
-from ndweave.mesh.testing import assert_close, distributed
+from ndweave.mesh.testing import STRICT_DTYPE, assert_close, distributed
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 
@@ -47,6 +47,7 @@ def _local_chunk(x, mesh, placements):
 
 
 def _run_parity(model_fn, plan, mesh, x_shape, seq_parallel, optimizer, steps=3):
+    torch.set_default_dtype(STRICT_DTYPE)  # both sides, strict parity (the harness resets it after)
     torch.manual_seed(0)
     ref = model_fn()
     torch.manual_seed(0)
@@ -62,7 +63,7 @@ def _run_parity(model_fn, plan, mesh, x_shape, seq_parallel, optimizer, steps=3)
         out = dmodel(_local_chunk(x, mesh, placements) if seq_parallel else x)
         expected = ref(x)
         assert isinstance(out, DTensor)
-        assert_close(out, expected, name=f"step {step} output", rtol=1e-4, atol=1e-5)
+        assert_close(out, expected, name=f"step {step} output")
         (out * out).sum().backward()
         (expected * expected).sum().backward()
         partial_seen |= {e.fqn for e in dmodel.list_grad_sync()}
@@ -71,13 +72,13 @@ def _run_parity(model_fn, plan, mesh, x_shape, seq_parallel, optimizer, steps=3)
         for (name, p), (_, q) in zip(dmodel.named_parameters(), ref.named_parameters()):
             assert not any(pl.is_partial() for pl in p.grad.placements), name
             assert p.grad.placements == p.placements, name
-            assert_close(p.grad, q.grad, name=f"step {step} {name}.grad", rtol=1e-4, atol=1e-5)
+            assert_close(p.grad, q.grad, name=f"step {step} {name}.grad")
         dopt.step()
         ref_opt.step()
         dopt.zero_grad()
         ref_opt.zero_grad()
         for (name, p), (_, q) in zip(dmodel.named_parameters(), ref.named_parameters()):
-            assert_close(p, q, name=f"step {step} {name}", rtol=1e-4, atol=1e-5)
+            assert_close(p, q, name=f"step {step} {name}")
     return partial_seen
 
 
@@ -89,12 +90,14 @@ def _mesh_2d():
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("TP0", "TP1"))
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @distributed(world_size=2)
 def test_mlp_tp_world2(optimizer):
     _run_parity(lambda: MLP(4, 8), MLP_TP, _mesh_1d(2), (3, 4), False, optimizer)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @distributed(world_size=4)
 def test_mlp_tp_uneven_world4(optimizer):
@@ -102,18 +105,19 @@ def test_mlp_tp_uneven_world4(optimizer):
     _run_parity(lambda: MLP(5, 10), MLP_TP, _mesh_1d(4), (3, 5), False, optimizer)
 
 
-
-
+@pytest.mark.parity
 @distributed(world_size=2)
 def test_mlp_tp_sp_world2():
     _run_parity(lambda: MLP(4, 8), MLP_TP_SP, _mesh_1d(2), (2, 6, 4), True, "adam")
 
 
+@pytest.mark.parity
 @distributed(world_size=4)
 def test_mlp_tp_sp_world4():
     _run_parity(lambda: MLP(4, 8), MLP_TP_SP, _mesh_1d(4), (2, 8, 4), True, "sgd")
 
 
+@pytest.mark.parity
 @distributed(world_size=2)
 def test_custom_modules_tp_sp_world2():
     partial = _run_parity(lambda: NormMLP(8, 16), NORM_MLP_TP_SP, _mesh_1d(2), (2, 6, 8), True, "adam")
@@ -121,17 +125,20 @@ def test_custom_modules_tp_sp_world2():
     assert {"norm.weight", "ln_f.weight", "ln_f.bias"} <= partial, partial
 
 
+@pytest.mark.parity
 @distributed(world_size=4)
 def test_custom_modules_tp_sp_world4():
     partial = _run_parity(lambda: NormMLP(8, 16), NORM_MLP_TP_SP, _mesh_1d(4), (2, 8, 8), True, "sgd")
     assert {"norm.weight", "ln_f.weight", "ln_f.bias"} <= partial, partial
 
 
+@pytest.mark.parity
 @distributed(world_size=4)
 def test_mlp_2d_tp_mesh():
     _run_parity(lambda: MLP(4, 8), MLP_TP_2D, _mesh_2d(), (3, 4), False, "adam")
 
 
+@pytest.mark.parity
 @distributed(world_size=4)
 def test_custom_modules_2d_tp_sp_mesh():
     partial = _run_parity(lambda: NormMLP(8, 16), NORM_MLP_TP_SP_2D, _mesh_2d(), (2, 8, 8), True, "sgd")

@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ndweave.dmodule import DModule, deferred_init, parallelize_module
-from ndweave.mesh.testing import assert_close, distributed
+from ndweave.mesh.testing import STRICT_DTYPE, assert_close, distributed
 
 
 class MLP(nn.Module):
@@ -25,6 +25,7 @@ class MLP(nn.Module):
 
 
 def _seed_example(world_size: int, deferred: bool) -> None:
+    torch.set_default_dtype(STRICT_DTYPE)  # strict parity: both sides in float64
     torch.manual_seed(0)
     ref = MLP()
     torch.manual_seed(0)
@@ -63,12 +64,14 @@ def _seed_example(world_size: int, deferred: bool) -> None:
         assert p.grad.placements == p.placements, name
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("deferred", [False, True])
 @distributed(world_size=2)
 def test_seed_mlp_example_world2(deferred):
     _seed_example(2, deferred)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("deferred", [False, True])
 @distributed(world_size=4)
 def test_seed_mlp_example_world4(deferred):

@@ -17,6 +17,7 @@ from ndweave.mesh.testing import distributed  # noqa: E402
 MODES = pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
 
 
+@pytest.mark.parity
 @MODES
 @distributed(world_size=2)
 def test_hf_llama_plan_matches_one_process_on_2_ranks(sequence_parallel):
@@ -24,6 +25,7 @@ def test_hf_llama_plan_matches_one_process_on_2_ranks(sequence_parallel):
     check_parity("hf_llama", sequence_parallel=sequence_parallel)
 
 
+@pytest.mark.parity
 @distributed(world_size=4)
 def test_hf_llama_plan_matches_one_process_on_4_ranks_eager_tied():
     check_parity("hf_llama", attn_implementation="eager", tie_word_embeddings=True)
@@ -40,6 +42,7 @@ def test_hf_llama_plan_refuses_kv_heads_that_do_not_split():
         parallelize_module(model, mesh, get_plan("hf_llama", model))
 
 
+@pytest.mark.parity
 @MODES
 @distributed(world_size=2)
 def test_hf_gpt2_plan_matches_one_process_on_2_ranks(sequence_parallel):
@@ -47,11 +50,13 @@ def test_hf_gpt2_plan_matches_one_process_on_2_ranks(sequence_parallel):
     check_parity("hf_gpt2", sequence_parallel=sequence_parallel)
 
 
+@pytest.mark.parity
 @distributed(world_size=4)
 def test_hf_gpt2_plan_matches_one_process_on_4_ranks_sdpa_adam():
     check_parity("hf_gpt2", attn_implementation="sdpa", optimizer="adam")
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
 @distributed(world_size=2)
 def test_hf_plans_with_deferred_init(name):

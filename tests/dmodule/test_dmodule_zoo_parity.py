@@ -11,29 +11,34 @@ from ndweave.mesh.testing import distributed
 MODES = pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
 
 
+@pytest.mark.parity
 @MODES
 @distributed(world_size=2)
 def test_mlp_plan_matches_one_process(sequence_parallel):
     check_parity("mlp", sequence_parallel=sequence_parallel)
 
 
+@pytest.mark.parity
 @MODES
 @distributed(world_size=2)
 def test_nanogpt_plan_matches_one_process_on_2_ranks(sequence_parallel):
     check_parity("nanogpt", sequence_parallel=sequence_parallel)
 
 
+@pytest.mark.parity
 @MODES
 @distributed(world_size=4)
 def test_nanogpt_plan_matches_one_process_on_4_ranks(sequence_parallel):
     check_parity("nanogpt", sequence_parallel=sequence_parallel)
 
 
+@pytest.mark.parity
 @distributed(world_size=2)
 def test_nanogpt_plan_untied_without_biases_with_adam():
     check_parity("nanogpt", sequence_parallel=True, optimizer="adam", tie_weights=False, bias=False)
 
 
+@pytest.mark.parity
 @distributed(world_size=2)
 def test_nanogpt_plan_with_deferred_init():
     check_deferred("nanogpt")

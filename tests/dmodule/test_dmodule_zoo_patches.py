@@ -7,12 +7,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ndweave.mesh.testing import assert_close, distributed
+from ndweave.mesh.testing import STRICT_DTYPE, assert_close, distributed
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("output", ["replicate", "shard_seq"])
 @distributed(world_size=2)
 def test_vocab_parallel_embedding_matches_one_process(output):
+    torch.set_default_dtype(STRICT_DTYPE)  # strict parity: both sides in float64
     from ndweave.dmodule import parallelize_module
 
     torch.manual_seed(0)
