@@ -267,7 +267,9 @@ class StatePiece:
         return [(b.offsets, b.sizes, b.view(self.data)) for b in _blocks(self.layout, self.start, self.end)]
 
     def chunks(self) -> list[ChunkStorageMetadata]:
-        """The boxes as DCP's chunk metadata: one chunk each of one global tensor."""
+        """The boxes as DCP's chunk metadata. A checkpoint stores every rank's non-replica pieces of a
+        key as chunks of one global tensor (DCP keeps one writer per key for a plain tensor, so
+        per-rank tensors under one key would overwrite each other)."""
         # imported here: torch.distributed.checkpoint costs a third of a second to import
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
