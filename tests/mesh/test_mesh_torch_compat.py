@@ -51,6 +51,8 @@ def test_chunking_matches_dtensor_sharding():
     strided = tc.StridedShard(0, split_factor=2)  # pieces [0..4], [5..9]; rank r: its share of each
     assert [c.tolist() for c in tc.split_tensor(strided, t, 2)] == [[0, 1, 2, 5, 6, 7], [3, 4, 8, 9]]
     assert tc.chunk_sizes(strided, 10, 2) == [6, 4] and tc.chunk_sizes(Shard(3), 7, 4) == [2, 2, 2, 1]
+    assert [c.tolist() for c in tc.split_indices(tc.StridedShard(3, split_factor=2), t + 10, 2)] == [
+        [10, 11, 12, 15, 16, 17], [13, 14, 18, 19]]
     assert tc.is_shard_like(strided) and tc.is_shard_like(Shard(1)) and not tc.is_shard_like(Replicate())
 
 

@@ -1,4 +1,4 @@
-"""DistributedOptimizer state: FlatShard state dicts that reshard across DP sizes and load into a
+"""DistributedOptimizer state: StatePiece state dicts that reshard across DP sizes and load into a
 single-device torch optimizer; optimizer-state memory per rank."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ndweave.mesh.contracts import FlatShard, merge_flat_shards, slice_flat_shard
+from ndweave.mesh.contracts import StatePiece
 from ndweave.mesh.testing import distributed, run_distributed
 from ndweave.optim import DistributedOptimizer, merge_state_dicts, to_torch_state_dict
 
@@ -72,8 +72,8 @@ def test_state_dict_holds_every_state_tensor_with_global_placement():
     for fqn, entry in sd["state"].items():
         assert {"master_param", "exp_avg", "exp_avg_sq", "step"} <= set(entry)
         shard = entry["exp_avg"]
-        assert isinstance(shard, FlatShard) and shard.fqn == fqn and shard.data.numel() == shard.end - shard.start
-        assert shard.global_shape == tuple(dict(reference.named_parameters())[fqn].shape)
+        assert isinstance(shard, StatePiece) and shard.fqn == fqn and shard.data.numel() == shard.end - shard.start
+        assert shard.layout.global_shape == tuple(dict(reference.named_parameters())[fqn].shape)
     # the full state equals a single-device Adam's after the same steps
     full = opt.gather_full_state_dict()
     ref_opt = torch.optim.Adam(reference.parameters(), **LR)
@@ -88,25 +88,6 @@ def test_state_dict_holds_every_state_tensor_with_global_placement():
     opt2 = DistributedOptimizer(torch.optim.Adam, [ddp2], optimizer_kwargs=LR)
     opt2.load_state_dict(full)
     assert_params_match(ddp2.module, reference)
-
-
-def test_flat_shards_merge_and_slice_round_trip():
-    full = torch.arange(24.0).reshape(4, 6)
-    # two TP shards along dim 1, each flattened and split in three uneven DP ranges
-    shards = []
-    for col in (0, 3):
-        local = full[:, col : col + 3].reshape(-1)
-        for start, end in ((0, 5), (5, 7), (7, 12)):
-            shards.append(FlatShard("w", local[start:end].clone(), start, end, (4, 3), (4, 6), (0, col)))
-    merged = merge_flat_shards(shards)
-    assert torch.equal(merged, full)
-    assert torch.equal(slice_flat_shard(merged, 2, 9, (4, 3), (0, 3)), full[:, 3:].reshape(-1)[2:9])
-    try:
-        merge_flat_shards(shards[:-1])
-    except ValueError as err:
-        assert "uncovered" in str(err)
-    else:
-        raise AssertionError("a missing range must be reported")
 
 
 def _measure_state_bytes() -> tuple[int, int]:

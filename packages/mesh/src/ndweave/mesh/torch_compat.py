@@ -45,6 +45,7 @@ __all__ = [
     "local_shape_and_offset",
     "local_tensor",
     "queue_backward_callback",
+    "split_indices",
     "split_tensor",
     "tree_flatten",
     "tree_map",
@@ -79,10 +80,16 @@ def split_tensor(placement: Placement, t: torch.Tensor, num_chunks: int) -> list
     return list(placement._split_tensor(t, num_chunks, with_padding=False, contiguous=False)[0])
 
 
+def split_indices(placement: Placement, indices: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
+    """Every rank's piece of the 1-D ``indices`` (positions along the placement's tensor dim) under one
+    ``Shard``/``_StridedShard`` placement: which of those positions each rank keeps, in local order."""
+    on_dim0 = type(placement)(0, split_factor=placement.split_factor) if isinstance(placement, _StridedShard) else Shard(0)
+    return split_tensor(on_dim0, indices, num_chunks)
+
+
 def chunk_sizes(placement: Placement, size: int, num_chunks: int) -> list[int]:
     """Sizes of the pieces ``split_tensor`` makes of a dim of ``size`` elements."""
-    on_dim0 = type(placement)(0, split_factor=placement.split_factor) if isinstance(placement, _StridedShard) else Shard(0)
-    return [len(piece) for piece in split_tensor(on_dim0, torch.arange(size), num_chunks)]
+    return [len(piece) for piece in split_indices(placement, torch.arange(size), num_chunks)]
 
 
 def local_shape_and_offset(global_shape: Sequence[int], mesh: DeviceMesh,

@@ -7,11 +7,17 @@ and a basic one that finishes every grad sync before stepping.
     opt.zero_grad(); loss.backward(); opt.step()
 """
 
+# the state format lives in mesh's contracts (ndweave.checkpoint reads it without importing us)
+from ndweave.mesh.contracts.optimizer_state import (
+    MASTER_KEY,
+    from_torch_state_dict,
+    merge_state_dicts,
+    to_torch_state_dict,
+)
 from ndweave.optim.basic_optimizer import BasicOptimizer
 from ndweave.optim.distributed_optimizer import DistributedOptimizer
 from ndweave.optim.inner import ELEMENTWISE_OPTIMIZERS, NON_ELEMENTWISE_OPTIMIZERS
 from ndweave.optim.loss_scale import DynamicLossScaler
-from ndweave.optim.state_dict import MASTER_KEY, from_torch_state_dict, merge_state_dicts, to_torch_state_dict
 
 __version__ = "0.1.0"
 

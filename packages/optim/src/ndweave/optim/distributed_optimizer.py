@@ -21,20 +21,28 @@ memory is not 1/DP: this is not full ZeRO-2. Full-size buffers that remain per r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from ndweave.mesh.contracts import FlatShard, GradBucket, GradBucketProvider, finish_grad_sync
-from ndweave.mesh.torch_compat import local_shape_and_offset
+from ndweave.mesh.contracts import (
+    MASTER_KEY,
+    GradBucket,
+    GradBucketProvider,
+    ShardLayout,
+    StatePiece,
+    finish_grad_sync,
+    is_elementwise,
+    merge_state_dicts,
+    resolve_state_value,
+    union_state_dicts,
+)
 from ndweave.optim.base import WrappedOptimizer
 from ndweave.optim.grad_norm import counts_replica
 from ndweave.optim.inner import check_elementwise, resolve_optimizer
 from ndweave.optim.param_gather import ParamGatherer
-from ndweave.optim.state_dict import MASTER_KEY, merge_state_dicts, resolve_value, union_state_dicts
 
 __all__ = ["DistributedOptimizer"]
 
@@ -52,9 +60,8 @@ class _Shard:
     start: int
     """Range of the piece within the param's flattened local tensor."""
     end: int
-    local_shape: tuple[int, ...]
-    global_shape: tuple[int, ...]
-    local_offset: tuple[int, ...]
+    layout: ShardLayout
+    """Where the param's local tensor lies in the global one (TP shard, strided or not)."""
     master: torch.nn.Parameter
     """1-D master weights the inner optimizer steps (fp32 unless ``grad_to_fp32=False``)."""
     aliases_model: bool
@@ -68,15 +75,8 @@ class _Shard:
     def grad_range(self) -> torch.Tensor:
         return self.bucket.grad_data[self.bucket_start : self.bucket_end]
 
-    def flat_shard(self, data: torch.Tensor) -> FlatShard:
-        return FlatShard(self.name, data, self.start, self.end, self.local_shape, self.global_shape, self.local_offset)
-
-
-def _placement_info(param: torch.nn.Parameter) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(local_shape, local_offset)`` of ``param``'s local tensor in the global one."""
-    if isinstance(param, DTensor):
-        return local_shape_and_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(param.shape), (0,) * param.dim()
+    def piece(self, data: torch.Tensor) -> StatePiece:
+        return StatePiece(self.name, data, self.layout, self.start, self.end)
 
 
 class DistributedOptimizer(WrappedOptimizer):
@@ -184,11 +184,10 @@ class DistributedOptimizer(WrappedOptimizer):
         master_dtype = torch.promote_types(view.dtype, torch.float32) if self.grad_to_fp32 else view.dtype
         aliases = view.dtype == master_dtype
         master = torch.nn.Parameter(view if aliases else view.detach().to(master_dtype))
-        local_shape, local_offset = _placement_info(bp.param)
         return _Shard(
             bucket=bucket, name=bp.name, param=bp.param, bucket_start=start, bucket_end=end,
-            start=start - bp.offset, end=end - bp.offset, local_shape=local_shape,
-            global_shape=tuple(bp.param.shape), local_offset=local_offset, master=master, aliases_model=aliases,
+            start=start - bp.offset, end=end - bp.offset, layout=ShardLayout.of(bp.param), master=master,
+            aliases_model=aliases,
             counted=counts_replica(bp.param, dp_ranks) and not getattr(bp.param, "ndweave_tied_replica", False),
         )
 
@@ -258,14 +257,14 @@ class DistributedOptimizer(WrappedOptimizer):
 
     # ---- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state as FlatShards keyed by parameter FQN (see :mod:`ndweave.optim.state_dict`)."""
+        """This rank's state as StatePieces keyed by parameter FQN (the format of
+        :mod:`ndweave.mesh.contracts.optimizer_state`; values are views of the live state)."""
         self._gatherer.wait()
         state: dict[str, dict[str, Any]] = {}
         for shard in self._shards:
-            entry = {MASTER_KEY: shard.flat_shard(shard.master.detach())}
+            entry = {MASTER_KEY: shard.piece(shard.master.detach())}
             for key, value in self.inner.state.get(shard.master, {}).items():
-                elementwise = isinstance(value, torch.Tensor) and value.shape == shard.master.shape
-                entry[key] = shard.flat_shard(value) if elementwise else value
+                entry[key] = shard.piece(value) if is_elementwise(key, value, shard.master.shape) else value
             state[shard.name] = entry
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(fqns)}
                   for g, fqns in zip(self.inner.param_groups, self._group_fqns)]
@@ -282,7 +281,7 @@ class DistributedOptimizer(WrappedOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
         """Load this rank's own ``state_dict()``, the sharded state dicts of *every* rank of a run with
-        another layout (a list: e.g. written at DP=4, loaded at DP=2), or a full state.
+        any other layout (a list: e.g. written at DP=4 x TP=1, loaded at DP=2 x TP=2), or a full state.
 
         Sets master weights, state and group hyperparameters, then writes the masters into the model
         and all-gathers (a collective)."""
@@ -301,8 +300,8 @@ class DistributedOptimizer(WrappedOptimizer):
                     continue
                 new_state = {}
                 for key, value in entry.items():
-                    value, elementwise = resolve_value(value, key, shard.name, shard.start, shard.end, shard.local_shape,
-                                                       shard.global_shape, shard.local_offset)
+                    value, elementwise = resolve_state_value(value, key, shard.name, shard.layout, shard.start,
+                                                             shard.end)
                     if key == MASTER_KEY:
                         shard.master.copy_(value.reshape(-1))
                     elif elementwise:
@@ -319,7 +318,6 @@ class DistributedOptimizer(WrappedOptimizer):
 
 
 def _to_cpu(value: Any) -> Any:
-    if isinstance(value, FlatShard):
-        return FlatShard(value.fqn, value.data.detach().cpu().clone(), value.start, value.end, value.local_shape,
-                         value.global_shape, value.local_offset)
+    if isinstance(value, StatePiece):
+        return replace(value, data=value.data.detach().cpu().clone())
     return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
