@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from core_models import MLP
+from dmodule_training import check_training_parity
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -25,6 +26,13 @@ def _tp_mesh():
     return init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("TP",))
 
 
+def _mse(net, batch):
+    x, y = batch
+    out = net(x)
+    assert type(out) is torch.Tensor, type(out)  # fc2's Replicate output, handed back plain
+    return F.mse_loss(out, y)
+
+
 @pytest.mark.parity
 @distributed(world_size=2)
 def test_replicated_output_meets_a_plain_target():
@@ -32,26 +40,9 @@ def test_replicated_output_meets_a_plain_target():
     torch.manual_seed(0)
     ref = MLP(4, 8)
     model = parallelize_module(copy.deepcopy(ref), _tp_mesh(), get_plan("mlp", ref))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
-    for step in range(3):
-        x, y = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
-        out = model(x)
-        assert type(out) is torch.Tensor, type(out)  # fc2's Replicate output, handed back plain
-        loss = F.mse_loss(out, y)
-        ref_loss = F.mse_loss(ref(x), y)
-        assert_close(loss, ref_loss, name=f"step {step} loss")
-        for opt, lo in ((optimizer, loss), (ref_optimizer, ref_loss)):
-            opt.zero_grad()
-            lo.backward()
-        model.finish_grad_sync()
-        for name, p in model.named_parameters():
-            assert_close(p.grad, ref.get_parameter(name).grad, name=f"step {step} {name}.grad")
-        optimizer.step()
-        ref_optimizer.step()
-    for name, p in model.named_parameters():
-        assert_close(p, ref.get_parameter(name), name=name)
+    batches = [(torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)) for _ in range(3)]
+    check_training_parity(model, ref, batches, _mse)
 
 
 @dataclasses.dataclass
