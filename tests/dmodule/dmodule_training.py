@@ -13,12 +13,11 @@ from ndweave.mesh.testing import assert_close
 
 def check_training_parity(model: nn.Module, reference: nn.Module, batches: Iterable, loss_fn: Callable,
                           *, context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                          lr: float = 1e-2) -> None:
-    """AdamW on both: per batch ``zero_grad(); loss_fn(net, batch).backward(); step()`` (the parallel
+                          make_optimizer: Callable = lambda params: torch.optim.AdamW(params, lr=1e-2)) -> None:
+    """``make_optimizer`` (AdamW) on both: per batch ``zero_grad(); loss_fn(net, batch).backward(); step()`` (the parallel
     model's loss and backward inside ``context()``), comparing the loss and every gradient each step
     and every parameter at the end, at the default (strict float64) tolerance."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=lr)
+    optimizer, ref_optimizer = make_optimizer(model.parameters()), make_optimizer(reference.parameters())
     for step, batch in enumerate(batches):
         optimizer.zero_grad()
         with context():
