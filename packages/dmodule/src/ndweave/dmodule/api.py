@@ -55,11 +55,14 @@ def parallelize_module(
     """Distribute ``module`` over ``device_mesh`` per the plan; return it, now a :class:`DModule`.
 
     - ``device_mesh``: a ``DeviceMesh`` of any ndim (nD TP: one placement per mesh dim), a
-      ``ParallelMesh`` (its ``"TP"`` dim when it has one), or ``None`` (the default mesh's ``"TP"``).
+      ``ParallelMesh`` (its ``"TP"`` dim; one without is an error), or ``None`` (the default mesh's
+      ``"TP"``).
     - ``sharding_plan``: ``{"parameter": {...}, "forward": {...}, "patch": {...}}``;
       ``param_sharding_plan`` / ``fwd_resharding_plan`` / ``patches`` are merged into its sections.
       Keys are ``<regex fully matching a module FQN>.<leaf>``; see the package README.
     - ``is_model_sharded``: the module's tensors already are this rank's local shards.
+    - Buffers the plan does not name become ``Replicate`` DTensors, except non-persistent ones
+      (caches such as RoPE tables), which stay plain tensors on the mesh's device.
     - ``factory``: tensors created inside forward meet DTensors as ``Replicate`` DTensors.
     - ``use_local_output``: the root module's outputs that are fully replicated DTensors (anywhere in
       a tuple, list, dict, dataclass or HF ``ModelOutput``) come back as plain tensors, so
