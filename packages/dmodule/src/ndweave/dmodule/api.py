@@ -163,7 +163,8 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str,
                 raise RuntimeError(f"{what} is a fake tensor: parallelize the module deferred_init returned, not a part of it")
             if any(isinstance(p, Partial) for p in placements):
                 raise ValueError(f"{what}: a deferred-init tensor cannot start Partial on {mesh}")
-            targets.setdefault(_deferred._key(t), []).append(_local_shard_installer(t, mesh, placements, install, plain))
+            installer = _local_shard_installer(t, mesh, placements, install, plain)
+            targets.setdefault(_deferred._key(t), []).append(installer)
         elif t.is_meta:
             raise ValueError(f"{what} is on the meta device and has no values; build the module with "
                              "deferred_init(module_fn, ...) to get values equal to eager init")

@@ -5,8 +5,9 @@
 
     model = parallelize_module(model, tp_mesh, get_plan("hf_llama", model, sequence_parallel=True))
 
-``get_plan(name, model=None, *, sequence_parallel=False, loss_parallel=False)`` returns a fresh plan (edit it freely);
-``model`` lets the plan read its config (biases, head counts) and fail early with a clear message.
+``get_plan(name, model=None, *, sequence_parallel=False, loss_parallel=False)`` returns a fresh plan
+(edit it freely); ``model`` lets the plan read its config (biases, head counts) and fail early with
+a clear message.
 Plans are for a 1-D tensor-parallel mesh (or a 1-D submesh of a ``ParallelMesh``). The patches a
 plan needs are named inside it (``"patch"`` section) and looked up in ``BUILTIN_PATCHES``, so a plan
 is plain data: ``save_plan`` / ``load_plan`` write and read it as JSON.

@@ -21,9 +21,10 @@ strided. The plan and two patches make the module use it:
 Then ``attn.c_proj`` takes its plain input back as ``Shard(-1)`` and reduces its ``Partial`` output.
 ``wte`` is vocab-parallel (50257 rows over 2 ranks: 25129 + 25128); ``lm_head`` shares the very same
 weight (``Shard(0)`` on both sides keeps it one parameter), its logits are gathered and handed on as
-a plain tensor so HF's loss runs unchanged (``loss_parallel=True``: left ``Shard(-1)``). ``wpe`` takes the model's plain ``position_ids`` as
-``Replicate`` (no factory mode needed). ``sequence_parallel=True``: as for Llama — residual stream,
-LayerNorms and dropout ``Shard(1)``; LayerNorm outputs all-gathered; row-wise outputs reduce-scattered.
+a plain tensor so HF's loss runs unchanged (``loss_parallel=True``: left ``Shard(-1)``). ``wpe``
+takes the model's plain ``position_ids`` as ``Replicate`` (no factory mode needed).
+``sequence_parallel=True``: as for Llama — residual stream, LayerNorms and dropout ``Shard(1)``;
+LayerNorm outputs all-gathered; row-wise outputs reduce-scattered.
 Eager and SDPA attention both work; cross-attention (``add_cross_attention``) is not supported.
 """
 
