@@ -56,7 +56,7 @@ def _seed_example(world_size: int, deferred: bool) -> None:
 
     expected = ref(input)
     expected.sum().backward()
-    assert isinstance(output, DTensor) and output.placements == (Replicate(),)
+    assert not isinstance(output, DTensor)  # a Replicate root output comes back plain (use_local_output)
     assert_close(output, expected, name="output")
     for (name, p), (_, q) in zip(dmlp.named_parameters(), ref.named_parameters()):
         assert_close(p, q, name=name)

@@ -26,6 +26,7 @@ def test_vocab_parallel_embedding_matches_one_process(output):
         {"parameter": {"weight": [Shard(0)]},
          "forward": {"output": [[Replicate()] if output == "replicate" else [Shard(1)]]},
          "patch": {"": ["vocab_parallel_embedding"]}},
+        use_local_output=False,  # the test drives the output's own placements
     )
     assert emb.vocab_range == ((0, 6) if dist.get_rank() == 0 else (6, 11))
     ids = torch.tensor([[0, 5, 6, 7, 10, 7], [3, 3, 9, 1, 7, 6]])

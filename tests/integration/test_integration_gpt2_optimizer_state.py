@@ -52,8 +52,7 @@ def _parallel(seed: int, dp: int, tp: int):
     if tp > 1:
         model = parallelize_module(model, mesh["TP"], get_plan("hf_gpt2", model))
     model = DDP(model, mesh["DP"], use_distributed_optimizer=True, bucket_size=5_000)
-    # grad_to_fp32=False: the masters are the float64 model's own values, not an fp32 copy
-    optimizer = DistributedOptimizer(torch.optim.AdamW, [model], optimizer_kwargs=ADAMW, grad_to_fp32=False)
+    optimizer = DistributedOptimizer(torch.optim.AdamW, [model], optimizer_kwargs=ADAMW)
     return model, optimizer, mesh.get_data_parallel_rank()
 
 

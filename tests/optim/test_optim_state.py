@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ndweave.mesh.contracts import StatePiece
-from ndweave.mesh.testing import distributed, run_distributed
+from ndweave.mesh.testing import assert_close, distributed, run_distributed
 from ndweave.optim import DistributedOptimizer, merge_state_dicts, to_torch_state_dict
 
 from optim_common import assert_params_match, dp_setup, make_model, tp_setup, train, train_reference
@@ -42,7 +42,7 @@ def _load_at_dp2(folder: str) -> None:
     train(ddp, opt, 10, rank, 2, first_step=10)
     final = torch.load(os.path.join(folder, "final.pt"))
     for n, p in ddp.module.named_parameters():
-        torch.testing.assert_close(p.detach(), final[n], rtol=1e-4, atol=1e-5)
+        assert_close(p, final[n], name=n)
 
 
 def test_checkpoint_at_dp4_resumes_at_dp2_and_on_one_device(tmp_path):
@@ -60,7 +60,7 @@ def test_checkpoint_at_dp4_resumes_at_dp2_and_on_one_device(tmp_path):
     train_reference(model, adam, 10, clip=0.1, first_step=10)
     final = torch.load(tmp_path / "final.pt")
     for n, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), final[n], rtol=1e-4, atol=1e-5)
+        assert_close(p, final[n], name=n)
 
 
 @distributed(world_size=4)
@@ -80,8 +80,8 @@ def test_state_dict_holds_every_state_tensor_with_global_placement():
     train_reference(reference, ref_opt, 3)
     for (n, p) in reference.named_parameters():
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(full["state"][n][key], ref_opt.state[p][key], rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(full["state"][n]["master_param"], p.detach(), rtol=1e-4, atol=1e-5)
+            assert_close(full["state"][n][key], ref_opt.state[p][key], name=f"{n} {key}")
+        assert_close(full["state"][n]["master_param"], p, name=f"{n} master")
         assert float(full["state"][n]["step"]) == 3
     # and loads back (full form) into a fresh DP x TP optimizer
     _, ddp2, _, _ = tp_setup(seed=7)

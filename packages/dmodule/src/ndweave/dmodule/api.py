@@ -3,7 +3,8 @@
 Order of work (each step sees the result of the previous one):
 
 1. parameters and buffers become DTensors: planned ones per the plan, the rest ``Replicate``
-   (from a ``deferred_init`` module only the local shards are ever allocated);
+   (from a ``deferred_init`` module only the local shards are ever allocated), except unplanned
+   non-persistent buffers, which stay plain tensors on the mesh's device;
 2. patches run (by FQN regex or ``class:<Name>``): they see distributed parameters and may replace
    ``forward``;
 3. forward resharding hooks are installed (inputs, outputs, weights);
@@ -23,7 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from ndweave.dmodule import deferred_init as _deferred
 from ndweave.dmodule.dmodule import DModuleState, make_dmodule
-from ndweave.dmodule.hooks import install_forward_hooks
+from ndweave.dmodule.hooks import install_forward_hooks, install_local_output_hook
 from ndweave.dmodule.plan import (
     IO_LEAVES,
     PlacementSpec,
@@ -33,7 +34,7 @@ from ndweave.dmodule.plan import (
     normalize_plan,
     split_key,
 )
-from ndweave.mesh import ParallelMesh, resolve_mesh
+from ndweave.mesh import DEVICE_MESH, ParallelMesh, resolve_mesh
 from ndweave.mesh.torch_compat import StridedShard, custom_chunk, is_shard_like, split_tensor
 
 __all__ = ["parallelize_module"]
@@ -49,16 +50,25 @@ def parallelize_module(
     is_model_sharded: bool = False,
     factory: bool = False,
     patches: Mapping[str, Any] | None = None,
+    use_local_output: bool = True,
 ) -> nn.Module:
     """Distribute ``module`` over ``device_mesh`` per the plan; return it, now a :class:`DModule`.
 
     - ``device_mesh``: a ``DeviceMesh`` of any ndim (nD TP: one placement per mesh dim), a
-      ``ParallelMesh`` (its ``"TP"`` dim when it has one), or ``None`` (the default mesh's ``"TP"``).
+      ``ParallelMesh`` (its ``"TP"`` dim; one without is an error), or ``None`` (the default mesh's
+      ``"TP"``).
     - ``sharding_plan``: ``{"parameter": {...}, "forward": {...}, "patch": {...}}``;
       ``param_sharding_plan`` / ``fwd_resharding_plan`` / ``patches`` are merged into its sections.
       Keys are ``<regex fully matching a module FQN>.<leaf>``; see the package README.
     - ``is_model_sharded``: the module's tensors already are this rank's local shards.
+    - Buffers the plan does not name become ``Replicate`` DTensors, except non-persistent ones
+      (caches such as RoPE tables), which stay plain tensors on the mesh's device.
     - ``factory``: tensors created inside forward meet DTensors as ``Replicate`` DTensors.
+    - ``use_local_output``: the root module's outputs that are fully replicated DTensors (anywhere in
+      a tuple, list, dict, dataclass or HF ``ModelOutput``) come back as plain tensors, so
+      ``loss_fn(model(x), y)`` works with a plain target, as under torch's tensor parallel. Sharded
+      and ``Partial`` outputs stay DTensors (a plain local shard would silently meet a full target).
+      ``False``: every output stays as the plan left it.
 
     Example (the seed's MLP)::
 
@@ -66,7 +76,8 @@ def parallelize_module(
             param_sharding_plan={"fc1.weight": [Shard(0)], "fc1.bias": [Shard(0)],
                                  "fc2.weight": [Shard(1)], "fc2.bias": [Replicate()]},
             fwd_resharding_plan={"fc1.input": [[Replicate()]], "fc2.output": [[Replicate()]]})
-        dmlp(x).sum().backward()
+        loss = F.mse_loss(dmlp(x), y)            # a plain tensor: fc2's output is Replicate
+        loss.backward()
         dmlp.finish_grad_sync()
     """
     mesh = _resolve(device_mesh)
@@ -75,15 +86,26 @@ def parallelize_module(
     _apply_patches(module, mesh, plan.patch)
     state = DModuleState(mesh=mesh, factory=factory)
     state.hook_handles = _install_forward_plan(module, mesh, plan.forward)
+    if use_local_output:
+        state.hook_handles.append(install_local_output_hook(module))
     return make_dmodule(module, state)
 
 
 def _resolve(device_mesh: Any) -> DeviceMesh:
     if isinstance(device_mesh, DeviceMesh):
-        return device_mesh
-    if isinstance(device_mesh, ParallelMesh):
-        return device_mesh["TP"] if device_mesh.has_dim("TP") else device_mesh.device_mesh
-    return resolve_mesh(device_mesh, "TP")
+        return device_mesh  # taken whole, any ndim: nD tensor parallel over all its dims
+    try:
+        return resolve_mesh(device_mesh, "TP")
+    except KeyError:
+        # sharding over every dim of a (DP, PP, ...) mesh is never what was meant: say so
+        mesh = DEVICE_MESH if device_mesh is None else device_mesh
+        names = list(mesh.mesh_dim_names)
+        which = "the default DEVICE_MESH" if device_mesh is None else "the ParallelMesh passed"
+        raise ValueError(
+            f"parallelize_module: {which} has dims {names} and no 'TP' dim to shard the module over; pass "
+            f"the dim to parallelize over, mesh[\"<dim>\"] (e.g. mesh[{names[-1]!r}]), or a DeviceMesh "
+            "(used whole: one placement per mesh dim)"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------- parameters
@@ -125,8 +147,12 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str,
         spec = chosen.get(tid, (None, replicate))[1]
         what = f"{'parameter' if isinstance(t, nn.Parameter) else 'buffer'} {name!r}"
         placements = check_placements(spec, t, mesh, what)
+        # An unplanned non-persistent buffer is a cache the model rebuilds from its config (a RoPE
+        # table) and combines with whatever its forward computes, often local tensors (local
+        # attention heads): it stays a plain tensor, the whole value on every rank.
+        plain = tid not in chosen and _non_persistent_buffer(slots[tid])
 
-        def install(dt: DTensor, tid: int = tid, t: torch.Tensor = t) -> None:
+        def install(dt: torch.Tensor, tid: int = tid, t: torch.Tensor = t) -> None:
             if isinstance(t, nn.Parameter):
                 dt = nn.Parameter(dt, requires_grad=t.requires_grad)  # one object: ties stay tied
             for _, m, leaf in slots[tid]:
@@ -137,12 +163,15 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str,
                 raise RuntimeError(f"{what} is a fake tensor: parallelize the module deferred_init returned, not a part of it")
             if any(isinstance(p, Partial) for p in placements):
                 raise ValueError(f"{what}: a deferred-init tensor cannot start Partial on {mesh}")
-            targets.setdefault(_deferred._key(t), []).append(_local_shard_installer(t, mesh, placements, install))
+            installer = _local_shard_installer(t, mesh, placements, install, plain)
+            targets.setdefault(_deferred._key(t), []).append(installer)
         elif t.is_meta:
             raise ValueError(f"{what} is on the meta device and has no values; build the module with "
                              "deferred_init(module_fn, ...) to get values equal to eager init")
         elif isinstance(t, DTensor):
             install(t if tuple(t.placements) == placements else t.redistribute(mesh, placements))
+        elif plain:
+            install(t.to(mesh.device_type))
         elif is_model_sharded:
             local = t.detach().contiguous().to(mesh.device_type)
             shape = _global_shape(local, mesh, placements)
@@ -155,8 +184,13 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str,
         root.__dict__["_materialize_stats"] = stats
 
 
+def _non_persistent_buffer(slots: list[tuple[str, nn.Module, str]]) -> bool:
+    """Every module holding the tensor has it as a non-persistent buffer (not in its state_dict)."""
+    return all(leaf in m._buffers and leaf in m._non_persistent_buffers_set for _, m, leaf in slots)
+
+
 def _local_shard_installer(fake: torch.Tensor, mesh: DeviceMesh, placements: tuple,
-                           install: Callable[[DTensor], None]) -> Callable[[torch.Tensor], int]:
+                           install: Callable[[torch.Tensor], None], plain: bool) -> Callable[[torch.Tensor], int]:
     def take(storage_root: torch.Tensor) -> int:
         full = storage_root.as_strided(fake.size(), fake.stride(), fake.storage_offset())
         local = local_shard(full, mesh, placements)
@@ -165,8 +199,8 @@ def _local_shard_installer(fake: torch.Tensor, mesh: DeviceMesh, placements: tup
             # so the rest is freed; a whole-storage replica or a fresh strided copy is kept as is
             local = local.clone()
         local = local.contiguous().to(mesh.device_type)
-        install(DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape,
-                                   stride=_contiguous_stride(full.shape)))
+        install(local if plain else DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape,
+                                                       stride=_contiguous_stride(full.shape)))
         return local.numel() * local.element_size()
 
     return take

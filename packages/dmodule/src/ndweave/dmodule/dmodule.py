@@ -36,8 +36,6 @@ class DModuleState:
 
     mesh: DeviceMesh
     factory: bool = False
-    named_params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
-    """The root's parameters as parallelization left them (grad sync walks this list every step)."""
     hook_handles: list = field(default_factory=list)
     last_synced: list[GradSyncEntry] = field(default_factory=list)
 
@@ -59,7 +57,9 @@ class DModule:
         Partial grads come from sequence parallelism: a replicated norm weight fed a sequence-sharded
         activation gets a partial sum per rank. Implements ``ndweave.mesh.contracts.GradSyncable``.
         """
-        params = self._dmodule.named_params
+        # looked up each time, never cached: a wrapper applied later (FSDP2's fully_shard) replaces the
+        # parameters, and a cached list would keep the old, unsharded ones alive
+        params = list(self.named_parameters())
         partial = [(n, p) for n, p in params if _is_partial(p.grad)]
         if partial:
             self._dmodule.last_synced = [GradSyncEntry(n, tuple(p.grad.placements), "synced") for n, p in partial]
@@ -74,7 +74,7 @@ class DModule:
         pending, the ones it reduced last time (status ``"synced"``)."""
         pending = [
             GradSyncEntry(n, tuple(p.grad.placements), "pending")
-            for n, p in self._dmodule.named_params if _is_partial(p.grad)
+            for n, p in self.named_parameters() if _is_partial(p.grad)
         ]
         return pending or list(self._dmodule.last_synced)
 
@@ -129,7 +129,6 @@ def make_dmodule(module: nn.Module, state: DModuleState) -> nn.Module:
         dcls = type(f"DModule{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
         _CLASSES[(cls, state.factory)] = dcls
     module.__class__ = dcls
-    state.named_params = list(module.named_parameters())
     module._dmodule = state
     return module
 

@@ -10,6 +10,7 @@ carries its gradient back to the parameter's own layout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 from collections.abc import Iterator
@@ -21,8 +22,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ndweave.dmodule.plan import PlacementSpec
+from ndweave.mesh.torch_compat import tree_map
 
-__all__ = ["install_forward_hooks", "log_redistributions"]
+__all__ = ["install_forward_hooks", "install_local_output_hook", "local_outputs", "log_redistributions"]
 
 logger = logging.getLogger("ndweave.dmodule")
 
@@ -155,3 +157,33 @@ def install_forward_hooks(module: nn.Module, fqn: str, mesh: DeviceMesh, entries
     if plan.outputs is not None or plan.weights:
         handles.append(module.register_forward_hook(plan.post_hook))
     return handles
+
+
+def local_outputs(output: Any) -> Any:
+    """``output`` with every fully replicated DTensor in it replaced by its local tensor (the whole
+    value, the same on every rank); sharded and ``Partial`` DTensors are left as they are.
+
+    Walks tuples, lists, dicts and registered pytree nodes (HF ``ModelOutput``), and dataclasses.
+    ``to_local()`` keeps autograd: the plain gradient that comes back is taken as ``Replicate``,
+    which is what it is when every rank computes the same loss from the same value.
+    """
+    return tree_map(_local_leaf, output)
+
+
+def _local_leaf(x: Any) -> Any:
+    if isinstance(x, DTensor):
+        return x.to_local() if all(p.is_replicate() for p in x.placements) else x
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):  # a dataclass pytree does not know
+        changes = {f.name: local_outputs(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
+        if any(v is not getattr(x, k) for k, v in changes.items()):
+            return dataclasses.replace(x, **changes)
+    return x
+
+
+def install_local_output_hook(root: nn.Module) -> Any:
+    """Hand the root's replicated DTensor outputs back as plain tensors (``use_local_output=True``).
+
+    Registered after the root's own forward plan, so it sees the output that plan laid out; a loss
+    computed outside the model then meets the user's plain target, as with torch's tensor parallel.
+    """
+    return root.register_forward_hook(lambda module, args, output: local_outputs(output))

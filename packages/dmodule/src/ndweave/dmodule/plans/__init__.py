@@ -5,8 +5,9 @@
 
     model = parallelize_module(model, tp_mesh, get_plan("hf_llama", model, sequence_parallel=True))
 
-``get_plan(name, model=None, *, sequence_parallel=False)`` returns a fresh plan (edit it freely);
-``model`` lets the plan read its config (biases, head counts) and fail early with a clear message.
+``get_plan(name, model=None, *, sequence_parallel=False, loss_parallel=False)`` returns a fresh plan
+(edit it freely); ``model`` lets the plan read its config (biases, head counts) and fail early with
+a clear message.
 Plans are for a 1-D tensor-parallel mesh (or a 1-D submesh of a ``ParallelMesh``). The patches a
 plan needs are named inside it (``"patch"`` section) and looked up in ``BUILTIN_PATCHES``, so a plan
 is plain data: ``save_plan`` / ``load_plan`` write and read it as JSON.
@@ -45,12 +46,25 @@ def list_plans() -> list[str]:
     return sorted(_PLANS)
 
 
-def get_plan(name: str, model: Any = None, *, sequence_parallel: bool = False) -> dict[str, Any]:
+def get_plan(name: str, model: Any = None, *, sequence_parallel: bool = False,
+             loss_parallel: bool = False) -> dict[str, Any]:
     """A ``sharding_plan`` (``{"parameter": ..., "forward": ..., "patch": ...}``) for model family
     ``name``: tensor parallel, plus sequence parallel on the residual stream when
-    ``sequence_parallel=True``. Pass ``model`` to size the plan from its config (biases, heads)."""
+    ``sequence_parallel=True``. Pass ``model`` to size the plan from its config (biases, heads).
+
+    ``loss_parallel=True`` (the language models): the logits stay ``Shard(-1)`` DTensors over the
+    vocabulary instead of being gathered; compute the loss outside the model and run it AND its
+    backward inside torch's ``loss_parallel()``::
+
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        logits, _ = model(idx)                      # (batch, seq, vocab), Shard(-1)
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())   # targets: plain
+            loss.backward()
+    """
     try:
         make = _PLANS[name]
     except KeyError:
         raise KeyError(f"no plan named {name!r}; the zoo has {list_plans()}") from None
-    return make(model, sequence_parallel=sequence_parallel)
+    return make(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)

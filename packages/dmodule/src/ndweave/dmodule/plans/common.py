@@ -6,7 +6,7 @@ from typing import Any
 
 from torch.distributed.tensor import Replicate, Shard
 
-__all__ = ["local", "seq_or_replicate", "config_of", "require"]
+__all__ = ["local", "logits_output", "seq_or_replicate", "config_of", "require"]
 
 
 def local(placements: list) -> Any:
@@ -21,6 +21,14 @@ def seq_or_replicate(sequence_parallel: bool) -> list:
     """Layout of the residual stream: ``Shard(1)`` (sequence dim of (batch, seq, hidden)) under
     sequence parallelism, else ``Replicate()``."""
     return [Shard(1)] if sequence_parallel else [Replicate()]
+
+
+def logits_output(loss_parallel: bool) -> list:
+    """``lm_head``'s output plan. By default the logits are gathered and handed on as a plain tensor
+    (every rank holds the full (batch, seq, vocab) logits; the model's own loss runs unchanged).
+    With ``loss_parallel`` they stay ``Shard(-1)`` DTensors, each rank holding its vocabulary
+    columns, for torch's ``loss_parallel()`` cross-entropy."""
+    return [[Shard(-1)]] if loss_parallel else [local([Replicate()])]
 
 
 def config_of(model: Any, plan_name: str) -> Any:

@@ -21,9 +21,10 @@ strided. The plan and two patches make the module use it:
 Then ``attn.c_proj`` takes its plain input back as ``Shard(-1)`` and reduces its ``Partial`` output.
 ``wte`` is vocab-parallel (50257 rows over 2 ranks: 25129 + 25128); ``lm_head`` shares the very same
 weight (``Shard(0)`` on both sides keeps it one parameter), its logits are gathered and handed on as
-a plain tensor so HF's loss runs unchanged. ``wpe`` takes the model's plain ``position_ids`` as
-``Replicate`` (no factory mode needed). ``sequence_parallel=True``: as for Llama — residual stream,
-LayerNorms and dropout ``Shard(1)``; LayerNorm outputs all-gathered; row-wise outputs reduce-scattered.
+a plain tensor so HF's loss runs unchanged (``loss_parallel=True``: left ``Shard(-1)``). ``wpe``
+takes the model's plain ``position_ids`` as ``Replicate`` (no factory mode needed).
+``sequence_parallel=True``: as for Llama — residual stream, LayerNorms and dropout ``Shard(1)``;
+LayerNorm outputs all-gathered; row-wise outputs reduce-scattered.
 Eager and SDPA attention both work; cross-attention (``add_cross_attention``) is not supported.
 """
 
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from ndweave.dmodule.plans.common import config_of, local, require, seq_or_replicate
+from ndweave.dmodule.plans.common import config_of, logits_output, require, seq_or_replicate
 from ndweave.mesh.torch_compat import StridedShard
 
 __all__ = ["hf_gpt2_plan", "attention_local_heads", "fused_qkv_colwise"]
@@ -43,7 +44,8 @@ __all__ = ["hf_gpt2_plan", "attention_local_heads", "fused_qkv_colwise"]
 _H = r"transformer.h.\d+"
 
 
-def hf_gpt2_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False) -> dict[str, Any]:
+def hf_gpt2_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False,
+                 loss_parallel: bool = False) -> dict[str, Any]:
     if model is not None:
         config = config_of(model, "hf_gpt2")
         require(hasattr(model, "transformer") and hasattr(model, "lm_head"), "hf_gpt2",
@@ -71,7 +73,7 @@ def hf_gpt2_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
         rf"{_H}.attn.c_proj.input": [[Shard(-1)]],
         rf"{_H}.attn.c_proj.output": [stream],
         rf"{_H}.mlp.c_proj.output": [stream],
-        "lm_head.output": [local([Replicate()])],
+        "lm_head.output": logits_output(loss_parallel),
     }
     if sequence_parallel:
         forward.update({

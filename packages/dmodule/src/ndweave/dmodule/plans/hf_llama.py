@@ -12,10 +12,12 @@ Tensor parallel, per decoder layer::
   (their ratio) is unchanged and each local query head meets its own key/value head. Both head
   counts must divide by the mesh size (the ``hf_llama_attention_heads`` patch checks it).
   Eager and SDPA attention both work (they see plain tensors).
-- RoPE: ``rotary_emb`` takes the model's plain ``position_ids`` as ``Replicate`` and hands ``cos``
-  / ``sin`` on as plain tensors, so no factory mode is needed.
+- RoPE: ``rotary_emb``'s ``inv_freq`` is a non-persistent buffer, which ``parallelize_module``
+  leaves a plain tensor; with the model's plain ``position_ids`` it computes plain ``cos`` / ``sin``
+  for the local heads: no plan entry, no factory mode.
 - ``embed_tokens``: vocab-parallel (``Shard(0)`` + ``vocab_parallel_embedding``); ``lm_head``:
-  column-wise, logits gathered and handed on as a plain tensor so HF's loss runs unchanged.
+  column-wise, logits gathered and handed on as a plain tensor so HF's loss runs unchanged (with
+  ``loss_parallel=True``: left ``Shard(-1)`` for torch's ``loss_parallel()``).
   Tied embeddings (``tie_word_embeddings=True``) stay one parameter: both sides are ``Shard(0)``.
 - Tensor parallel only: each RMSNorm's output is handed on as a plain tensor and taken back as
   ``Replicate`` by its consumer (``self_attn`` / ``mlp`` / ``lm_head``), so the projections'
@@ -36,14 +38,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from ndweave.dmodule.plans.common import config_of, local, require, seq_or_replicate
+from ndweave.dmodule.plans.common import config_of, local, logits_output, require, seq_or_replicate
 
 __all__ = ["hf_llama_plan", "check_attention_heads"]
 
 _L = r"model.layers.\d+"
 
 
-def hf_llama_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False) -> dict[str, Any]:
+def hf_llama_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False,
+                  loss_parallel: bool = False) -> dict[str, Any]:
     attention_bias = mlp_bias = False  # Llama's defaults
     if model is not None:
         config = config_of(model, "hf_llama")
@@ -74,13 +77,11 @@ def hf_llama_plan(model: nn.Module | None = None, *, sequence_parallel: bool = F
 
     forward: dict[str, Any] = {
         "model.embed_tokens.output": [stream],
-        "model.rotary_emb.input": {"position_ids": [Replicate()]},
-        "model.rotary_emb.output": [local([Replicate()]), local([Replicate()])],
         rf"{_L}.self_attn.(q_proj|k_proj|v_proj).output": [local([Shard(-1)])],
         rf"{_L}.self_attn.o_proj.input": [[Shard(-1)]],
         rf"{_L}.self_attn.o_proj.output": [stream],
         rf"{_L}.mlp.down_proj.output": [stream],
-        "lm_head.output": [local([Replicate()])],
+        "lm_head.output": logits_output(loss_parallel),
     }
     norms = rf"{_L}.(input_layernorm|post_attention_layernorm)"
     if sequence_parallel:

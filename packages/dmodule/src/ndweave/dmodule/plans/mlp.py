@@ -21,7 +21,10 @@ from ndweave.dmodule.plans.common import require, seq_or_replicate
 __all__ = ["mlp_plan"]
 
 
-def mlp_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False) -> dict[str, Any]:
+def mlp_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False,
+             loss_parallel: bool = False) -> dict[str, Any]:
+    require(not loss_parallel, "mlp", "loss_parallel=True shards a language model's logits over the vocabulary; "
+            "the MLP has none (its output is Replicate and comes back a plain tensor)")
     if model is not None:
         for name in ("fc1", "fc2"):
             require(isinstance(getattr(model, name, None), nn.Linear), "mlp", f"the model has no nn.Linear {name!r}")

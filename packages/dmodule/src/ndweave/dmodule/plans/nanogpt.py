@@ -11,7 +11,8 @@ Tensor parallel (Megatron layout), per block::
 - ``wte``: vocab-parallel (``Shard(0)`` + the ``vocab_parallel_embedding`` patch); ``lm_head`` is
   column-wise over the vocabulary, tied or not (both get ``Shard(0)``, so a tied weight stays one
   parameter), and its logits are gathered and handed on as a plain full tensor, so the loss is
-  computed as on one device (every rank holds the (batch, seq, vocab) logits).
+  computed as on one device (every rank holds the (batch, seq, vocab) logits). ``loss_parallel=True``
+  leaves them ``Shard(-1)`` over the vocabulary for torch's ``loss_parallel()`` cross-entropy.
 - ``sequence_parallel=True``: the residual stream, LayerNorms and dropout are ``Shard(1)`` on the
   sequence; each LayerNorm's output is all-gathered before the projections and each row-wise
   output is reduce-scattered. LayerNorm weights then get ``Partial`` gradients, which
@@ -28,14 +29,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from ndweave.dmodule.plans.common import config_of, local, require, seq_or_replicate
+from ndweave.dmodule.plans.common import config_of, local, logits_output, require, seq_or_replicate
 
 __all__ = ["nanogpt_plan", "check_attention_heads"]
 
 _H = r"transformer.h.\d+"
 
 
-def nanogpt_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False) -> dict[str, Any]:
+def nanogpt_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False,
+                 loss_parallel: bool = False) -> dict[str, Any]:
     bias = True
     if model is not None:
         config = config_of(model, "nanogpt")
@@ -69,7 +71,7 @@ def nanogpt_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
         rf"{_H}.attn.c_proj.input": [[Shard(-1)]],
         rf"{_H}.attn.c_proj.output": [stream],
         rf"{_H}.mlp.c_proj.output": [stream],
-        "lm_head.output": [local([Replicate()])],
+        "lm_head.output": logits_output(loss_parallel),
     }
     if sequence_parallel:
         forward.update({
