@@ -28,7 +28,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ndweave.mesh.contracts import FlatShard, GradBucket, GradBucketProvider, finish_grad_sync
+from ndweave.mesh.contracts import (
+    DataParallelWrapper,
+    FlatShard,
+    GradBucket,
+    finish_grad_sync,
+    is_tied_replica,
+    uses_distributed_optimizer,
+)
 from ndweave.mesh.torch_compat import local_shape_and_offset
 from ndweave.optim.base import WrappedOptimizer
 from ndweave.optim.grad_norm import counts_replica
@@ -88,8 +95,8 @@ class DistributedOptimizer(WrappedOptimizer):
             must be elementwise (:data:`~ndweave.optim.ELEMENTWISE_OPTIMIZERS`, or
             ``assume_elementwise=True``).
         models: data-parallel wrapped models implementing
-            :class:`~ndweave.mesh.contracts.GradBucketProvider`, built with
-            ``use_distributed_optimizer=True``.
+            :class:`~ndweave.mesh.contracts.DataParallelWrapper`, laid out for a sharded optimizer
+            (their buckets carry ``param_data``: ``DDP(..., use_distributed_optimizer=True)``).
         clip_grad: clip to this global grad norm in every ``step()`` (0: no clipping).
         overlap_param_gather: issue the parameter all-gathers async after ``step()`` and wait for
             each bucket in a forward pre-hook of the first module that owns one of its params.
@@ -158,22 +165,19 @@ class DistributedOptimizer(WrappedOptimizer):
     def _collect_buckets(models: list[torch.nn.Module]) -> list[GradBucket]:
         buckets: list[GradBucket] = []
         for model in models:
-            if not isinstance(model, GradBucketProvider):
+            if not isinstance(model, DataParallelWrapper):
                 raise TypeError(
-                    f"DistributedOptimizer needs data-parallel wrapped models (a GradBucketProvider such as "
+                    f"DistributedOptimizer needs data-parallel wrapped models (a DataParallelWrapper such as "
                     f"ndweave.ddp.DistributedDataParallel(..., use_distributed_optimizer=True)); got "
                     f"{type(model).__name__}. For an unwrapped model use BasicOptimizer"
                 )
-            if not model.use_distributed_optimizer:
+            if model.grad_buckets() and not uses_distributed_optimizer(model):
                 raise ValueError(
                     f"{type(model).__name__} was built with use_distributed_optimizer=False: it all-reduces grads and "
-                    "has no param_data buffer. Build it with use_distributed_optimizer=True for DistributedOptimizer, "
-                    "or use BasicOptimizer"
+                    "its buckets have no param_data. Build it with use_distributed_optimizer=True for "
+                    "DistributedOptimizer, or use BasicOptimizer"
                 )
-            for bucket in model.grad_buckets():
-                if bucket.param_data is None:
-                    raise ValueError("a grad bucket has no param_data; build the wrapper with use_distributed_optimizer=True")
-                buckets.append(bucket)
+            buckets.extend(model.grad_buckets())
         if not buckets:
             raise ValueError("the models have no grad buckets (no trainable parameters?)")
         return buckets
@@ -188,7 +192,7 @@ class DistributedOptimizer(WrappedOptimizer):
             bucket=bucket, name=bp.name, param=bp.param, bucket_start=start, bucket_end=end,
             start=start - bp.offset, end=end - bp.offset, local_shape=local_shape,
             global_shape=tuple(bp.param.shape), local_offset=local_offset, master=master, aliases_model=aliases,
-            counted=counts_replica(bp.param, dp_ranks) and not getattr(bp.param, "ndweave_tied_replica", False),
+            counted=counts_replica(bp.param, dp_ranks) and not is_tied_replica(bp.param),
         )
 
     # ---- the step ----------------------------------------------------------------------------
