@@ -9,7 +9,7 @@ Same plain MLP, same data, Adam, plain data parallelism:
 * ``torch-zero``: torch DDP + ``ZeroRedundancyOptimizer(Adam)`` (whole parameters per rank);
 * ``ndweave``: ndweave DDP (``use_distributed_optimizer=True``) + ``DistributedOptimizer(Adam)``
   (flat bucket ranges per rank, fp32 master = the fp32 model's own range, all-gather after step).
-  Without ndweave-ddp installed it falls back to the test double ``tests/optim/optim_fake_ddp.py``;
+  Without ndweave-ddp installed it falls back to ``ndweave.mesh.testing.ReferenceDataParallel``;
 * ``ndweave+overlap``: the same with ``overlap_param_gather=True`` (the all-gather runs under the
   next forward, so it leaves ``step ms`` and shows in ``iter ms`` only where it is not hidden).
 
@@ -24,9 +24,7 @@ unsharded / DP (ndweave's target: 1.00 within 2%).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
@@ -50,10 +48,10 @@ def _ndweave_ddp(model, device, args):
         mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("DP",))
         return DDP(model, mesh["DP"], bucket_size=bucket, use_distributed_optimizer=True), "ndweave.ddp"
     except ImportError:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "optim"))
-        from optim_fake_ddp import FakeDDP
+        from ndweave.mesh.testing import ReferenceDataParallel
 
-        return FakeDDP(model, dist.group.WORLD, bucket_numel=bucket), "test double"
+        return ReferenceDataParallel(model, dist.group.WORLD, bucket_size=bucket, use_distributed_optimizer=True), \
+            "reference"
 
 
 def _build(kind: str, model, device, args):
@@ -139,7 +137,7 @@ def main() -> None:
         results = {kind: {**rs[0], "iter": statistics.median(r["iter"] for r in rs),
                           "step": statistics.median(r["step"] for r in rs)} for kind, rs in rounds.items()}
         if results["ndweave"]["source"] != "ndweave.ddp":
-            print("(ndweave-ddp not installed: ndweave rows use the test double FakeDDP)")
+            print("(ndweave-ddp not installed: ndweave rows use ndweave.mesh.testing.ReferenceDataParallel)")
         unsharded = results["unsharded"]["state"][0]
         ours = results["ndweave"]
         print(f"\nworld {world}")

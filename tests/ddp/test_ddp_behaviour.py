@@ -13,7 +13,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from ddp_cases import MLP, batch, reference_mlp_run, rows
 from ndweave.ddp import DDP
 from ndweave.mesh import init_device_mesh
-from ndweave.mesh.contracts import GradBucketProvider, GradSyncable, finish_grad_sync
+from ndweave.mesh.contracts import DataParallelWrapper, GradSyncable, finish_grad_sync
 from ndweave.mesh.testing import assert_close, distributed, measured_tolerance, run_distributed
 
 
@@ -229,7 +229,7 @@ def test_grads_ready_only_after_finish_when_asked():
     ddp = DDP(MLP(), _dp_mesh(), finish_grad_sync_in_backward=False)
     _local_step(ddp)
     assert all(p.grad is None for p in ddp.parameters())
-    assert isinstance(ddp, GradSyncable) and isinstance(ddp, GradBucketProvider)
+    assert isinstance(ddp, GradSyncable) and isinstance(ddp, DataParallelWrapper)
     finish_grad_sync([ddp])  # what an optimizer calls
     _, g0 = reference_mlp_run(1)
     for name, p in ddp.named_parameters():

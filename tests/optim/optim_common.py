@@ -14,8 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ndweave.mesh.testing import STRICT_DTYPE, Tolerance, assert_close
-from optim_fake_ddp import FakeDDP
+from ndweave.mesh.testing import STRICT_DTYPE, ReferenceDataParallel, Tolerance, assert_close
 
 IN, HIDDEN, OUT = 8, 16, 4
 GLOBAL_BATCH = 16
@@ -47,16 +46,19 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out.to(dtype) - y.to(dtype)) ** 2).mean()
 
 
-def dp_setup(seed: int = 0, bucket_numel: int = 64, dtype: torch.dtype = STRICT_DTYPE, **ddp_kwargs):
-    """(reference copy of the model, FakeDDP over the whole world as DP)."""
+def dp_setup(seed: int = 0, bucket_numel: int = 64, dtype: torch.dtype = STRICT_DTYPE,
+             use_distributed_optimizer: bool = True, **ddp_kwargs):
+    """(reference copy of the model, ReferenceDataParallel over the whole world as DP). Buckets are
+    packed without alignment padding, so that at DP=4 every rank owns part of several buckets."""
     model = make_model(seed, dtype)
     reference = copy.deepcopy(model)
     group = dist.group.WORLD if dist.get_world_size() > 1 else None
-    return reference, FakeDDP(model, group, bucket_numel=bucket_numel, **ddp_kwargs)
+    return reference, ReferenceDataParallel(model, group, bucket_size=bucket_numel, alignment=1,
+                                            use_distributed_optimizer=use_distributed_optimizer, **ddp_kwargs)
 
 
 def tp_setup(seed: int = 0, bucket_numel: int = 64):
-    """(reference, FakeDDP, dp_rank, dp_size) on a (DP=2, TP=2) mesh: layer 0 column-parallel,
+    """(reference, ReferenceDataParallel, dp_rank, dp_size) on a (DP=2, TP=2) mesh: layer 0 column-parallel,
     layer 2 row-parallel (Replicate bias), layer 4 fully Replicate DTensors."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
     tp = mesh["TP"]
@@ -68,7 +70,7 @@ def tp_setup(seed: int = 0, bucket_numel: int = 64):
         input_fn=lambda mod, inputs, mesh_: tuple(DTensor.from_local(t, mesh_, [Replicate()]) for t in inputs),
         output_fn=lambda mod, out, mesh_: out.to_local(),
     )
-    ddp = FakeDDP(model, mesh.get_group("DP"), bucket_numel=bucket_numel)
+    ddp = ReferenceDataParallel(model, mesh["DP"], bucket_size=bucket_numel, alignment=1, use_distributed_optimizer=True)
     return reference, ddp, mesh.get_local_rank("DP"), 2
 
 

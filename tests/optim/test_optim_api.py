@@ -27,7 +27,7 @@ def test_construction_errors_name_the_option():
     with pytest.raises(ValueError, match="assume_elementwise=True"):
         DistributedOptimizer(MyElementwiseSGD, [ddp], optimizer_kwargs={"lr": 0.1})
     DistributedOptimizer(MyElementwiseSGD, [ddp], optimizer_kwargs={"lr": 0.1}, assume_elementwise=True)
-    with pytest.raises(TypeError, match="GradBucketProvider"):
+    with pytest.raises(TypeError, match="DataParallelWrapper"):
         DistributedOptimizer(torch.optim.Adam, [make_model()])
     _, allreduce_ddp = dp_setup(use_distributed_optimizer=False)
     with pytest.raises(ValueError, match="use_distributed_optimizer=True"):

@@ -10,11 +10,10 @@ import torch
 import torch.distributed as dist
 
 from ndweave.mesh.contracts import StatePiece
-from ndweave.mesh.testing import assert_close, distributed, run_distributed
+from ndweave.mesh.testing import ReferenceDataParallel, assert_close, distributed, run_distributed
 from ndweave.optim import DistributedOptimizer, merge_state_dicts, to_torch_state_dict
 
 from optim_common import assert_params_match, dp_setup, make_model, tp_setup, train, train_reference
-from optim_fake_ddp import FakeDDP
 
 LR = {"lr": 1e-2}
 
@@ -94,7 +93,7 @@ def _measure_state_bytes() -> tuple[int, int]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
     reference = copy.deepcopy(model)
-    ddp = FakeDDP(model, dist.group.WORLD, bucket_numel=5000)
+    ddp = ReferenceDataParallel(model, dist.group.WORLD, bucket_size=5000, alignment=1, use_distributed_optimizer=True)
     opt = DistributedOptimizer(torch.optim.Adam, [ddp], optimizer_kwargs=LR)
     ddp(torch.randn(4, 64)).sum().backward()
     opt.step()

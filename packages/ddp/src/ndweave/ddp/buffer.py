@@ -3,10 +3,12 @@
 Layout (Megatron's): parameters are grouped by (device, param dtype, grad dtype); inside a group
 they are laid out in *reverse registration order*, which is roughly the order backward produces
 their grads, and cut into buckets of at least ``bucket_size`` elements (a parameter is never split
-between buckets). Each bucket is padded so that its numel divides by the data-parallel size, which
-lets a reduce-scatter hand every DP rank an equal contiguous range. An unevenly sharded parameter's
-slot is as large as its largest peer shard (see :func:`reserved_numel`), so tensor-parallel peers
-share one layout.
+between buckets). The two layout rules every data-parallel wrapper shares come from
+``ndweave.mesh.contracts``: each bucket is padded to a multiple of the data-parallel size times an
+alignment (:func:`~ndweave.mesh.contracts.padded_bucket_numel`), which lets a reduce-scatter hand
+every DP rank an equal contiguous range, and an unevenly sharded parameter's slot is as large as its
+largest peer shard (:func:`~ndweave.mesh.contracts.slot_numel`), so tensor-parallel peers share one
+layout.
 
 Each group owns one contiguous grad buffer; a bucket's ``grad_data`` and every parameter's grad view
 are slices of it. With ``use_distributed_optimizer=True`` a matching parameter buffer is built too and
@@ -21,17 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from ndweave.mesh.contracts import BucketParam, GradBucket
-from ndweave.mesh.torch_compat import is_shard_like, local_tensor
+from ndweave.mesh.contracts import BucketParam, GradBucket, move_param_into, padded_bucket_numel, slot_numel
+from ndweave.mesh.torch_compat import local_tensor
 
-__all__ = ["ParamSlot", "build_buckets", "reserved_numel"]
-
-#: Buckets are padded to a multiple of ``dp_size * _ALIGN`` elements so that every DP rank's range
-#: starts on a 256-byte boundary for fp32 (fast collectives on accelerators); still "a multiple of
-#: the DP size", as the contract asks.
-_ALIGN = 64
+__all__ = ["ParamSlot", "build_buckets"]
 
 
 @dataclass(eq=False)
@@ -103,7 +99,6 @@ def build_buckets(
     buckets: list[GradBucket] = []
     slots: list[ParamSlot] = []
     grad_buffers: list[torch.Tensor] = []
-    pad_to = dp_size * _ALIGN
     limit = math.inf if bucket_size is None else max(1, int(bucket_size))
     for (device, param_dtype, grad_dtype), members in groups.items():
         # plan: [(start, padded_end, [(name, param, offset_in_bucket, numel)])]
@@ -111,13 +106,13 @@ def build_buckets(
         for name, p in members:
             n = local_tensor(p).numel()
             current.append((name, p, size, n))
-            size += reserved_numel(p)
+            size += slot_numel(p)
             if size >= limit:
-                padded = -(-size // pad_to) * pad_to
+                padded = padded_bucket_numel(size, dp_size)
                 plan.append((start, start + padded, current))
                 start, current, size = start + padded, [], 0
         if current:
-            padded = -(-size // pad_to) * pad_to
+            padded = padded_bucket_numel(size, dp_size)
             plan.append((start, start + padded, current))
             start += padded
 
@@ -133,7 +128,7 @@ def build_buckets(
                 view = grad_data[offset : offset + n].view(local.shape)
                 slots.append(ParamSlot(name=name, param=p, bucket_index=bucket_index, main_grad=view))
                 if param_data is not None:
-                    _repoint(p, param_data, offset)
+                    move_param_into(p, param_data, offset)
             buckets.append(
                 GradBucket(
                     params=tuple(BucketParam(name, p, offset, n) for name, p, offset, n in entries),
@@ -143,37 +138,3 @@ def build_buckets(
                 )
             )
     return buckets, slots, grad_buffers
-
-
-def reserved_numel(p: torch.Tensor) -> int:
-    """Elements a parameter's slot takes: the largest local shard any of its peers holds.
-
-    Sharded optimizers reduce ``Partial`` grads over whole local tensors after the DP
-    reduce-scatter, which is only right when tensor-parallel peers own the same elements of each
-    bucket. With uneven shards (a 50257-row vocab over TP=2: 25129 and 25128 rows) local sizes
-    differ, so every rank reserves the largest one: offsets and bucket sizes then agree across peers.
-    torch chunks the first pieces largest, so the largest is a ceiling division per sharded dim,
-    known to every rank without communication.
-    """
-    if not isinstance(p, DTensor):
-        return p.numel()
-    shape = list(p.shape)
-    for mesh_dim, placement in enumerate(p.placements):
-        if is_shard_like(placement):
-            shape[placement.dim] = -(-shape[placement.dim] // p.device_mesh.size(mesh_dim))
-    return max(math.prod(shape), local_tensor(p).numel())
-
-
-@torch.no_grad()
-def _repoint(p: torch.nn.Parameter, param_data: torch.Tensor, offset: int) -> None:
-    """Make ``p``'s local tensor a view of ``param_data`` at ``offset``, keeping its values."""
-    local = local_tensor(p)
-    shape = local.shape
-    target = param_data[offset : offset + local.numel()].view(shape)
-    target.copy_(local)
-    if isinstance(p, DTensor):
-        # DTensor keeps its local shard in ``_local_tensor``; re-point that tensor's storage in place
-        # so every reference to it (the param, optimizer state keyed by the param) sees the buffer.
-        local.set_(param_data.untyped_storage(), param_data.storage_offset() + offset, shape, target.stride())
-    else:
-        p.data = target

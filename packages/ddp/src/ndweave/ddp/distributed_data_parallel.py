@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -13,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ndweave.ddp import sync
 from ndweave.ddp.buffer import ParamSlot, build_buckets
 from ndweave.mesh import ParallelMesh, resolve_mesh
-from ndweave.mesh.contracts import GradBucket
+from ndweave.mesh.contracts import GradBucket, GradReduction, MicroBatchControl
 from ndweave.mesh.torch_compat import queue_backward_callback
 
 __all__ = ["DistributedDataParallel", "DDP", "DEFAULT_BUCKET_SIZE"]
@@ -26,7 +25,7 @@ DEFAULT_BUCKET_SIZE = 2**23
 _WRAPPED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
     """Data parallelism over the ``"DP"`` dim of a mesh, composing with tensor/sequence parallelism.
 
     Gradients are accumulated into contiguous per-dtype buffers cut into buckets; each bucket is
@@ -34,7 +33,8 @@ class DistributedDataParallel(torch.nn.Module):
     its last grad is ready, overlapping the rest of backward. DTensor parameters (sharded over other
     mesh dims) are synced through their local shards, and grads that come out ``Partial`` on a
     non-DP dim are reduced on that dim once per step. After the sync, every parameter's ``.grad``
-    holds the reduced gradient, so any torch optimizer can step::
+    holds the reduced gradient, so any torch optimizer can step. It implements
+    :class:`ndweave.mesh.contracts.DataParallelWrapper` (micro-batch control, grad buckets)::
 
         model = DDP(model, DEVICE_MESH["DP"])
         loss = model(x).sum(); loss.backward()   # grads reduced when backward returns
@@ -94,8 +94,6 @@ class DistributedDataParallel(torch.nn.Module):
         self.average_grads = average_grads
         self.average_in_collective = average_in_collective and average_grads
         self.finish_grad_sync_in_backward = finish_grad_sync_in_backward
-        self.is_last_microbatch = True
-        """Set to ``False`` for micro-batches whose grads should only accumulate (see :meth:`no_sync`)."""
         if self.average_in_collective and self.data_parallel_group is not None:
             if dist.get_backend(self.data_parallel_group) == "gloo":
                 raise ValueError("average_in_collective=True needs ReduceOp.AVG, which gloo lacks; leave it False")
@@ -160,21 +158,12 @@ class DistributedDataParallel(torch.nn.Module):
             )
         return self.module.load_state_dict(state_dict, strict=strict)
 
-    # ------------------------------------------------------------------ micro-batches
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate grads locally (no collectives) for the backward passes inside the block."""
-        before, self.is_last_microbatch = self.is_last_microbatch, False
-        try:
-            yield
-        finally:
-            self.is_last_microbatch = before
-
-    def set_is_last_microbatch(self, is_last: bool) -> None:
-        """Mark whether the next backward is the last micro-batch of the step (it launches the sync)."""
-        self.is_last_microbatch = bool(is_last)
-
     # ------------------------------------------------------------------ the contract
+    @property
+    def grad_reduction(self) -> GradReduction:
+        """``"mean"`` (``average_grads=True``) or ``"sum"``: what synced grads are over the DP ranks."""
+        return "mean" if self.average_grads else "sum"
+
     def grad_buckets(self) -> Sequence[GradBucket]:
         """Every bucket of every dtype, in the order their reductions are launched."""
         return tuple(self._buckets)

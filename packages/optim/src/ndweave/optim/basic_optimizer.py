@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ndweave.mesh.contracts import GradBucketProvider, finish_grad_sync
+from ndweave.mesh.contracts import DataParallelWrapper, finish_grad_sync, is_tied_replica, uses_distributed_optimizer
 from ndweave.mesh.torch_compat import local_tensor
 from ndweave.optim.base import WrappedOptimizer
 from ndweave.optim.grad_norm import counts_replica
@@ -54,12 +54,12 @@ class BasicOptimizer(WrappedOptimizer):
         # DP rank of each bucketed param: replicated over DP, so only DP rank 0 counts it in the norm
         self._dp_rank: dict[int, int] = {}
         for model in models:
-            if isinstance(model, GradBucketProvider):
-                if model.use_distributed_optimizer:
+            if isinstance(model, DataParallelWrapper):
+                if uses_distributed_optimizer(model):
                     raise ValueError(
-                        f"{type(model).__name__} was built with use_distributed_optimizer=True: its grads are only "
-                        "reduced on this rank's shard of each bucket. Use DistributedOptimizer, or build it with "
-                        "use_distributed_optimizer=False for BasicOptimizer"
+                        f"{type(model).__name__} was built with use_distributed_optimizer=True (its buckets carry "
+                        "param_data): its grads are only reduced on this rank's shard of each bucket. Use "
+                        "DistributedOptimizer, or build it with use_distributed_optimizer=False for BasicOptimizer"
                     )
                 for bucket in model.grad_buckets():
                     for bp in bucket.params:
@@ -97,7 +97,7 @@ class BasicOptimizer(WrappedOptimizer):
         return [
             local_tensor(p.grad) for p in self._params()
             if p.grad is not None and self._dp_rank.get(id(p), 0) == 0 and self._counts(p.grad)
-            and not getattr(p, "ndweave_tied_replica", False)
+            and not is_tied_replica(p)
         ]
 
     def _counts(self, grad: torch.Tensor) -> bool:
@@ -115,7 +115,7 @@ class BasicOptimizer(WrappedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the params' grads and, for DDP-wrapped models, their grad buffers."""
         for model in self.models:
-            if isinstance(model, GradBucketProvider):
+            if isinstance(model, DataParallelWrapper):
                 model.zero_grad_buffer()
         self.inner.zero_grad(set_to_none=set_to_none)
         self._grads_ready = False

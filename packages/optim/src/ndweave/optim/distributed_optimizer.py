@@ -29,15 +29,17 @@ import torch.distributed as dist
 
 from ndweave.mesh.contracts import (
     MASTER_KEY,
+    DataParallelWrapper,
     GradBucket,
-    GradBucketProvider,
     ShardLayout,
     StatePiece,
     finish_grad_sync,
     is_elementwise,
+    is_tied_replica,
     merge_state_dicts,
     resolve_state_value,
     union_state_dicts,
+    uses_distributed_optimizer,
 )
 from ndweave.optim.base import WrappedOptimizer
 from ndweave.optim.grad_norm import counts_replica
@@ -88,8 +90,8 @@ class DistributedOptimizer(WrappedOptimizer):
             must be elementwise (:data:`~ndweave.optim.ELEMENTWISE_OPTIMIZERS`, or
             ``assume_elementwise=True``).
         models: data-parallel wrapped models implementing
-            :class:`~ndweave.mesh.contracts.GradBucketProvider`, built with
-            ``use_distributed_optimizer=True``.
+            :class:`~ndweave.mesh.contracts.DataParallelWrapper`, laid out for a sharded optimizer
+            (their buckets carry ``param_data``: ``DDP(..., use_distributed_optimizer=True)``).
         clip_grad: clip to this global grad norm in every ``step()`` (0: no clipping).
         overlap_param_gather: issue the parameter all-gathers async after ``step()`` and wait for
             each bucket in a forward pre-hook of the first module that owns one of its params.
@@ -158,22 +160,19 @@ class DistributedOptimizer(WrappedOptimizer):
     def _collect_buckets(models: list[torch.nn.Module]) -> list[GradBucket]:
         buckets: list[GradBucket] = []
         for model in models:
-            if not isinstance(model, GradBucketProvider):
+            if not isinstance(model, DataParallelWrapper):
                 raise TypeError(
-                    f"DistributedOptimizer needs data-parallel wrapped models (a GradBucketProvider such as "
+                    f"DistributedOptimizer needs data-parallel wrapped models (a DataParallelWrapper such as "
                     f"ndweave.ddp.DistributedDataParallel(..., use_distributed_optimizer=True)); got "
                     f"{type(model).__name__}. For an unwrapped model use BasicOptimizer"
                 )
-            if not model.use_distributed_optimizer:
+            if model.grad_buckets() and not uses_distributed_optimizer(model):
                 raise ValueError(
                     f"{type(model).__name__} was built with use_distributed_optimizer=False: it all-reduces grads and "
-                    "has no param_data buffer. Build it with use_distributed_optimizer=True for DistributedOptimizer, "
-                    "or use BasicOptimizer"
+                    "its buckets have no param_data. Build it with use_distributed_optimizer=True for "
+                    "DistributedOptimizer, or use BasicOptimizer"
                 )
-            for bucket in model.grad_buckets():
-                if bucket.param_data is None:
-                    raise ValueError("a grad bucket has no param_data; build the wrapper with use_distributed_optimizer=True")
-                buckets.append(bucket)
+            buckets.extend(model.grad_buckets())
         if not buckets:
             raise ValueError("the models have no grad buckets (no trainable parameters?)")
         return buckets
@@ -188,7 +187,7 @@ class DistributedOptimizer(WrappedOptimizer):
             bucket=bucket, name=bp.name, param=bp.param, bucket_start=start, bucket_end=end,
             start=start - bp.offset, end=end - bp.offset, layout=ShardLayout.of(bp.param), master=master,
             aliases_model=aliases,
-            counted=counts_replica(bp.param, dp_ranks) and not getattr(bp.param, "ndweave_tied_replica", False),
+            counted=counts_replica(bp.param, dp_ranks) and not is_tied_replica(bp.param),
         )
 
     # ---- the step ----------------------------------------------------------------------------

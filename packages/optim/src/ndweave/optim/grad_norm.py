@@ -12,8 +12,9 @@ decided so each element of the global model is counted exactly once:
   counts (no double counting of replicated LayerNorm weights and the like);
 * pipeline stages hold different parameters, so every stage counts its own: the world all-reduce
   sums them. A tied weight held by two stages (embedding and LM head) must be counted by one of
-  them: the stage holding the second copy marks it ``param.ndweave_tied_replica = True``. Within one
-  rank, tied parameters are the same object and are deduplicated by identity.
+  them: the stage holding the second copy marks it with
+  :func:`ndweave.mesh.contracts.mark_tied_replica`. Within one rank, tied parameters are the same
+  object and are deduplicated by identity.
 
 Plain (non-DTensor) parameters are counted on every rank that holds them, outside DP: replicate a
 parameter over tensor-parallel ranks as a ``Replicate`` DTensor (``ndweave.dmodule`` does), not as a

@@ -1,11 +1,26 @@
 """Contracts shared between ndweave packages.
 
 Packages never import each other; where two must cooperate (DDP hands grad buckets to the sharded
-optimizer, the optimizer hands sharded state to checkpointing in one format, every wrapper finishes its grad sync
+optimizer, a pipeline schedule tells any data-parallel wrapper which micro-batch is the last, the
+optimizer hands sharded state to checkpointing in one format, every wrapper finishes its grad sync
 before a step) they meet here, through small protocols and dataclasses owned by neither side.
 """
 
-from ndweave.mesh.contracts.grad_buckets import BucketParam, GradBucket, GradBucketProvider, shard_range
+from ndweave.mesh.contracts.data_parallel import (
+    DataParallelWrapper,
+    GradReduction,
+    MicroBatchControl,
+    uses_distributed_optimizer,
+)
+from ndweave.mesh.contracts.grad_buckets import (
+    BUCKET_ALIGNMENT,
+    BucketParam,
+    GradBucket,
+    move_param_into,
+    padded_bucket_numel,
+    shard_range,
+    slot_numel,
+)
 from ndweave.mesh.contracts.grad_sync import GradSyncable, finish_grad_sync, reduce_partial_grads
 from ndweave.mesh.contracts.optimizer_state import (
     MASTER_KEY,
@@ -24,26 +39,36 @@ from ndweave.mesh.contracts.sharded_state import (
     reshard_pieces,
     slice_piece,
 )
+from ndweave.mesh.contracts.tied_params import is_tied_replica, mark_tied_replica
 
 __all__ = [
+    "BUCKET_ALIGNMENT",
     "BucketParam",
+    "DataParallelWrapper",
     "GradBucket",
-    "GradBucketProvider",
+    "GradReduction",
     "GradSyncable",
     "MASTER_KEY",
+    "MicroBatchControl",
     "SCALAR_KEYS",
     "ShardLayout",
     "StatePiece",
     "finish_grad_sync",
     "from_torch_state_dict",
     "is_elementwise",
+    "is_tied_replica",
+    "mark_tied_replica",
     "merge_pieces",
     "merge_state_dicts",
+    "move_param_into",
+    "padded_bucket_numel",
     "reduce_partial_grads",
     "reshard_pieces",
     "resolve_state_value",
     "shard_range",
     "slice_piece",
+    "slot_numel",
     "to_torch_state_dict",
     "union_state_dicts",
+    "uses_distributed_optimizer",
 ]

@@ -1,27 +1,46 @@
-"""The contract between a data-parallel wrapper (``ndweave.ddp``) and a sharded optimizer
-(``ndweave.optim``).
+"""The grad buckets a data-parallel wrapper (``ndweave.ddp``) hands to a sharded optimizer
+(``ndweave.optim``), and the layout rules every wrapper's buckets follow.
 
-The wrapper keeps gradients in contiguous flat buffers split into buckets. With
-``use_distributed_optimizer=True`` it reduce-scatters each bucket instead of all-reducing it, so that
-after ``finish_grad_sync()`` data-parallel rank ``r`` holds the reduced gradient for
+The wrapper keeps gradients in contiguous flat buffers split into buckets. Laid out for a sharded
+optimizer (Megatron's ``use_distributed_optimizer=True``: its buckets carry ``param_data``), it
+reduce-scatters each bucket instead of all-reducing it, so that after ``finish_grad_sync()``
+data-parallel rank ``r`` holds the reduced gradient for
 ``shard_range(bucket.grad_data.numel(), dp_size, r)`` of every bucket, and it lays its parameters out
 in a matching flat ``param_data`` buffer (each param's local tensor is a view into it). The sharded
 optimizer keeps fp32 master weights and state for its ranges only, steps them, writes the result into
 its range of ``param_data`` and all-gathers ``param_data`` over the data-parallel group.
 
 Ranges ignore parameter boundaries (Megatron's layout): a parameter may be split between ranks.
+
+Layout rules (:func:`padded_bucket_numel`, :func:`slot_numel`), shared so that every wrapper's
+buckets split the same way: a bucket's numel is a multiple of ``dp_size * BUCKET_ALIGNMENT``, and a
+tensor-parallel parameter's slot is as large as the largest shard any of its peers holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-__all__ = ["BucketParam", "GradBucket", "GradBucketProvider", "shard_range"]
+from ndweave.mesh.torch_compat import is_shard_like, local_tensor
+
+__all__ = [
+    "BUCKET_ALIGNMENT",
+    "BucketParam",
+    "GradBucket",
+    "move_param_into",
+    "padded_bucket_numel",
+    "shard_range",
+    "slot_numel",
+]
+
+#: Each data-parallel rank's range of a bucket is a multiple of this many elements: 64 fp32
+#: elements are 256 bytes, the alignment at which accelerator collectives run fastest.
+BUCKET_ALIGNMENT = 64
 
 
 @dataclass(frozen=True)
@@ -46,10 +65,12 @@ class GradBucket:
     """The parameters in the bucket, in buffer order. Elements no parameter covers are padding
     (zero); tensor-parallel peers see the same offsets even where their shards differ in size."""
     grad_data: torch.Tensor
-    """1-D gradient buffer (may be fp32 for a bf16 model); numel divisible by the DP size."""
+    """1-D gradient buffer (may be fp32 for a bf16 model); numel divisible by the DP size
+    (:func:`padded_bucket_numel`)."""
     param_data: torch.Tensor | None
-    """1-D parameter buffer of the same numel whose views are the params' local tensors; set when the
-    wrapper was built with ``use_distributed_optimizer=True``, else ``None``."""
+    """1-D parameter buffer of the same numel whose views are the params' local tensors, when the
+    wrapper is laid out for a sharded optimizer (only this rank's ``shard_range`` of ``grad_data`` is
+    then reduced); ``None`` when it all-reduces whole buckets."""
     data_parallel_group: dist.ProcessGroup | None
     """Group the bucket is reduced over; ``None`` for a DP size of 1."""
 
@@ -75,20 +96,44 @@ def shard_range(numel: int, dp_size: int, dp_rank: int) -> tuple[int, int]:
     return dp_rank * size, (dp_rank + 1) * size
 
 
-@runtime_checkable
-class GradBucketProvider(Protocol):
-    """Implemented by ``ndweave.ddp.DistributedDataParallel``; consumed by sharded optimizers."""
+def padded_bucket_numel(numel: int, dp_size: int, alignment: int = BUCKET_ALIGNMENT) -> int:
+    """``numel`` rounded up to a multiple of ``dp_size * alignment``: every DP rank's range of the
+    bucket then has the same size (what a reduce-scatter needs) and starts aligned."""
+    step = dp_size * alignment
+    return -(-numel // step) * step
 
-    use_distributed_optimizer: bool
 
-    def grad_buckets(self) -> Sequence[GradBucket]:
-        """Every bucket of every dtype, in the order their reductions are launched."""
-        ...
+def slot_numel(param: torch.Tensor) -> int:
+    """Elements a parameter's slot in a bucket takes: its local numel, or for a DTensor the largest
+    local shard any of its peers holds (the rest of the slot is padding).
 
-    def finish_grad_sync(self) -> None:
-        """Wait for (or launch and wait for) every bucket's reduction; see ``GradSyncable``."""
-        ...
+    A sharded optimizer reduces ``Partial`` grads over whole local tensors after the DP
+    reduce-scatter, which is only right when tensor-parallel peers own the same elements of each
+    bucket. With uneven shards (a 50257-row vocab over TP=2: 25129 and 25128 rows) local sizes
+    differ, so every rank reserves the largest one: offsets and bucket sizes then agree across peers.
+    torch chunks the first pieces largest, so the largest is a ceiling division per sharded dim,
+    known to every rank without communication.
+    """
+    if not isinstance(param, DTensor):
+        return param.numel()
+    shape = list(param.shape)
+    for mesh_dim, placement in enumerate(param.placements):
+        if is_shard_like(placement):
+            shape[placement.dim] = -(-shape[placement.dim] // param.device_mesh.size(mesh_dim))
+    return max(math.prod(shape), local_tensor(param).numel())
 
-    def zero_grad_buffer(self) -> None:
-        """Zero all grad buffers and reset per-step state, ready for the next step."""
-        ...
+
+@torch.no_grad()
+def move_param_into(param: torch.nn.Parameter, param_data: torch.Tensor, offset: int) -> None:
+    """Make ``param``'s local tensor a view of ``param_data`` at ``offset``, keeping its values: how a
+    wrapper laid out for a sharded optimizer makes its ``param_data`` views *be* the parameters."""
+    local = local_tensor(param)
+    shape = local.shape
+    target = param_data[offset : offset + local.numel()].view(shape)
+    target.copy_(local)
+    if isinstance(param, DTensor):
+        # A DTensor keeps its shard as a separate local tensor; re-point that tensor's storage in place
+        # so every reference to it (the param, optimizer state keyed by the param) sees the buffer.
+        local.set_(param_data.untyped_storage(), param_data.storage_offset() + offset, shape, target.stride())
+    else:
+        param.data = target

@@ -1,5 +1,6 @@
 """Test harness for distributed code: real ranks (gloo processes, reused across tests) or a fake
-process group in one process.
+process group in one process; plus a reference data-parallel wrapper and the contract check any
+data-parallel wrapper can be run through (``ReferenceDataParallel``, ``check_data_parallel``).
 
     from ndweave.mesh.testing import distributed, run_distributed, fake_world
 
@@ -10,6 +11,7 @@ process group in one process.
         assert t.item() == 4
 """
 
+from ndweave.mesh.testing.conformance import check_data_parallel
 from ndweave.mesh.testing.decorator import distributed
 from ndweave.mesh.testing.fake import fake_world
 from ndweave.mesh.testing.parity import (
@@ -23,6 +25,7 @@ from ndweave.mesh.testing.parity import (
     measured_tolerance,
 )
 from ndweave.mesh.testing.pool import DistributedTestError, RankFailure, run_distributed, shutdown_pools
+from ndweave.mesh.testing.reference_dp import ReferenceDataParallel
 
 __all__ = [
     "SAFETY",
@@ -31,7 +34,9 @@ __all__ = [
     "Tolerance",
     "DistributedTestError",
     "RankFailure",
+    "ReferenceDataParallel",
     "assert_close",
+    "check_data_parallel",
     "distributed",
     "fake_world",
     "full_tensor",
