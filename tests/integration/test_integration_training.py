@@ -15,7 +15,7 @@ from integration_models import batches, build, load_example, loss_of, train_refe
 from ndweave.ddp import DistributedDataParallel as DDP
 from ndweave.dmodule import get_plan, parallelize_module
 from ndweave.mesh import DEVICE_MESH
-from ndweave.mesh.testing import STRICT_DTYPE, assert_close, distributed, full_tensor, measured_tolerance
+from ndweave.mesh.testing import STRICT_DTYPE, assert_close, distributed, full_tensor
 from ndweave.optim import BasicOptimizer, DistributedOptimizer
 
 STEPS, BATCH = 20, 8
