@@ -2,6 +2,7 @@
 
     python benchmarks/bench_dmodule.py                        # world sizes 2 and 4, CPU/gloo
     python benchmarks/bench_dmodule.py --world-sizes 2 --layers 8 --width 512 --tokens 512
+    python benchmarks/bench_dmodule.py --device cuda          # NCCL, one GPU per rank
 
 Same model (a stack of MLP blocks: Linear(d, 4d), GELU, Linear(4d, d)), same weights, same input,
 same mesh and processes. Timed: forward + backward (+ ``finish_grad_sync`` for ours, which has
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import init_rank, spawn
+from common import init_rank, spawn, sync
 
 
 class Block(nn.Module):
@@ -87,16 +88,16 @@ def _step(model, x, ours: bool) -> None:
 
 
 def _worker(rank: int, world: int, port: int, args, queue) -> None:
-    init_rank(rank, world, port, "cpu", args.threads)
+    device = init_rank(rank, world, port, args.device, args.threads)
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("TP",))
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("TP",))
     models = {
         "torch": (_torch_tp(mesh, args), False),
         "ours-local": (_ours(mesh, args, "local"), True),
         "ours-dtensor": (_ours(mesh, args, "dtensor"), True),
     }
-    x = torch.randn(args.tokens, args.width, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(args.tokens, args.width, generator=torch.Generator().manual_seed(1)).to(device)
     # same numbers from all three (a benchmark of a wrong computation is worthless)
     with torch.no_grad():
         outs = {k: m(x) for k, (m, _) in models.items()}
@@ -114,6 +115,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 _step(m, x, ours)
+            sync(device)
             c1 = time.process_time()
             dist.barrier()
             times[name].append((time.perf_counter() - t0) / args.steps)
@@ -137,9 +139,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
     print(f"MLP TP: {args.layers} blocks, width {args.width} (hidden {4 * args.width}), {args.tokens} tokens, "
-          f"CPU/gloo, {args.threads} thread(s) per rank; forward+backward, median of {args.rounds} rounds "
+          f"{args.device}, {args.threads} thread(s) per rank; forward+backward, median of {args.rounds} rounds "
           f"x {args.steps} steps")
     for world in args.world_sizes:
         res = spawn(_worker, world, args)

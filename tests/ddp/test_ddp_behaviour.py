@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -56,6 +57,10 @@ def test_wrapping_twice_is_an_error():
         DDP(ddp, _dp_mesh())
     with pytest.raises(ValueError, match="already data-parallel"):
         DDP(torch.nn.Sequential(ddp), _dp_mesh())
+    with pytest.raises(ValueError, match="already data-parallel"):
+        DDP(torch.nn.Sequential(model), _dp_mesh())
+    # a copy of the wrapped module (an EMA or evaluation copy) is a module of its own: it may be wrapped
+    DDP(copy.deepcopy(model), _dp_mesh())
 
 
 @distributed(world_size=2)

@@ -17,9 +17,10 @@ from ndweave.mesh.testing import distributed, fake_world
 
 ROOT = Path(__file__).resolve().parents[2]
 # What a private torch API looks like in source: a ``torch._x`` module, an underscored name imported
-# from torch, or an underscored attribute of a DTensor/mesh/placement/autograd object.
+# from torch, or an underscored attribute of a DTensor/mesh/placement/autograd object (dunders such
+# as ``__setstate__`` are public protocol, not private).
 PRIVATE = re.compile(
-    r"torch\._\w|torch\.\w+(\.\w+)*\._\w|from torch[\w.]* import (\(?\s*|[^\n]*,\s*)_[A-Za-z]"
+    r"torch\._(?!_)\w|torch\.\w+(\.\w+)*\._(?!_)\w|from torch[\w.]* import (\(?\s*|[^\n]*,\s*)_[A-Za-z]"
     r"|\._local_tensor\b|\._flatten\(|\._split_tensor\(|\._custom_chunk\(|\._execution_engine\b"
 )
 

@@ -165,3 +165,38 @@ def test_basic_optimizer_reduces_partial_grads_before_stepping():
     assert not any(p.is_partial() for p in model.weight.grad.placements)
     expected = torch.linspace(0.5, 1.5, 8) - 0.1 * x.sum(0)
     torch.testing.assert_close(model.weight.full_tensor(), expected)
+
+
+@pytest.mark.parametrize("kind", ["distributed", "basic"])
+@distributed(world_size=2)
+def test_torch_optimizer_hooks_and_zero_grad_set_to_none(kind):
+    """What torch users register on an optimizer works on ours, in torch's order and signatures."""
+    _, ddp = dp_setup(use_distributed_optimizer=kind == "distributed")
+    cls = DistributedOptimizer if kind == "distributed" else BasicOptimizer
+    opt = cls(torch.optim.SGD, [ddp], optimizer_kwargs={"lr": 0.1})
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o is opt)))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o is opt)))
+    opt.register_state_dict_pre_hook(lambda o: calls.append(("sd_pre", o is opt)))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: {k: v for k, v in sd.items() if k != "extra"})
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("load_post", o is opt)))
+
+    x, y = local_batch(0, dist.get_rank(), 2)
+    loss_fn(ddp(x), y).backward()
+    opt.step()
+    assert calls == [("pre", True), ("post", True)]
+    sd = opt.state_dict()
+    assert sd["extra"] == 1 and calls[-1] == ("sd_pre", True)
+    opt.load_state_dict(sd)  # the pre hook removes "extra" again, or loading would refuse it
+    assert calls[-1] == ("load_post", True)
+
+    loss_fn(ddp(x), y).backward()
+    opt.step()
+    grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    assert grads, "a step leaves grads on the optimizer's params"
+    opt.zero_grad(set_to_none=False)
+    assert all(g is not None and not g.any() for g in
+               (p.grad for group in opt.param_groups for p in group["params"] if p.numel()))
+    opt.zero_grad()
+    assert all(p.grad is None for group in opt.param_groups for p in group["params"])

@@ -21,8 +21,16 @@ __all__ = ["DistributedDataParallel", "DDP", "DEFAULT_BUCKET_SIZE"]
 #: the first buckets' reductions start early in backward and overlap the rest of it.
 DEFAULT_BUCKET_SIZE = 2**23
 
-# Modules currently wrapped, so that wrapping one twice (two sets of hooks, two buffers) is an error.
-_WRAPPED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+# A module's wrapper (weakly), kept on the module so that wrapping it twice (two sets of hooks, two
+# buffers) is an error: state on the module itself, not a process-wide registry. A deepcopy of the
+# module keeps the mark but is not the wrapped module, so it may be wrapped.
+_WRAPPED_MARK = "_ndweave_data_parallel_wrapper"
+
+
+def _is_wrapped(module: torch.nn.Module) -> bool:
+    ref = module.__dict__.get(_WRAPPED_MARK)
+    wrapper = ref() if ref is not None else None
+    return wrapper is not None and wrapper.module is module
 
 
 class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
@@ -132,7 +140,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_post_hook(slot)))
         # a parent module loading a state dict reaches us as a child: map its keys onto ``module.``
         self.register_load_state_dict_pre_hook(_add_module_prefix)
-        _WRAPPED.add(module)
+        module.__dict__[_WRAPPED_MARK] = weakref.ref(self)
 
     # ------------------------------------------------------------------ the wrapped module
     def forward(self, *args, **kwargs):
@@ -292,12 +300,12 @@ def _check_not_wrapped(module: torch.nn.Module) -> None:
             f"the module is already a {type(module).__name__}; wrap the underlying model once: "
             "DDP(model, mesh), not DDP(DDP(model, mesh))"
         )
-    if module in _WRAPPED:
+    if _is_wrapped(module):
         raise ValueError(
             "this module is already wrapped by an ndweave DistributedDataParallel (its hooks and grad buffers "
             "are in place); keep using that wrapper instead of wrapping the module again"
         )
-    inner = [name for name, m in module.named_modules() if m is not module and (m in _WRAPPED or isinstance(m, DistributedDataParallel))]
+    inner = [name for name, m in module.named_modules() if m is not module and (_is_wrapped(m) or isinstance(m, DistributedDataParallel))]
     if inner:
         raise ValueError(
             f"submodule {inner[0]!r} is already data-parallel; wrap either the whole model or its parts, not both"

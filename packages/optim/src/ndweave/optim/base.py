@@ -19,8 +19,11 @@ class WrappedOptimizer(torch.optim.Optimizer):
     """A torch ``Optimizer`` whose ``param_groups`` and ``state`` are those of ``self.inner``.
 
     ``torch.optim.Optimizer.__init__`` is deliberately not called: it would register the params it is
-    given as its own; here the inner optimizer owns them and this object only forwards. (So torch's
-    step/state-dict hook registries are not set up: register hooks on ``self.inner``.)
+    given as its own; here the inner optimizer owns them and this object only forwards. Everything
+    else ``__init__`` sets up is: the step, state-dict and load-state-dict hook registries
+    (``register_step_pre_hook`` and friends work, and run around this optimizer's ``step()``,
+    ``state_dict()`` and ``load_state_dict()``) and torch's step wrapper (profiling, global hooks,
+    the flag lr schedulers check).
     """
 
     inner: torch.optim.Optimizer
@@ -29,7 +32,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
                       loss_scaler: Any, grad_norm_group: dist.ProcessGroup | None) -> None:
         self.inner = inner
         self.models = list(models)
-        self.defaults = inner.defaults
+        # torch's own set-up of the hook registries and the step wrapper, minus the params (what
+        # Optimizer.__setstate__ does for an unpickled optimizer: the documented path that skips them)
+        torch.optim.Optimizer.__setstate__(self, {"defaults": inner.defaults})
         self.clip_grad = float(clip_grad)
         self.loss_scaler = loss_scaler
         self.grad_norm_group = grad_norm_group
@@ -59,12 +64,39 @@ class WrappedOptimizer(torch.optim.Optimizer):
         return self.__dict__
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        torch.optim.Optimizer.__setstate__(self, state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
 
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """This optimizer's state (see the subclass), with torch's state-dict hooks run around it."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state_dict = self._state_dict()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
+        """Load ``state_dict`` (see the subclass), with torch's load-state-dict hooks run around it."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load_state_dict(state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
     # to be provided by subclasses
+    def _state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _load_state_dict(self, state_dict: Any) -> None:
+        raise NotImplementedError
+
     def _owned_grads(self) -> list[torch.Tensor]:
         """The local grad tensors this rank owns for the norm (see ``grad_norm``)."""
         raise NotImplementedError

@@ -113,18 +113,23 @@ class BasicOptimizer(WrappedOptimizer):
         return [local_tensor(p.grad) for p in self._params() if p.grad is not None]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the params' grads and, for DDP-wrapped models, their grad buffers."""
+        """Zero the params' grads and, for DDP-wrapped models, their grad buffers. With
+        ``set_to_none=False`` every grad stays a (zeroed) tensor, as in torch."""
+        kept = [] if set_to_none else [(p, p.grad) for p in self._params() if p.grad is not None]
         for model in self.models:
             if isinstance(model, DataParallelWrapper):
                 model.zero_grad_buffer()
+        for p, grad in kept:
+            if p.grad is None:  # the wrapper dropped the grad it published (a view of its zeroed buffer)
+                p.grad = grad
         self.inner.zero_grad(set_to_none=set_to_none)
         self._grads_ready = False
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.inner.add_param_group(param_group)
 
-    def state_dict(self) -> dict[str, Any]:
+    def _state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)

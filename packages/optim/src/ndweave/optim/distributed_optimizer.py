@@ -217,11 +217,15 @@ class DistributedOptimizer(WrappedOptimizer):
         self._gatherer.gather()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the models' grad buffers (``zero_grad_buffer()``) and drop the shards' grads."""
+        """Zero the models' grad buffers (``zero_grad_buffer()``) and the shards' grads: dropped, or
+        with ``set_to_none=False`` zeroed in place (torch's meaning)."""
         for model in self.models:
             model.zero_grad_buffer()
         for shard in self._shards:
-            shard.master.grad = None
+            if set_to_none:
+                shard.master.grad = None
+            elif shard.master.grad is not None:
+                shard.master.grad.zero_()
         self._grads_ready = False
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -255,8 +259,8 @@ class DistributedOptimizer(WrappedOptimizer):
         return sum(s.master.numel() * s.master.element_size() for s in self._shards if not s.aliases_model)
 
     # ---- state ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state as StatePieces keyed by parameter FQN (the format of
+    def _state_dict(self) -> dict[str, Any]:
+        """``state_dict()``: this rank's state as StatePieces keyed by parameter FQN (the format of
         :mod:`ndweave.mesh.contracts.optimizer_state`; values are views of the live state)."""
         self._gatherer.wait()
         state: dict[str, dict[str, Any]] = {}
@@ -272,14 +276,14 @@ class DistributedOptimizer(WrappedOptimizer):
     def gather_full_state_dict(self, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """The full per-FQN state (global shapes) on every rank of ``group`` (a collective; holds the
         whole state in CPU memory: for tests, conversion and small models)."""
-        local = self.state_dict()
+        local = self._state_dict()
         local["state"] = {fqn: {k: _to_cpu(v) for k, v in e.items()} for fqn, e in local["state"].items()}
         everyone: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, local, group=group)
         return merge_state_dicts(everyone)
 
-    def load_state_dict(self, state_dict: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
-        """Load this rank's own ``state_dict()``, the sharded state dicts of *every* rank of a run with
+    def _load_state_dict(self, state_dict: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
+        """``load_state_dict()``: load this rank's own ``state_dict()``, the sharded state dicts of *every* rank of a run with
         any other layout (a list: e.g. written at DP=4 x TP=1, loaded at DP=2 x TP=2), or a full state.
 
         Sets master weights, state and group hyperparameters, then writes the masters into the model
