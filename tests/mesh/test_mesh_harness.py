@@ -2,6 +2,7 @@
 
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -84,3 +85,17 @@ def test_decorator_passes_parameters(n):
     t = torch.full((1,), float(n))
     dist.all_reduce(t)
     assert t.item() == 2 * n
+
+
+def _warn_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        warnings.warn("old name: use the new one", DeprecationWarning, stacklevel=1)
+
+
+def test_a_rank_warning_is_raised_again_in_the_test():
+    """pytest's filters (``filterwarnings = error::DeprecationWarning``) see what the ranks raise."""
+    with pytest.warns(DeprecationWarning, match="old name: use the new one"):
+        run_distributed(_warn_on_rank_one, 2)
+    with pytest.raises(DeprecationWarning, match="old name"), warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        run_distributed(_warn_on_rank_one, 2)

@@ -15,6 +15,7 @@ import signal
 import socket
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, Callable
@@ -107,6 +108,7 @@ class _Pool:
             for rank in range(self.world_size):
                 if replies[rank][2]:
                     print(f"[rank {rank}] " + replies[rank][2].rstrip().replace("\n", f"\n[rank {rank}] "))
+            _reraise_warnings(replies)
             return [replies[rank][1] for rank in range(self.world_size)]
         failures = self._failures(replies, timed_out=True)
         self.kill()
@@ -151,7 +153,7 @@ class _Pool:
             if rank in hung:
                 failures.append(RankFailure(rank, "timed out", "stack at the time out:\n" + stacks.get(rank, "(none)")))
                 continue
-            status, payload, output = replies[rank]
+            status, payload, output = replies[rank][:3]
             if status == "err":
                 failures.append(RankFailure(rank, "raised", payload, output))
             elif status == "died":
@@ -194,6 +196,18 @@ class _Pool:
         for proc in self.procs:
             proc.join(timeout=10.0)
         self.kill()
+
+
+def _reraise_warnings(replies: dict[int, tuple]) -> None:
+    """Raise the ranks' warnings here, once each, under this process's filters (an ``error`` filter
+    turns one into the test's failure, as for a warning raised in the test itself)."""
+    seen = set()
+    for rank in sorted(replies):
+        for w in replies[rank][3] if len(replies[rank]) > 3 else ():
+            key = (w.message, w.category, w.filename, w.lineno)
+            if key not in seen:
+                seen.add(key)
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, module=w.module)
 
 
 _POOLS: dict[tuple, _Pool] = {}

@@ -17,11 +17,12 @@ import resource
 import signal
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["FunctionRef", "Task", "WorkerConfig", "worker_main", "resolve_function"]
+__all__ = ["FunctionRef", "RankWarning", "Task", "WorkerConfig", "worker_main", "resolve_function"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,36 @@ class Task:
     fn: FunctionRef
     args: tuple
     kwargs: dict
+
+
+@dataclass(frozen=True)
+class RankWarning:
+    """A warning a rank raised during a task, sent to the parent to be raised again there (where
+    the test runner's warning filters decide: pytest's ``filterwarnings = error`` holds for ranks too)."""
+
+    message: str
+    category: type[Warning]
+    filename: str
+    lineno: int
+    module: str | None
+    """Dotted name of the module the warning is attributed to (what ``-W ...:module`` filters match)."""
+
+
+def _module_of(filename: str) -> str | None:
+    for name, module in list(sys.modules.items()):
+        if getattr(module, "__file__", None) == filename:
+            return name
+    return None
+
+
+def _rank_warnings(caught: list[warnings.WarningMessage]) -> list[RankWarning]:
+    seen, out = set(), []
+    for w in caught:
+        key = (str(w.message), w.category, w.filename, w.lineno)
+        if key not in seen:  # a warning per step becomes one
+            seen.add(key)
+            out.append(RankWarning(str(w.message), w.category, w.filename, w.lineno, _module_of(w.filename)))
+    return out
 
 
 @dataclass(frozen=True)
@@ -147,17 +178,20 @@ def worker_main(cfg: WorkerConfig, conn) -> None:
         if task is None:
             break
         out = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                fn = resolve_function(task.fn)
-                result = fn(*task.args, **task.kwargs)
-            reply = ("ok", result, out.getvalue())
-        except BaseException:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
-            reply = ("err", traceback.format_exc(), out.getvalue())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # record everything; the parent's filters decide
+            try:
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                    fn = resolve_function(task.fn)
+                    result = fn(*task.args, **task.kwargs)
+                reply = ("ok", result, out.getvalue())
+            except BaseException:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
+                reply = ("err", traceback.format_exc(), out.getvalue())
+        reply += (_rank_warnings(caught),)
         try:
             _after_task(cfg)
         except BaseException:
-            reply = ("err", "cleanup after the test failed:\n" + traceback.format_exc(), out.getvalue())
+            reply = ("err", "cleanup after the test failed:\n" + traceback.format_exc(), out.getvalue(), reply[3])
         try:
             conn.send(reply)
         except Exception:  # an unpicklable result
