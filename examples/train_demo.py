@@ -36,7 +36,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=8, help="global batch (split over DP)")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cpu", help="cpu (gloo), or cuda (NCCL, one GPU per rank)")
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_args()
 
