@@ -12,6 +12,6 @@ from ndweave.mesh.parallel_mesh import (
 )
 from ndweave.mesh.resolve import resolve_mesh
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["DEFAULT_DIM_NAMES", "DEVICE_MESH", "ParallelMesh", "init_device_mesh", "resolve_mesh", "__version__"]

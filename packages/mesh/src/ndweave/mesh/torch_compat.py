@@ -6,8 +6,8 @@ flattening, the fake process group's store, the autograd engine's end-of-backwar
 tensors and pytrees. Packages import them from here, never from torch directly, so a torch release
 that moves one breaks one file, and ``tests/mesh/test_mesh_torch_compat.py`` says which.
 
-Checked against torch 2.11 (the CUDA machine) and 2.13 (CPU CI); the floor in ``pyproject.toml``
-is the oldest release these are known to exist in with the behaviour the tests pin.
+The tests pin each against the installed torch (2.13 in CI); the floor in the packages'
+``pyproject.toml`` (2.11) is the oldest release ndweave has run on (the CUDA machine).
 """
 
 from __future__ import annotations
