@@ -65,7 +65,7 @@ class _Shard:
     layout: ShardLayout
     """Where the param's local tensor lies in the global one (TP shard, strided or not)."""
     master: torch.nn.Parameter
-    """1-D master weights the inner optimizer steps (fp32 unless ``grad_to_fp32=False``)."""
+    """1-D master weights the inner optimizer steps (at least fp32 unless ``grad_to_fp32=False``)."""
     aliases_model: bool
     """``master`` is a view of ``param_data`` (same dtype): stepping it updates the model directly."""
     counted: bool
@@ -95,9 +95,10 @@ class DistributedOptimizer(WrappedOptimizer):
         clip_grad: clip to this global grad norm in every ``step()`` (0: no clipping).
         overlap_param_gather: issue the parameter all-gathers async after ``step()`` and wait for
             each bucket in a forward pre-hook of the first module that owns one of its params.
-        grad_to_fp32: fp32 master weights and fp32 grads for the inner step (default). ``False``
-            steps the model-dtype ``param_data`` range directly with model-dtype grads (no master
-            copy; lower precision for bf16/fp16 models).
+        grad_to_fp32: fp32 master weights and fp32 grads for the inner step (default; float64 for a
+            float64 model, and no copy at all for an fp32 one). ``False`` steps the model-dtype
+            ``param_data`` range directly with model-dtype grads (no master copy; lower precision for
+            bf16/fp16 models).
         loss_scaler: fp16 loss scaling (see :mod:`ndweave.optim.loss_scale`).
         grad_norm_group: group the grad norm is summed over (default: the whole world).
 
@@ -283,8 +284,9 @@ class DistributedOptimizer(WrappedOptimizer):
         return merge_state_dicts(everyone)
 
     def _load_state_dict(self, state_dict: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
-        """``load_state_dict()``: load this rank's own ``state_dict()``, the sharded state dicts of *every* rank of a run with
-        any other layout (a list: e.g. written at DP=4 x TP=1, loaded at DP=2 x TP=2), or a full state.
+        """``load_state_dict()``: load this rank's own ``state_dict()``, the sharded state dicts of
+        *every* rank of a run with any other layout (a list: e.g. written at DP=4 x TP=1, loaded at
+        DP=2 x TP=2), or a full state.
 
         Sets master weights, state and group hyperparameters, then writes the masters into the model
         and all-gathers (a collective)."""
