@@ -1,5 +1,28 @@
-"""ndweave.checkpoint (in development: see README.md for what is coming)."""
+"""ndweave.checkpoint: save nD-parallel training on one mesh, resume it on any other.
+
+``save(path, state)`` / ``load(path, state)`` on torch's distributed checkpoint (DCP) format, keyed by
+the original model's FQNs; sharded optimizer state stored as chunks of one global tensor per key;
+atomic commits; asynchronous saves; ``CheckpointManager`` for step folders; ``export`` to one torch
+file or HF-style safetensors; ``DataPosition`` to resume the data at any data-parallel size.
+"""
+
+from ndweave.checkpoint.data_position import DataPosition, PositionSampler, rank_slice
+from ndweave.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
+from ndweave.checkpoint.load import LoadResult, load
+from ndweave.checkpoint.save import SaveHandle, save
 
 __version__ = "0.1.0"
 
-__all__: list[str] = ["__version__"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CorruptCheckpointError",
+    "DataPosition",
+    "LoadResult",
+    "SaveHandle",
+    "__version__",
+    "PositionSampler",
+    "load",
+    "rank_slice",
+    "save",
+]
