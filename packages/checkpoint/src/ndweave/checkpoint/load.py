@@ -27,7 +27,7 @@ from ndweave.checkpoint.pieces import PieceLoadPlanner, PieceSet
 from ndweave.checkpoint.readers import open_reader
 from ndweave.checkpoint.targets import Destination, destination
 
-__all__ = ["LoadResult", "load", "set_path"]
+__all__ = ["LoadResult", "load", "read_into", "set_path"]
 
 
 @dataclass
@@ -99,11 +99,13 @@ def _skip(flat: dict[str, Any], dest: Destination, lines: list[str]) -> None:
                 flat.pop(name)
 
 
-def _read(flat: dict[str, Any], reader: Any, path: str) -> None:
+def read_into(flat: dict[str, Any], reader: Any, path: str, *, collective: bool) -> None:
+    """DCP's load of the flat state ``flat`` (tensors and piece sets filled in place, other values
+    replaced) from ``reader``; errors as ours (torch's ``CheckpointException`` is a BaseException)."""
     try:
         with warnings.catch_warnings():  # one process without a process group is a supported case
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(flat, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=not is_distributed())
+            dcp.load(flat, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=not collective)
     except CheckpointException as error:  # a BaseException: turn it into an ordinary one
         damaged = [e for e, _ in error.failures.values() if isinstance(e, CorruptCheckpointError)]
         if damaged:
@@ -152,7 +154,7 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
         raise CheckpointMismatchError(path, result.missing, result.unexpected, result.mismatched)
     _skip(flat, dest, everyone[rank()][0] + everyone[rank()][1])
     tensors = {k for k, v in flat.items() if isinstance(v, (torch.Tensor, PieceSet))}
-    _read(flat, mine["reader"], path)
+    read_into(flat, mine["reader"], path, collective=is_distributed())
     for name, value in flat.items():
         if name not in tensors:
             set_path(dest.tree, mine["paths"][name], value)

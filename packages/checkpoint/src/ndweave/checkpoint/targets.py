@@ -223,12 +223,14 @@ def _value(dest: Destination, state: dict[str, Any], key: str) -> None:
 
 
 def _tensor_leaves(tree: Any) -> Any:
-    """A copy of the containers of ``tree`` with DTensors DCP cannot describe as piece sets."""
+    """A copy of the containers of ``tree``, with ``StatePiece``s and DTensors DCP cannot describe
+    as piece sets (views: DCP reads into them in place)."""
     if isinstance(tree, dict):
         return {k: _tensor_leaves(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_tensor_leaves(v) for v in tree]
-    return sharded_leaf(tree, with_replicas=True) if isinstance(tree, torch.Tensor) else tree
+    leaf = sharded_leaf(tree, with_replicas=True)
+    if leaf is not tree:
+        return leaf
+    return [_tensor_leaves(v) for v in tree] if isinstance(tree, list) else tree
 
 
 def _unpiece(filled: Any, original: Any) -> Any:
