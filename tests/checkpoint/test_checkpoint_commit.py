@@ -166,7 +166,7 @@ def test_keys_and_shapes_that_differ_are_each_named(tmp_path):
     smaller = torch.nn.Sequential(torch.nn.Linear(4, 8))  # loads into a model lacking a layer
     with pytest.raises(CheckpointMismatchError) as raised:
         load(tmp_path / "m", {"model": smaller})
-    assert raised.value.unexpected == ["model: 2.bias", "model: 2.weight"]
+    assert raised.value.unexpected == ["model.2.bias", "model.2.weight"]
 
 
 # last in the file: the dead rank takes its pool down, the next 2-rank test starts a new one

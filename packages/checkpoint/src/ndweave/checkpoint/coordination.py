@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ndweave.checkpoint.errors import CheckpointError
 
-__all__ = ["agree", "broadcast", "is_distributed", "rank", "world_size"]
+__all__ = ["agree", "broadcast", "coordinate", "is_distributed", "rank", "world_size"]
 
 T = TypeVar("T")
 
@@ -45,28 +45,63 @@ class _Failed:
         self.error = state["error"][0](*state["error"][1]) if state["error"] is not None else None
 
 
+def _raise_failures(what: str, everyone: list[Any], own_error: BaseException | None) -> None:
+    failed = {r: v for r, v in enumerate(everyone) if isinstance(v, _Failed)}
+    if not failed:
+        return
+    first = failed[min(failed)]
+    if first.error is not None:
+        raise first.error from own_error
+    lines = [f"{what} failed on rank{'s' if len(failed) > 1 else ''} {sorted(failed)}"]
+    lines += [f"----- rank {r} -----\n{f.text}" for r, f in failed.items()]
+    raise CheckpointError("\n".join(lines)) from own_error
+
+
+def _attempt(fn: Callable[[], T]) -> tuple[Any, BaseException | None]:
+    try:
+        return fn(), None
+    except Exception as error:  # noqa: BLE001 - sent to every rank, raised there
+        return _Failed(error), error
+
+
 def agree(what: str, fn: Callable[[], T]) -> list[T]:
     """Every rank's ``fn()`` (all-gathered), or the same error on every rank: the first failed rank's
     own :class:`CheckpointError` (a damaged file, a mismatch) when it raised one, else a
     ``CheckpointError`` naming each rank that raised, with its traceback."""
-    own_error = None
-    try:
-        mine: Any = fn()
-    except Exception as error:  # noqa: BLE001 - sent to every rank, raised below
-        own_error, mine = error, _Failed(error)
+    mine, own_error = _attempt(fn)
     everyone: list[Any] = [mine]
     if is_distributed():
         everyone = [None] * world_size()
         dist.all_gather_object(everyone, mine)
-    failed = {r: v for r, v in enumerate(everyone) if isinstance(v, _Failed)}
-    if failed:
-        first = failed[min(failed)]
-        if first.error is not None:
-            raise first.error from own_error
-        lines = [f"{what} failed on rank{'s' if len(failed) > 1 else ''} {sorted(failed)}"]
-        lines += [f"----- rank {r} -----\n{f.text}" for r, f in failed.items()]
-        raise CheckpointError("\n".join(lines)) from own_error
+    _raise_failures(what, everyone, own_error)
     return everyone
+
+
+def coordinate(what: str, local: Callable[[], Any], central: Callable[[list[Any]], list[T]]) -> T:
+    """DCP's planning pattern: every rank's ``local()`` is gathered on rank 0, which turns them into
+    one value per rank (``central(all)``) and scatters them: this rank's value, or the same error on
+    every rank (as :func:`agree`). Two collectives; no rank receives the others' values."""
+    mine, own_error = _attempt(local)
+    gathered: list[Any] = [mine]
+    if is_distributed():
+        gathered = [None] * world_size() if rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    messages: list[Any] = [None] * world_size()
+    if rank() == 0:
+        if not any(isinstance(v, _Failed) for v in gathered):
+            result, central_error = _attempt(lambda: central(gathered))
+            own_error = own_error or central_error
+            gathered = [result] + [None] * (len(gathered) - 1) if central_error is not None else gathered
+        failed = any(isinstance(v, _Failed) for v in gathered)
+        messages = [("failed", gathered)] * world_size() if failed else [("ok", v) for v in result]
+    if is_distributed():
+        received: list[Any] = [None]
+        dist.scatter_object_list(received, messages if rank() == 0 else None, src=0)
+        messages = received
+    kind, payload = messages[0]
+    if kind == "failed":
+        _raise_failures(what, payload, own_error)
+    return payload
 
 
 def broadcast(value: T) -> T:

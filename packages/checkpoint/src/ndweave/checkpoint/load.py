@@ -80,7 +80,7 @@ def _unexpected(dest: Destination, everyone: list[dict[str, set[str]]]) -> list[
     lines = []
     for key, saved in dest.saved_fqns.items():
         loaded = set().union(*(fqns.get(key, set()) for fqns in everyone))
-        lines += [f"{key}: {fqn}" for fqn in sorted(saved - loaded)]
+        lines += [f"{dest.prefixes[key]}{fqn}" for fqn in sorted(saved - loaded)]
     return lines
 
 

@@ -5,7 +5,7 @@ The steps, on every rank::
 
     save id       rank 0's, broadcast            (names the .partial folder)
     local plan    what this rank holds           (DCP's planner; sharded optimizer state as PieceSets)
-    global plan   rank 0 dedups, builds metadata (one all-gather, errors included)
+    global plan   rank 0 dedups, builds metadata (a gather and a scatter, errors included)
     stage         async only: copy what this rank writes off the live tensors
     write         this rank's files              (background thread when async)
     commit        rank 0 writes .metadata + marker, renames; the others wait for it
@@ -17,6 +17,7 @@ coordinates through files, so it never races the training loop's collectives.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import traceback
 import uuid
@@ -28,7 +29,7 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemWriter
 
 from ndweave.checkpoint.commit import SaveCommit
-from ndweave.checkpoint.coordination import agree, broadcast, rank, world_size
+from ndweave.checkpoint.coordination import broadcast, coordinate, rank, world_size
 from ndweave.checkpoint.entries import saved_state
 from ndweave.checkpoint.errors import CheckpointError
 from ndweave.checkpoint.pieces import PieceSavePlanner
@@ -134,18 +135,21 @@ def start_save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoi
         commit.prepare()
         return writer.prepare_local_plan(planner.create_local_plan())
 
-    plans = agree(f"planning the save of {path}", local_plan)
-
-    def global_plan():
-        if me != 0:
-            return None
+    def global_plan(plans):
         global_plans, metadata = planner.create_global_plan(plans)
-        return writer.prepare_global_plan(global_plans), metadata
+        mine["metadata"] = metadata  # rank 0 writes it at the commit
+        return writer.prepare_global_plan(global_plans)
 
-    global_plans, metadata = agree(f"planning the save of {path}", global_plan)[0]
+    mine: dict[str, Any] = {}
+    try:
+        plan = coordinate(f"planning the save of {path}", local_plan, global_plan)
+    except CheckpointError:
+        if me == 0:
+            shutil.rmtree(commit.staging, ignore_errors=True)  # every rank has left the planning
+        raise
     staged = 0
     try:
-        final_plan = planner.finish_plan(global_plans[me])
+        final_plan = planner.finish_plan(plan)
         if async_checkpoint:
             staged = planner.stage()
     except Exception as error:
@@ -163,7 +167,7 @@ def start_save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoi
         commit.report_done(results)
         if me == 0:
             everyone = commit.collect()
-            commit.commit(lambda: writer.finish(metadata, everyone))
+            commit.commit(lambda: writer.finish(mine["metadata"], everyone))
             if on_commit is not None:
                 on_commit()
         else:

@@ -38,6 +38,8 @@ class Destination:
     """Per model or optimizer entry, the FQNs this rank loads."""
     saved_fqns: dict[str, set[str]] = field(default_factory=dict)
     """Per model or optimizer entry, the FQNs the checkpoint holds."""
+    prefixes: dict[str, str] = field(default_factory=dict)
+    """Per model or optimizer entry, what precedes an FQN in a flat key (``"model."``)."""
     problems: list[tuple[str, str]] = field(default_factory=list)
     """``(kind, line)`` found while building: kind ``"missing"`` or ``"mismatched"``."""
     skipped: set[tuple[str, str]] = field(default_factory=set)
@@ -79,6 +81,7 @@ def _modules(dest: Destination, state: dict[str, Any], key: str, metadata: Metad
                       for fqn, v in merged.items()}
     dest.fqns[key] = set(merged)
     dest.saved_fqns[key] = {k[len(key) + 1 :] for k in metadata.state_dict_metadata if k.startswith(f"{key}.")}
+    dest.prefixes[key] = f"{key}."
 
     def hand_over() -> None:
         with torch.no_grad():
@@ -94,6 +97,7 @@ def _modules(dest: Destination, state: dict[str, Any], key: str, metadata: Metad
 def _optimizers(dest: Destination, state: dict[str, Any], key: str, metadata: Metadata) -> None:
     saved, groups = _optimizer_keys(metadata, key)
     dest.saved_fqns[key] = set(saved)
+    dest.prefixes[key] = f"{key}.state."
     dest.tree[key] = {"state": {}, "param_groups": [dict.fromkeys(groups[i]) for i in sorted(groups)]}
     dest.fqns[key] = set()
     handlers = []
@@ -102,9 +106,13 @@ def _optimizers(dest: Destination, state: dict[str, Any], key: str, metadata: Me
         names = None if not is_torch_format(own) else group_names(state, key, optimizer)
         fqns = [f for g in own["param_groups"] for f in g["params"]] if names is None else [f for g in names for f in g]
         dest.fqns[key].update(fqns)
-        if len(groups) != len(own["param_groups"]):
+        if not groups:
+            dest.problems.append(("missing", f"{key} (the optimizer's state and param groups)"))
+            continue
+        if len(groups) != len(own["param_groups"]):  # a partial load leaves this optimizer as it is
             dest.problems.append(("mismatched", f"{key}.param_groups: {len(groups)} in the checkpoint, "
                                                 f"{len(own['param_groups'])} in the optimizer"))
+            continue
         if saved and not any(f in saved for f in fqns):
             dest.problems.append(("missing", f"{key}.state: none of the optimizer's parameters"))
         targets = _piece_targets(own, saved, key, dest) if names is None else _tensor_targets(optimizer, names, saved, key, dest)
