@@ -8,10 +8,10 @@ file or HF-style safetensors; ``DataPosition`` to resume the data at any data-pa
 
 from ndweave.checkpoint.data_position import DataPosition, PositionSampler, rank_slice
 from ndweave.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
-from ndweave.checkpoint.export import export
-from ndweave.checkpoint.load import LoadResult, load
+from ndweave.checkpoint.exporter import export
+from ndweave.checkpoint.loader import LoadResult, load
 from ndweave.checkpoint.manager import CheckpointManager
-from ndweave.checkpoint.save import SaveHandle, save
+from ndweave.checkpoint.saver import SaveHandle, save
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ndweave.checkpoint.errors import CheckpointError
 
-__all__ = ["agree", "broadcast", "coordinate", "is_distributed", "rank", "world_size"]
+__all__ = ["broadcast", "coordinate", "is_distributed", "rank", "world_size"]
 
 T = TypeVar("T")
 
@@ -64,23 +64,12 @@ def _attempt(fn: Callable[[], T]) -> tuple[Any, BaseException | None]:
         return _Failed(error), error
 
 
-def agree(what: str, fn: Callable[[], T]) -> list[T]:
-    """Every rank's ``fn()`` (all-gathered), or the same error on every rank: the first failed rank's
-    own :class:`CheckpointError` (a damaged file, a mismatch) when it raised one, else a
-    ``CheckpointError`` naming each rank that raised, with its traceback."""
-    mine, own_error = _attempt(fn)
-    everyone: list[Any] = [mine]
-    if is_distributed():
-        everyone = [None] * world_size()
-        dist.all_gather_object(everyone, mine)
-    _raise_failures(what, everyone, own_error)
-    return everyone
-
-
 def coordinate(what: str, local: Callable[[], Any], central: Callable[[list[Any]], list[T]]) -> T:
     """DCP's planning pattern: every rank's ``local()`` is gathered on rank 0, which turns them into
-    one value per rank (``central(all)``) and scatters them: this rank's value, or the same error on
-    every rank (as :func:`agree`). Two collectives; no rank receives the others' values."""
+    one value per rank (``central(all)``) and scatters them. Returns this rank's value, or raises the
+    same error on every rank: the first failed rank's own :class:`CheckpointError` (a damaged file, a
+    mismatch) when it raised one, else a ``CheckpointError`` naming each rank that raised, with its
+    traceback. Two collectives; no rank receives the others' values."""
     mine, own_error = _attempt(local)
     gathered: list[Any] = [mine]
     if is_distributed():

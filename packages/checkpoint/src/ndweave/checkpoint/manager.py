@@ -11,8 +11,8 @@ from typing import Any
 
 from ndweave.checkpoint.commit import is_complete
 from ndweave.checkpoint.coordination import broadcast
-from ndweave.checkpoint.load import LoadResult, load
-from ndweave.checkpoint.save import DEFAULT_TIMEOUT_S, SaveHandle, start_save
+from ndweave.checkpoint.loader import LoadResult, load
+from ndweave.checkpoint.saver import DEFAULT_TIMEOUT_S, SaveHandle, start_save
 
 __all__ = ["CheckpointManager"]
 

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor
 
 from ndweave.mesh.contracts import ShardLayout, StatePiece
-from ndweave.mesh.torch_compat import local_tensor
+from ndweave.mesh.torch_compat import StridedShard, local_tensor
 
 __all__ = ["PieceLoadPlanner", "PieceSavePlanner", "PieceSet", "needs_pieces"]
 
@@ -94,13 +94,11 @@ class PieceSet:
             raise ValueError(f"{index.fqn!r} holds no chunk at offsets {tuple(index.offset or ())} on this rank") from None
 
 
-def needs_pieces(tensor: torch.Tensor) -> bool:
+def needs_pieces(tensor: Any) -> bool:
     """Whether a DTensor's local tensor is more than one box of the global tensor (a
-    ``StridedShard`` layout): DCP cannot describe it, a :class:`PieceSet` can."""
-    if not isinstance(tensor, DTensor):
-        return False
-    layout = ShardLayout.of(tensor)
-    return any(len(runs) > 1 for runs in layout.runs)
+    ``StridedShard`` placement): DCP cannot describe it, a :class:`PieceSet` can. Every other
+    placement leaves one box, which DCP saves natively."""
+    return isinstance(tensor, DTensor) and any(isinstance(p, StridedShard) for p in tensor.placements)
 
 
 class PieceSavePlanner(DefaultSavePlanner):

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ndweave.mesh.torch_compat import flatten_state_dict
 
-from ndweave.checkpoint.coordination import agree, is_distributed, rank
+from ndweave.checkpoint.coordination import coordinate, is_distributed
 from ndweave.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from ndweave.checkpoint.pieces import PieceLoadPlanner, PieceSet
 from ndweave.checkpoint.readers import open_reader
@@ -143,16 +143,20 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
         mine["metadata"] = metadata = reader.read_metadata()
         mine["dest"] = dest = destination(state, metadata)
         mine["flat"], mine["paths"] = flatten_state_dict(dest.tree)
-        return (*_compare(mine["flat"], metadata, dest), dest.fqns)
+        mine["missing"], mine["mismatched"] = _compare(mine["flat"], metadata, dest)
+        return mine["missing"], mine["mismatched"], dest.fqns
 
-    everyone = agree(f"loading {path}", prepare)
+    def report(everyone: list[tuple[list[str], list[str], dict[str, set[str]]]]) -> list[LoadResult]:
+        found = LoadResult(sorted({line for m, _, _ in everyone for line in m}),
+                           _unexpected(mine["dest"], [fqns for _, _, fqns in everyone]),
+                           sorted({line for _, m, _ in everyone for line in m}))
+        return [found] * len(everyone)
+
+    result = coordinate(f"loading {path}", prepare, report)  # the same findings on every rank
     dest, flat = mine["dest"], mine["flat"]
-    result = LoadResult(sorted({line for m, _, _ in everyone for line in m}),
-                        _unexpected(dest, [fqns for _, _, fqns in everyone]),
-                        sorted({line for _, m, _ in everyone for line in m}))
     if strict and (result.missing or result.unexpected or result.mismatched):
         raise CheckpointMismatchError(path, result.missing, result.unexpected, result.mismatched)
-    _skip(flat, dest, everyone[rank()][0] + everyone[rank()][1])
+    _skip(flat, dest, mine["missing"] + mine["mismatched"])
     tensors = {k for k, v in flat.items() if isinstance(v, (torch.Tensor, PieceSet))}
     read_into(flat, mine["reader"], path, collective=is_distributed())
     for name, value in flat.items():

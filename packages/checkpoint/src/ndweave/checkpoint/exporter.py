@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ndweave.checkpoint.load import read_into, set_path
+from ndweave.checkpoint.loader import read_into, set_path
 from ndweave.checkpoint.readers import SAFETENSORS_INDEX, open_reader
 
 __all__ = ["export"]
