@@ -94,8 +94,10 @@ def _worker(rank: int, world: int, port: int, args, folder: str, queue) -> None:
         def path(name: str) -> str:
             return f"{folder}/{name}-{r}"
 
-        times["ndweave save"].append(_timed(device, lambda: save(path("ours"), {"model": tensors})))
-        times["dcp.save"].append(_timed(device, lambda: dcp.save({"model": tensors}, checkpoint_id=path("dcp"))))
+        saves = [("ndweave save", lambda: save(path("ours"), {"model": tensors})),
+                 ("dcp.save", lambda: dcp.save({"model": tensors}, checkpoint_id=path("dcp")))]
+        for op, fn in saves if r % 2 == 0 else saves[::-1]:  # alternate who goes first
+            times[op].append(_timed(device, fn))
         if rank == 0:
             os.makedirs(path("raw"), exist_ok=True)
         dist.barrier()
@@ -106,8 +108,10 @@ def _worker(rank: int, world: int, port: int, args, folder: str, queue) -> None:
             _timed(device, lambda: handles.append(save(path("async"), {"model": tensors}, async_checkpoint=True))))
         staged = handles[0].staged_bytes
         handles[0].wait()
-        times["ndweave load"].append(_timed(device, lambda: load(path("ours"), {"model": tensors})))
-        times["dcp.load"].append(_timed(device, lambda: dcp.load({"model": tensors}, checkpoint_id=path("dcp"))))
+        loads = [("ndweave load", lambda: load(path("ours"), {"model": tensors})),
+                 ("dcp.load", lambda: dcp.load({"model": tensors}, checkpoint_id=path("dcp")))]
+        for op, fn in loads if r % 2 == 0 else loads[::-1]:
+            times[op].append(_timed(device, fn))
         dist.barrier()
         if rank == 0:
             for name in ("ours", "dcp", "raw", "pieces", "async"):
@@ -124,7 +128,7 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--mb", type=float, default=256.0, help="total state size (MB)")
     parser.add_argument("--tensors", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

@@ -169,6 +169,18 @@ def test_keys_and_shapes_that_differ_are_each_named(tmp_path):
     assert raised.value.unexpected == ["model.2.bias", "model.2.weight"]
 
 
+def _load_wider(folder: str) -> list[str]:
+    with pytest.raises(CheckpointMismatchError) as raised:
+        load(f"{folder}/two", {"model": Wider()})
+    return raised.value.missing + raised.value.mismatched
+
+
+def test_a_mismatch_raises_the_same_error_on_every_rank(tmp_path):
+    run_distributed(_save_two_ranks, 2, str(tmp_path))
+    first, second = run_distributed(_load_wider, 2, str(tmp_path))
+    assert first == second and first[:2] == ["model.head.bias", "model.head.weight"] and len(first) == 5
+
+
 # last in the file: the dead rank takes its pool down, the next 2-rank test starts a new one
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     with pytest.raises(DistributedTestError) as failed:

@@ -113,3 +113,32 @@ def test_sharded_state_pieces_reshard_to_another_grid_and_to_one_process(tmp_pat
     holder.piece = whole
     load(tmp_path / "pieces", {"opt": holder}, strict=False)
     assert torch.equal(holder.piece.data.view(6, 5), _full())
+
+
+def test_a_model_given_as_chunks_saves_and_loads_as_the_whole(tmp_path):
+    whole = mlp(seed=0)
+    chunks = [whole[:2], whole[2:]]  # e.g. two pipeline stages on one rank: the original FQNs, disjoint
+    optimizers = [torch.optim.Adam(c.parameters(), lr=0.1) for c in chunks]
+    x = torch.randn(5, 4)
+    whole(x).square().mean().backward()
+    for optimizer in optimizers:
+        optimizer.step()
+    save(tmp_path / "chunks", {"model": chunks, "optimizer": optimizers})
+
+    other = mlp(seed=1)
+    other_optimizer = torch.optim.Adam(other.parameters(), lr=0.5)
+    load(tmp_path / "chunks", {"model": other, "optimizer": other_optimizer})  # the whole model
+    assert_same(dict(other.named_parameters()), dict(whole.named_parameters()))
+    assert other_optimizer.param_groups[0]["lr"] == 0.1
+    for p, q in zip(whole.parameters(), other.parameters()):
+        owner = next(o for o in optimizers if p in o.state)
+        assert torch.equal(other_optimizer.state[q]["exp_avg"], owner.state[p]["exp_avg"])
+
+    save(tmp_path / "whole", {"model": other, "optimizer": other_optimizer})
+    again = mlp(seed=2)
+    again_chunks = [again[:2], again[2:]]
+    again_optimizers = [torch.optim.Adam(c.parameters(), lr=0.5) for c in again_chunks]
+    load(tmp_path / "whole", {"model": again_chunks, "optimizer": again_optimizers})  # and back into chunks
+    assert_same(dict(again.named_parameters()), dict(whole.named_parameters()))
+    assert torch.equal(again_optimizers[1].state[again[2].weight]["exp_avg_sq"],
+                       optimizers[1].state[whole[2].weight]["exp_avg_sq"])

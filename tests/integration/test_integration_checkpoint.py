@@ -3,6 +3,8 @@ optimizer, saved with ``ndweave.checkpoint`` at (DP, TP) = (2, 2) or (4, 1), ZeR
 resumed at every other cell and on one process without a process group (a plain ``torch.optim``
 AdamW): parameters, optimizer state, lr schedule and data position equal one process's run at the
 moment of the save, and the next steps equal its uninterrupted continuation. Float64, strict.
+Plus HF GPT-2, whose fused q|k|v weight is ``StridedShard``: its sharded optimizer state (flat
+ranges of strided shards) saved at DP=2 x TP=2 resumes on one process.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import test_integration_gpt2_optimizer_state as gpt2
 from integration_models import batches, build
 from ndweave.checkpoint import DataPosition, load, save
 from ndweave.ddp import DistributedDataParallel as DDP
@@ -156,5 +159,34 @@ def test_resume_at_every_layout_and_on_one_process(tmp_path, cell):
         plain = build("gpt", seed=1)
         plain.load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=False)["model"])
         _check_params(plain, at_save, "dcp_to_torch_save")
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _save_gpt2(folder):
+    torch.set_default_dtype(torch.float64)
+    model, optimizer, dp_rank = gpt2._parallel(seed=0, dp=2, tp=2)
+    gpt2._train(model, optimizer, gpt2._batches(0, gpt2.STEPS), dp_rank, 2)
+    save(f"{folder}/gpt2", {"model": model, "optimizer": optimizer})
+
+
+@pytest.mark.parity
+def test_gpt2_fused_qkv_sharded_state_resumes_on_one_process(tmp_path):
+    pytest.importorskip("transformers")
+    run_distributed(_save_gpt2, 4, str(tmp_path), timeout=300)
+    torch.set_default_dtype(torch.float64)
+    try:
+        reference = gpt2._gpt2(seed=0)
+        ref_optimizer = torch.optim.AdamW(reference.parameters(), **gpt2.ADAMW)
+        gpt2._train(reference, ref_optimizer, gpt2._batches(0, gpt2.STEPS))
+        model = gpt2._gpt2(seed=1)
+        optimizer = torch.optim.AdamW(model.parameters(), **gpt2.ADAMW)
+        load(tmp_path / "gpt2", {"model": model, "optimizer": optimizer})
+        _check_params(model, reference, "GPT-2 on one process")
+        _check_optimizer(optimizer, model, reference, ref_optimizer, "GPT-2 on one process")
+        more = gpt2._batches(gpt2.STEPS, gpt2.MORE_STEPS)
+        gpt2._train(reference, ref_optimizer, more)
+        gpt2._train(model, optimizer, more)
+        _check_params(model, reference, "GPT-2 on one process, resumed")
     finally:
         torch.set_default_dtype(torch.float32)

@@ -1,14 +1,18 @@
 """``load(path, state)``: read a checkpoint written at any layout into ``state`` at this one.
 
-    reader        the folder's metadata, its files checked against the marker (or a single file)
+One DCP load, whose planner does the work on every rank, where DCP reports any rank's error to all::
+
+    metadata      the reader's (read first): the folder's files checked against the marker
     destination   what every entry reads into, in this rank's layout (:mod:`.targets`)
-    compare       keys and global shapes against the checkpoint, all ranks' findings combined
-    read          DCP's load: each rank reads only the chunks overlapping what it holds
+    compare       keys and global shapes against the checkpoint; rank 0 combines every rank's
+                  findings in the global plan (a strict load raises there) and sends them back
+    read          each rank reads only the chunks overlapping what it holds
     hand over     each entry's load_state_dict (modules first)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -18,10 +22,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
 
 from ndweave.mesh.torch_compat import flatten_state_dict
 
-from ndweave.checkpoint.coordination import coordinate, is_distributed
+from ndweave.checkpoint.coordination import is_distributed
 from ndweave.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from ndweave.checkpoint.pieces import PieceLoadPlanner, PieceSet
 from ndweave.checkpoint.readers import open_reader
@@ -99,19 +104,62 @@ def _skip(flat: dict[str, Any], dest: Destination, lines: list[str]) -> None:
                 flat.pop(name)
 
 
-def read_into(flat: dict[str, Any], reader: Any, path: str, *, collective: bool) -> None:
+def read_into(flat: dict[str, Any], reader: Any, path: str, *, collective: bool,
+              planner: PieceLoadPlanner | None = None) -> None:
     """DCP's load of the flat state ``flat`` (tensors and piece sets filled in place, other values
-    replaced) from ``reader``; errors as ours (torch's ``CheckpointException`` is a BaseException)."""
+    replaced) from ``reader``; errors as ours (torch's ``CheckpointException`` is a BaseException),
+    the same on every rank."""
     try:
         with warnings.catch_warnings():  # one process without a process group is a supported case
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(flat, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=not collective)
-    except CheckpointException as error:  # a BaseException: turn it into an ordinary one
-        damaged = [e for e, _ in error.failures.values() if isinstance(e, CorruptCheckpointError)]
+            dcp.load(flat, storage_reader=reader, planner=planner or PieceLoadPlanner(), no_dist=not collective)
+    except CheckpointException as error:
+        failures = {r: e for r, (e, _) in error.failures.items()}
+        first = failures[min(failures)]
+        if isinstance(first, CheckpointMismatchError):
+            raise first from None
+        damaged = [e for e in failures.values() if isinstance(e, CorruptCheckpointError)]
         if damaged:
             problems = sorted({p for e in damaged for p in e.problems})
             raise CorruptCheckpointError(path, problems, sorted({f for e in damaged for f in e.files})) from None
-        raise CheckpointError(f"loading {path} failed on ranks {sorted(error.failures)}:\n{error}") from None
+        if isinstance(first, CheckpointError):
+            raise first from None
+        raise CheckpointError(f"loading {path} failed on ranks {sorted(failures)}:\n{error}") from None
+
+
+class _StatePlanner(PieceLoadPlanner):
+    """Plans the load of a user's ``state``: builds the destination from the checkpoint's metadata,
+    compares, and (rank 0, in the global plan) combines every rank's findings."""
+
+    def __init__(self, state: dict[str, Any], path: str, strict: bool) -> None:
+        super().__init__()
+        self.state, self.path, self.strict = state, path, strict
+        self.result = LoadResult()
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+        self.dest = destination(self.state, metadata)
+        self.flat, self.paths = flatten_state_dict(self.dest.tree)
+        self.problems = _compare(self.flat, metadata, self.dest)
+        _skip(self.flat, self.dest, self.problems[0] + self.problems[1])  # a strict load raises below
+        self.tensors = {k for k, v in self.flat.items() if isinstance(v, (torch.Tensor, PieceSet))}
+        super().set_up_planner(self.flat, metadata, is_coordinator)
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        return dataclasses.replace(plan, planner_data=(*self.problems, self.dest.fqns))
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        found = [p.planner_data for p in global_plan]
+        result = LoadResult(sorted({line for m, _, _ in found for line in m}),
+                            _unexpected(self.dest, [fqns for _, _, fqns in found]),
+                            sorted({line for _, m, _ in found for line in m}))
+        if self.strict and (result.missing or result.unexpected or result.mismatched):
+            raise CheckpointMismatchError(self.path, result.missing, result.unexpected, result.mismatched)
+        return [dataclasses.replace(p, planner_data=result) for p in super().create_global_plan(global_plan)]
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        self.result = new_plan.planner_data
+        return super().finish_plan(new_plan)
 
 
 def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True, key: str | None = None) -> LoadResult:
@@ -136,31 +184,14 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
         a :class:`LoadResult`: empty after a strict load.
     """
     path = str(path)
-    mine: dict[str, Any] = {}
-
-    def prepare() -> tuple[list[str], list[str], dict[str, set[str]]]:
-        mine["reader"] = reader = open_reader(path, key)
-        mine["metadata"] = metadata = reader.read_metadata()
-        mine["dest"] = dest = destination(state, metadata)
-        mine["flat"], mine["paths"] = flatten_state_dict(dest.tree)
-        mine["missing"], mine["mismatched"] = _compare(mine["flat"], metadata, dest)
-        return mine["missing"], mine["mismatched"], dest.fqns
-
-    def report(everyone: list[tuple[list[str], list[str], dict[str, set[str]]]]) -> list[LoadResult]:
-        found = LoadResult(sorted({line for m, _, _ in everyone for line in m}),
-                           _unexpected(mine["dest"], [fqns for _, _, fqns in everyone]),
-                           sorted({line for _, m, _ in everyone for line in m}))
-        return [found] * len(everyone)
-
-    result = coordinate(f"loading {path}", prepare, report)  # the same findings on every rank
-    dest, flat = mine["dest"], mine["flat"]
-    if strict and (result.missing or result.unexpected or result.mismatched):
-        raise CheckpointMismatchError(path, result.missing, result.unexpected, result.mismatched)
-    _skip(flat, dest, mine["missing"] + mine["mismatched"])
-    tensors = {k for k, v in flat.items() if isinstance(v, (torch.Tensor, PieceSet))}
-    read_into(flat, mine["reader"], path, collective=is_distributed())
-    for name, value in flat.items():
-        if name not in tensors:
-            set_path(dest.tree, mine["paths"][name], value)
-    dest.hand_over()
-    return result
+    reader = open_reader(path, key)
+    # read (and check) here, not inside DCP's load: DCP turns a failing read_metadata into a bare
+    # AssertionError. Every rank sees the same shared files, so every rank raises the same error.
+    reader.read_metadata()
+    planner = _StatePlanner(state, path, strict)
+    read_into({}, reader, path, collective=is_distributed(), planner=planner)
+    for name, value in planner.flat.items():
+        if name not in planner.tensors:  # values DCP replaced in the flat dict go back into the tree
+            set_path(planner.dest.tree, planner.paths[name], value)
+    planner.dest.hand_over()
+    return planner.result

@@ -14,7 +14,6 @@ import io
 import json
 import os
 import pickle
-from torch.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from ndweave.mesh.torch_compat import flatten_state_dict
 
@@ -40,14 +40,24 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 class FolderReader(FileSystemReader):
-    """DCP's file-system reader with the metadata read once (and checked) and every unreadable
-    file named in one :class:`CorruptCheckpointError`."""
+    """DCP's file-system reader with the metadata read once and checked (the marker's file sizes,
+    else the extents DCP's metadata records) and every unreadable file named in one
+    :class:`CorruptCheckpointError`."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path)
-        folder = Path(path)
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            self._metadata = self._checked_metadata(Path(self.path))
+        return self._metadata
+
+    def _checked_metadata(self, folder: Path) -> Metadata:
         if is_partial(folder.name):
             raise CheckpointError(f"{folder} is an uncommitted save (a .partial folder): it is never loaded")
+        if not folder.is_dir():
+            raise CheckpointError(f"no checkpoint at {folder}")
         marker = read_marker(folder)
         if marker is None and not (folder / ".metadata").is_file():
             raise CheckpointError(f"{folder} is not a checkpoint: it has neither the completion marker of an "
@@ -55,14 +65,12 @@ class FolderReader(FileSystemReader):
         if marker is not None:
             check_files(folder)
         try:
-            self._metadata = super().read_metadata()
+            metadata = super().read_metadata()
         except Exception as error:
             raise CorruptCheckpointError(str(folder), [f".metadata: unreadable ({error!r})"], [".metadata"]) from error
         if marker is None:
-            check_files(folder, self._metadata)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._metadata
+            check_files(folder, metadata)
+        return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         by_file: dict[str, list] = {}
@@ -89,22 +97,33 @@ def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
 
 
 class _SingleSource(StorageReader):
-    """A reader over named whole tensors and values; subclasses say how to get a slice of each."""
+    """A reader over named whole tensors and values; subclasses open the source (on the first
+    ``read_metadata``) and say how to get a slice of each."""
 
-    def __init__(self, path: str | os.PathLike, shapes: dict[str, Any], paths: dict[str, tuple]) -> None:
-        """``shapes``: per flat key, ``(shape, dtype)`` of a tensor or any other value; ``paths``:
-        each flat key's path in the nested state (DCP's planner data)."""
+    def __init__(self, path: str | os.PathLike) -> None:
         super().__init__()
         self.path = Path(path)
-        md = {}
-        for name, value in shapes.items():
-            if isinstance(value, tuple):  # (shape, dtype) of a tensor
-                size = torch.Size(value[0])
-                md[name] = TensorStorageMetadata(properties=TensorProperties(dtype=value[1]), size=size,
-                                                 chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)])
-            else:
-                md[name] = BytesStorageMetadata()
-        self._metadata = Metadata(state_dict_metadata=md, planner_data=paths)
+        self._metadata: Metadata | None = None
+
+    def open(self) -> tuple[dict[str, Any], dict[str, tuple]]:
+        """``(shapes, paths)``: per flat key, ``(shape, dtype)`` of a tensor or any other value, and
+        its path in the nested state (DCP's planner data)."""
+        raise NotImplementedError
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            shapes, paths = self.open()
+            md = {}
+            for name, value in shapes.items():
+                if isinstance(value, tuple):  # (shape, dtype) of a tensor: one chunk, all of it
+                    size = torch.Size(value[0])
+                    md[name] = TensorStorageMetadata(properties=TensorProperties(dtype=value[1]), size=size,
+                                                     chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)),
+                                                                                  sizes=size)])
+                else:
+                    md[name] = BytesStorageMetadata()
+            self._metadata = Metadata(state_dict_metadata=md, planner_data=paths)
+        return self._metadata
 
     def slice(self, name: str, offsets, lengths) -> torch.Tensor:
         raise NotImplementedError
@@ -114,9 +133,6 @@ class _SingleSource(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         pass
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         pass
@@ -153,14 +169,17 @@ class TorchFileReader(_SingleSource):
     those pages are read."""
 
     def __init__(self, path: str | os.PathLike, key: str | None = None) -> None:
+        super().__init__(path)
+        self.key = key
+
+    def open(self) -> tuple[dict[str, Any], dict[str, tuple]]:
         try:
-            obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            obj = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
         except (RuntimeError, pickle.UnpicklingError, EOFError) as error:
-            raise CorruptCheckpointError(str(path), [f"{Path(path).name}: unreadable as a torch file ({error!r})"],
-                                         [Path(path).name]) from error
-        self.flat, paths = flatten_state_dict({key: obj} if key else obj)
-        super().__init__(path, {n: (v.shape, v.dtype) if isinstance(v, torch.Tensor) else v for n, v in self.flat.items()},
-                         paths)
+            raise CorruptCheckpointError(str(self.path), [f"{self.path.name}: unreadable as a torch file ({error!r})"],
+                                         [self.path.name]) from error
+        self.flat, paths = flatten_state_dict({self.key: obj} if self.key else obj)
+        return {n: (v.shape, v.dtype) if isinstance(v, torch.Tensor) else v for n, v in self.flat.items()}, paths
 
     def slice(self, name: str, offsets, lengths) -> torch.Tensor:
         return _narrow(self.flat[name], offsets, lengths)
@@ -183,9 +202,14 @@ class SafetensorsReader(_SingleSource):
     ``model.safetensors.index.json`` naming each tensor's shard. Holds one entry (``key``)."""
 
     def __init__(self, path: str | os.PathLike, key: str) -> None:
+        super().__init__(path)
+        self.key = key
+
+    def open(self) -> tuple[dict[str, Any], dict[str, tuple]]:
         from safetensors import safe_open  # optional: pip install safetensors
 
-        path = Path(path)
+        self._safe_open = safe_open
+        path = self.path
         if path.is_dir():
             path = path / SAFETENSORS_INDEX if (path / SAFETENSORS_INDEX).exists() else path / "model.safetensors"
         if path.name.endswith(".json"):
@@ -194,15 +218,14 @@ class SafetensorsReader(_SingleSource):
         else:
             with safe_open(path, framework="pt") as f:
                 files = {name: path for name in f.keys()}
-        self._safe_open = safe_open
-        self._files = {f"{key}.{name}": (file, name) for name, file in files.items()}
+        self._files = {f"{self.key}.{name}": (file, name) for name, file in files.items()}
         shapes = {}
         for file in sorted(set(files.values())):
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     sl = f.get_slice(name)
-                    shapes[f"{key}.{name}"] = (sl.get_shape(), _safetensors_dtype(sl.get_dtype()))
-        super().__init__(path, shapes, {flat: (key, name) for flat, (_, name) in self._files.items()})
+                    shapes[f"{self.key}.{name}"] = (sl.get_shape(), _safetensors_dtype(sl.get_dtype()))
+        return shapes, {flat: (self.key, name) for flat, (_, name) in self._files.items()}
 
     def slice(self, name: str, offsets, lengths) -> torch.Tensor:
         file, inner = self._files[name]
@@ -217,9 +240,7 @@ def open_reader(path: str | os.PathLike, key: str | None = None) -> StorageReade
     """The reader for ``path``: a checkpoint folder, a safetensors file/folder/index (entry ``key``,
     default ``"model"``), or a torch file (entry ``key``, or the whole nested state)."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    if path.is_dir() and not ((path / SAFETENSORS_INDEX).exists() or (path / "model.safetensors").exists()):
+    if not path.is_file() and not ((path / SAFETENSORS_INDEX).exists() or (path / "model.safetensors").exists()):
         if key is not None:
             raise ValueError(f"{path} is a checkpoint folder: key= applies to single-file checkpoints only")
         return FolderReader(path)
