@@ -90,12 +90,14 @@ def _unexpected(dest: Destination, everyone: list[dict[str, set[str]]]) -> list[
 
 
 def _skip(flat: dict[str, Any], dest: Destination, lines: list[str]) -> None:
-    """Leave out of the read every flat key a problem line names (``strict=False``); an optimizer
-    parameter with any key left out keeps all of its state (half an Adam state would break a step)."""
+    """Leave out of the read every flat key a problem line names (what a partial load skips; a strict
+    one raises before reading); an optimizer parameter with any key left out keeps all of its state
+    (half an Adam state would break the next step)."""
+    optimizers = [entry for entry, prefix in dest.prefixes.items() if prefix == f"{entry}.state."]
     for line in lines:
         key = line.split(":", 1)[0]
         flat.pop(key, None)
-        for entry in dest.saved_fqns:
+        for entry in optimizers:
             if key.startswith(f"{entry}.state."):
                 dest.skipped.add((entry, key[len(entry) + 7 :].rsplit(".", 1)[0]))
     for entry, fqn in dest.skipped:

@@ -86,8 +86,10 @@ def _modules(dest: Destination, state: dict[str, Any], key: str, metadata: Metad
     def hand_over() -> None:
         with torch.no_grad():
             for module, sd in zip(modules, own):
-                for fqn, value in sd.items():  # a tied weight held by two chunks: read once, copy
-                    if isinstance(value, torch.Tensor) and merged[fqn] is not value:
+                for fqn, value in sd.items():
+                    if not isinstance(value, torch.Tensor):  # a value DCP replaced (a module's extra state)
+                        sd[fqn] = dest.tree[key][fqn]
+                    elif merged[fqn] is not value:  # a tied weight two chunks hold: read once, copied
                         value.copy_(merged[fqn])
                 module.load_state_dict(sd)
 
