@@ -32,6 +32,7 @@ __all__ = [
     "entry_kind",
     "group_names",
     "is_torch_format",
+    "merge_optimizer_states",
     "modules_of",
     "named_params",
     "optimizer_state",
@@ -121,15 +122,11 @@ def is_torch_format(state_dict: dict[str, Any]) -> bool:
     return bool(ids) and all(isinstance(i, int) for i in ids)
 
 
-def optimizer_state(state: dict[str, Any], key: str, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[list[str]] | None]:
-    """``(FQN-keyed state dict, group FQNs)`` of one optimizer; group FQNs are ``None`` when the
-    optimizer's own format is already FQN-keyed (ndweave's ``DistributedOptimizer``), else the FQNs
-    of each group's params, in order (what ``to_torch_state_dict`` needs to load it back)."""
+def optimizer_state(state: dict[str, Any], key: str, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """One optimizer's state dict in the FQN-keyed format: its own when it already is (ndweave's
+    ``DistributedOptimizer``), a torch optimizer's with parameter ids turned into FQNs."""
     own = optimizer.state_dict()
-    if not is_torch_format(own):
-        return own, None
-    names = group_names(state, key, optimizer)
-    return from_torch_state_dict(own, names), names
+    return from_torch_state_dict(own, group_names(state, key, optimizer)) if is_torch_format(own) else own
 
 
 def merge_optimizer_states(states: list[dict[str, Any]]) -> dict[str, Any]:
@@ -178,7 +175,7 @@ def saved_state(state: dict[str, Any]) -> dict[str, Any]:
         if kind == "modules":
             out[key] = _leaves_for_save(module_state(as_list(value)))
         elif kind == "optimizers":
-            merged = merge_optimizer_states([optimizer_state(state, key, o)[0] for o in as_list(value)])
+            merged = merge_optimizer_states([optimizer_state(state, key, o) for o in as_list(value)])
             out[key] = {"state": _leaves_for_save(merged["state"]), "param_groups": merged["param_groups"]}
         else:
             value = value.state_dict() if kind == "stateful" else value
