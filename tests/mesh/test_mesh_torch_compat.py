@@ -103,3 +103,11 @@ def test_dtensor_internals():
     pieces = tc.split_tensor(tc.StridedShard(1, split_factor=3), full, 2)
     assert torch.equal(tc.local_tensor(strided), pieces[mesh.lookup_rank("TP")])
     assert isinstance(strided, DTensor)
+
+
+def test_state_dicts_flatten_as_dcp_saves_them():
+    t = torch.ones(2)
+    flat, paths = tc.flatten_state_dict({"model": {"fc.weight": t}, "opt": {"param_groups": [{"lr": 0.1, "params": ["a"]}]},
+                                         "step": 3})
+    assert flat == {"model.fc.weight": t, "opt.param_groups.0.lr": 0.1, "opt.param_groups.0.params": ["a"], "step": 3}
+    assert paths["model.fc.weight"] == ("model", "fc.weight") and paths["opt.param_groups.0.lr"] == ("opt", "param_groups", 0, "lr")

@@ -41,6 +41,7 @@ __all__ = [
     "fake_store",
     "flatten_dense_tensors",
     "flatten_mesh",
+    "flatten_state_dict",
     "is_shard_like",
     "local_shape_and_offset",
     "local_tensor",
@@ -103,6 +104,16 @@ def local_shape_and_offset(global_shape: Sequence[int], mesh: DeviceMesh,
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """A 1-D mesh over every rank of ``mesh``, registered under ``name`` (``DeviceMesh._flatten``)."""
     return mesh._flatten(name)
+
+
+def flatten_state_dict(state_dict: dict) -> tuple[dict, dict]:
+    """``(flat, paths)``: a nested state dict flattened exactly as DCP flattens it on save (keys
+    joined by dots; lists entered only where they hold tensors or dicts), and each flat key's path
+    of keys and list indices. A loader must flatten its destination the same way to meet DCP's keys."""
+    # imported here: torch.distributed.checkpoint costs a third of a second to import
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as dcp_flatten
+
+    return dcp_flatten(state_dict)
 
 
 def fake_store() -> torch.distributed.Store:

@@ -1,0 +1,102 @@
+"""The few collectives a save or load makes, each one answering for every rank: a rank that fails
+sends its error instead of its result, so every rank raises the same error instead of waiting
+forever for the one that left. Without a process group (one process) they are local calls."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ndweave.checkpoint.errors import CheckpointError
+
+__all__ = ["broadcast", "coordinate", "is_distributed", "rank", "world_size"]
+
+T = TypeVar("T")
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+class _Failed:
+    """What a rank sends instead of its result when it raised: the traceback as text, and the error
+    itself if it is one of ours (they pickle; others may not)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.text = "".join(traceback.format_exception(error)).rstrip()
+        self.error = error if isinstance(error, CheckpointError) else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"text": self.text, "error": self.error.__reduce__() if self.error is not None else None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.text = state["text"]
+        self.error = state["error"][0](*state["error"][1]) if state["error"] is not None else None
+
+
+def _raise_failures(what: str, everyone: list[Any], own_error: BaseException | None) -> None:
+    failed = {r: v for r, v in enumerate(everyone) if isinstance(v, _Failed)}
+    if not failed:
+        return
+    first = failed[min(failed)]
+    if first.error is not None:
+        raise first.error from own_error
+    lines = [f"{what} failed on rank{'s' if len(failed) > 1 else ''} {sorted(failed)}"]
+    lines += [f"----- rank {r} -----\n{f.text}" for r, f in failed.items()]
+    raise CheckpointError("\n".join(lines)) from own_error
+
+
+def _attempt(fn: Callable[[], T]) -> tuple[Any, BaseException | None]:
+    try:
+        return fn(), None
+    except Exception as error:  # noqa: BLE001 - sent to every rank, raised there
+        return _Failed(error), error
+
+
+def coordinate(what: str, local: Callable[[], Any], central: Callable[[list[Any]], list[T]]) -> T:
+    """DCP's planning pattern: every rank's ``local()`` is gathered on rank 0, which turns them into
+    one value per rank (``central(all)``) and scatters them. Returns this rank's value, or raises the
+    same error on every rank: the first failed rank's own :class:`CheckpointError` (a damaged file, a
+    mismatch) when it raised one, else a ``CheckpointError`` naming each rank that raised, with its
+    traceback. Two collectives; no rank receives the others' values."""
+    mine, own_error = _attempt(local)
+    gathered: list[Any] = [mine]
+    if is_distributed():
+        gathered = [None] * world_size() if rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    messages: list[Any] = [None] * world_size()
+    if rank() == 0:
+        if not any(isinstance(v, _Failed) for v in gathered):
+            result, central_error = _attempt(lambda: central(gathered))
+            own_error = own_error or central_error
+            gathered = [result] + [None] * (len(gathered) - 1) if central_error is not None else gathered
+        failed = any(isinstance(v, _Failed) for v in gathered)
+        messages = [("failed", gathered)] * world_size() if failed else [("ok", v) for v in result]
+    if is_distributed():
+        received: list[Any] = [None]
+        dist.scatter_object_list(received, messages if rank() == 0 else None, src=0)
+        messages = received
+    kind, payload = messages[0]
+    if kind == "failed":
+        _raise_failures(what, payload, own_error)
+    return payload
+
+
+def broadcast(value: T) -> T:
+    """Rank 0's ``value`` on every rank."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
