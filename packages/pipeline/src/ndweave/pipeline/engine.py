@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import DataParallelWrapper, finish_grad_sync
+from ndweave.mesh.torch_compat import is_view
 from ndweave.pipeline.construct import PipeModule, chunk_device
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
 from ndweave.pipeline.ties import HookGate, TiedGradSync
@@ -180,6 +181,8 @@ class _StageModule(nn.Module):
             out = self._run(*args)
         if self.p2p_dtype is not None and not self.last and out.is_floating_point():
             out = out.to(self.p2p_dtype)
+        if is_view(out):  # torch's split backward detach_()es stage outputs, which a view refuses
+            out = out.clone()
         return out
 
     def _run(self, *args):
