@@ -137,3 +137,37 @@ def test_pipeline_data_tensor_parallel_on_eight_ranks():
         module[i] = DDP(chunk, mesh["DP"], use_distributed_optimizer=True, bucket_size=500)
     losses = _train(module, mesh, plan, _distributed_optimizer, data, mesh["DP"])
     _check(losses, module, expected, "PP=2 x DP=2 x TP=2 zero_bubble")
+
+
+@pytest.mark.parity
+@distributed(world_size=4, timeout=300)
+def test_hf_llama_split_by_fqn_with_zoo_plan_inside_stages():
+    transformers = pytest.importorskip("transformers")
+    torch.set_default_dtype(STRICT_DTYPE)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32,
+                                      attention_dropout=0.0, attn_implementation="sdpa", use_cache=False)
+    reference = transformers.LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(1)
+    data = [(ids[:, :-1], ids[:, 1:]) for ids in (torch.randint(0, 128, (BATCH, 9), generator=g) for _ in range(4))]
+
+    model = copy.deepcopy(reference)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = loss_fn(model(input_ids=x).logits, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        ref_losses.append(loss.detach())
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("PP", "TP"))
+    # later stages get the hidden states as HF's inputs_embeds; the embedding is on stage 0 only
+    plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=2, split_points=["model.layers.1"],
+                                stage_input_name="inputs_embeds")
+    module = construct_pipeline_stage(copy.deepcopy(reference), plan, mesh)
+    module[0] = parallelize_module(module[0], mesh["TP"], get_plan("hf_llama", module[0]))
+    losses = _train(module, mesh, plan, _basic_optimizer, data)
+    _check(losses, module, (ref_losses, dict(model.named_parameters())), "hf_llama PP=2 x TP=2 1f1b")
