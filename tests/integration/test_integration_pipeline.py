@@ -26,6 +26,7 @@ from ndweave.optim import BasicOptimizer, DistributedOptimizer
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage
 
 STEPS, BATCH, CLIP, LR = 10, 8, 0.5, 1e-2
+STEPS_8_RANKS = 6  # 8 ranks share 2 CPU cores in CI: fewer steps, the same checks
 # nanoGPT (n_layer=2) split by FQN into 2 stages, or balanced by parameter count into 4
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zero_bubble", 2)]
 
@@ -127,7 +128,7 @@ def test_pipeline_with_zoo_tensor_parallel_plan_from_deferred_init():
 @distributed(world_size=8, timeout=400)
 def test_pipeline_data_tensor_parallel_on_eight_ranks():
     torch.set_default_dtype(STRICT_DTYPE)
-    reference, data = build("nanogpt"), batches("gpt", STEPS, BATCH)
+    reference, data = build("nanogpt"), batches("gpt", STEPS_8_RANKS, BATCH)
     expected = _reference(reference, data)
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("PP", "DP", "TP"))
     plan = _plan("zero_bubble", 1)

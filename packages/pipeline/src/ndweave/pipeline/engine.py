@@ -20,6 +20,8 @@ group. The engine adds what composition needs:
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,7 +36,7 @@ from ndweave.mesh.torch_compat import is_view
 from ndweave.pipeline.construct import PipeModule, chunk_device
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
 from ndweave.pipeline.ties import HookGate, TiedGradSync
-from ndweave.pipeline.timeline import TimelineRecorder
+from ndweave.pipeline.timeline import ScheduleTimeline, TimelineRecorder
 
 __all__ = ["PipeEngine"]
 
@@ -86,9 +88,12 @@ class PipeEngine:
         self._ties = TiedGradSync(module.chunks, module.stage_indices, module.shared_params, self._rank_of_stage,
                                   group, self._gate)
         deferred = self._ties.chunk_indices()
+        # get_mesh (how a stage finds a received DTensor activation's mesh) is newer than torch 2.11
+        takes_get_mesh = "get_mesh" in inspect.signature(PipelineStage.__init__).parameters
         self.stages = [
             _Stage(_StageModule(chunk, stage, resolved), stage, resolved.num_stages,
-                   chunk_device(chunk, pp_mesh.device_type), group=group, get_mesh=_mesh_lookup(chunk))
+                   chunk_device(chunk, pp_mesh.device_type), group=group,
+                   **({"get_mesh": _mesh_lookup(chunk)} if takes_get_mesh else {}))
             for stage, chunk in zip(module.stage_indices, module.chunks)
         ]
         for index, stage in enumerate(self.stages):
@@ -106,10 +111,14 @@ class PipeEngine:
         self._check_batch("targets", targets, needed=last)
         losses: list[torch.Tensor] = []
         self._ties.begin()
-        self.recorder.start()
-        self.schedule.step(*((inputs,) if first else ()), target=targets if last else None, losses=losses,
-                           return_outputs=False)
-        self.recorder.stop()
+        try:
+            self.recorder.start()
+            self.schedule.step(*((inputs,) if first else ()), target=targets if last else None, losses=losses,
+                               return_outputs=False)
+            self.recorder.stop()
+        except BaseException:
+            self._ties.cancel()  # no capture hooks left behind on the parameters
+            raise
         self._ties.finish(self._deliver)
         finish_grad_sync(list(self.module.chunks))
         return self._broadcast_loss(losses, last)
@@ -151,7 +160,7 @@ class PipeEngine:
         return loss
 
     # ------------------------------------------------------------------ the schedule picture
-    def timeline(self):
+    def timeline(self) -> ScheduleTimeline:
         """The last step's F/B/W actions per PP rank with their measured times (call on every PP
         rank after a step with ``engine.recorder.enabled = True``); see :class:`ScheduleTimeline`."""
         return self.recorder.gather(self.pp_mesh.get_group(), self.resolved)
@@ -250,10 +259,11 @@ class _Stage(PipelineStage):
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         if self._data_parallel is not None:
             self._data_parallel.set_is_last_microbatch(last_backward and not self._defer_sync)
-        if backward_type != "weight":
+        if backward_type != "weight" or self._data_parallel is None:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         # torch's weight step: autograd.grad, then ``.grad += dw`` by hand. Take the dw it computed and
-        # accumulate it through autograd instead, so post-accumulate hooks (DDP's buckets) see it.
+        # accumulate it through autograd instead, so the wrapper's post-accumulate hooks (DDP's
+        # buckets) see it. (A chunk without a wrapper keeps torch's way: nothing hooks its grads.)
         params = list(self.submod.parameters())
         before = [p.grad for p in params]
         for p in params:

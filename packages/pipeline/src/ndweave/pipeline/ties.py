@@ -162,6 +162,13 @@ class TiedGradSync:
             copy.sum = None
             copy.handle = copy.param.register_hook(self._capture(copy))
 
+    def cancel(self) -> None:
+        """Drop the capture hooks of a step that failed."""
+        for copy in self.copies:
+            if copy.handle is not None:
+                copy.handle.remove()
+            copy.handle, copy.sum = None, None
+
     def _capture(self, copy: _Copy):
         def hook(grad: torch.Tensor) -> None:
             if self.gate.paused:
