@@ -73,6 +73,16 @@ def train_reference(model: nn.Module, data, loss=loss_fn, lr: float = 0.05):
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
+def one_process_run(num_layers: int, steps: int, batch: int = 8):
+    """float64 (strict parity): a seeded TinyLM with tied embedding / head, its data, and what one
+    process makes of them (:func:`train_reference`)."""
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = TinyLM(num_layers=num_layers)
+    data = batches(steps, batch)
+    return model, data, train_reference(model, data)
+
+
 def train_pipeline(model: nn.Module, plan, mesh, data, *, wrap=None, loss=loss_fn, lr: float = 0.05,
                    data_parallel=None):
     """The same loop through ``PipeEngine``; ``wrap(chunk)`` wraps each chunk (e.g. for DP) and

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ndweave.mesh.contracts import mark_tied_replica
+from ndweave.mesh.contracts import DataParallelWrapper, mark_tied_replica
 from ndweave.mesh.torch_compat import local_tensor
 
 __all__ = ["SharedParam", "find_shared_params", "HookGate", "TiedGradSync"]
@@ -126,13 +126,17 @@ class TiedGradSync:
         for sp in shared:
             here = [s for s in sp.stages if s in stage_indices]
             ranks = sorted({rank_of_stage(s) for s in sp.stages})
-            if not here or len(ranks) == 1:
-                continue  # not ours, or every copy is this one tensor on one rank
-            if len(here) > 1:
+            wrapped = [s for s in here if isinstance(chunks[list(stage_indices).index(s)], DataParallelWrapper)]
+            if len(here) > 1 and (wrapped or len(ranks) > 1):
+                # one tensor in two chunks of this rank: autograd sums its grads, but two data-parallel
+                # wrappers would each sync it, and a third copy elsewhere would need a merged exchange
                 raise NotImplementedError(
-                    f"shared weight {sp.fqns} has copies in two stages {here} of this rank; tied weights across "
-                    "stages of one rank (V-shaped schedules) are not supported"
+                    f"shared weight {sp.fqns} is in two stages {here} of this rank (a V-shaped schedule) "
+                    f"{'with data-parallel wrappers' if wrapped else 'and on other ranks too'}; not supported: "
+                    "untie it, or use a looped schedule (interleaved_1f1b, zero_bubble)"
                 )
+            if not here or len(ranks) == 1:
+                continue  # not ours, or every copy is this one tensor on this rank (autograd sums it)
             index = list(stage_indices).index(here[0])
             param = _find_param(chunks[index], sp.fqns)
             me, first = rank_of_stage(here[0]), rank_of_stage(sp.stages[0])
