@@ -3,11 +3,12 @@ copies equal, and summing their gradients across stages before any data-parallel
 
 How the sum is taken, whatever wraps the chunks: while the schedule runs, a tensor hook on each copy
 adds up the gradients arriving for it (this rank's share of the weight's gradient). The holders then
-all-gather those sums and each hands *the other copies' sum* to its own copy through one more
-``autograd.backward`` (through a view of the parameter). To a data-parallel wrapper that is just one
-more backward: it accumulates it like any micro-batch and, told it is the last, launches its sync.
-The exchange is point-to-point over the PP group (no new process groups). So each copy ends with ``reduce_over_DP(sum over stages)``, the single-device gradient, whether the
-wrapper keeps grads in ``.grad`` or in its own buckets (sharded for ZeRO or not).
+swap those sums point-to-point over the PP group (no new process groups), and each hands *the other
+copies' sum* to its own copy through one more ``autograd.backward`` (through a view of the
+parameter). To a data-parallel wrapper that is just one more backward: it accumulates it like any
+micro-batch and, told it is the last, launches its sync. So each copy ends with
+``reduce_over_DP(sum over stages)``, the single-device gradient, whether the wrapper keeps grads in
+``.grad`` or in its own buckets (sharded for ZeRO or not).
 """
 
 from __future__ import annotations
@@ -78,6 +79,23 @@ def _union(groups: list[list[str]]) -> list[list[str]]:
     return out
 
 
+def _check_one_tensor_per_rank(sp: SharedParam, chunks: list[nn.Module], stages: list[int], ranks: list[int]) -> None:
+    """Copies in several stages of one rank (V-shaped schedules) work when they are one tensor, which
+    autograd sums, and nothing else takes part: refuse the rest."""
+    why = None
+    if any(isinstance(chunk, DataParallelWrapper) for chunk in chunks):
+        why = "with data-parallel wrappers (each would sync it)"
+    elif len({id(_find_param(chunk, sp.fqns)) for chunk in chunks}) > 1:
+        why = "as separate tensors (shared_modules of an untied model)"
+    elif len(ranks) > 1:
+        why = "and on other ranks too"
+    if why:
+        raise NotImplementedError(
+            f"shared weight {list(sp.fqns)} is in two stages {stages} of this rank (a V-shaped schedule) {why}; "
+            "not supported: use a looped schedule (interleaved_1f1b, zero_bubble)"
+        )
+
+
 def _find_param(chunk: nn.Module, fqns: Sequence[str]) -> torch.nn.Parameter:
     """The chunk's parameter under one of ``fqns``; a wrapper may prefix the names (``module.``)."""
     params = dict(chunk.named_parameters(remove_duplicate=False))
@@ -126,15 +144,8 @@ class TiedGradSync:
         for sp in shared:
             here = [s for s in sp.stages if s in stage_indices]
             ranks = sorted({rank_of_stage(s) for s in sp.stages})
-            wrapped = [s for s in here if isinstance(chunks[list(stage_indices).index(s)], DataParallelWrapper)]
-            if len(here) > 1 and (wrapped or len(ranks) > 1):
-                # one tensor in two chunks of this rank: autograd sums its grads, but two data-parallel
-                # wrappers would each sync it, and a third copy elsewhere would need a merged exchange
-                raise NotImplementedError(
-                    f"shared weight {sp.fqns} is in two stages {here} of this rank (a V-shaped schedule) "
-                    f"{'with data-parallel wrappers' if wrapped else 'and on other ranks too'}; not supported: "
-                    "untie it, or use a looped schedule (interleaved_1f1b, zero_bubble)"
-                )
+            if len(here) > 1:
+                _check_one_tensor_per_rank(sp, [chunks[list(stage_indices).index(s)] for s in here], here, ranks)
             if not here or len(ranks) == 1:
                 continue  # not ours, or every copy is this one tensor on this rank (autograd sums it)
             index = list(stage_indices).index(here[0])
