@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ndweave.dmodule import DModule, PlacementSpec, log_redistributions, parallelize_module
 from ndweave.mesh import DEVICE_MESH
-from ndweave.mesh.contracts import GradSyncable
+from ndweave.mesh.contracts import GradSyncable, mark_removed_modules
 from ndweave.mesh.testing import STRICT_DTYPE, assert_close, distributed
 
 R = Replicate()
@@ -194,6 +194,23 @@ def test_bad_plans_give_actionable_errors():
         parallelize_module(MLP(), mesh, {"params": {}})
     with pytest.raises(ValueError, match=r"'fc1.weight' is on the meta device.*deferred_init"):
         parallelize_module(MLP().to("meta"), mesh, MLP_TP)
+
+
+@distributed(world_size=2)
+def test_plan_keys_naming_modules_a_pipeline_stage_removed_are_skipped():
+    # a pipeline stage: fc2 lives on another stage; an identity stands in its slot and the root records it
+    torch.set_default_dtype(STRICT_DTYPE)
+    stage = MLP()
+    stage.fc2 = nn.Identity()
+    mark_removed_modules(stage, {"fc2": "Linear"})
+    plan = {**MLP_TP, "patch": {"fc2": [_record_fqn], "class:Linear": [_record_fqn]}}
+    dstage = parallelize_module(stage, _tp_mesh(), plan)
+    assert isinstance(dstage.fc1.weight, DTensor) and not list(dstage.fc2.parameters())
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))  # the same on every rank
+    assert dstage.fc1.patched_as == "fc1"
+    assert_close(dstage(x), torch.relu(F.linear(x, dstage.fc1.weight.full_tensor(), dstage.fc1.bias.full_tensor())))
+    with pytest.raises(ValueError, match=r"'fc3\.weight' matches nothing"):  # typos still fail
+        parallelize_module(mark_removed_modules(MLP(), {"fc2": "Linear"}), _tp_mesh(), param_sharding_plan={"fc3.weight": [R]})
 
 
 # ------------------------------------------------------------------------------------ debugging

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # as ``__setstate__`` are public protocol, not private).
 PRIVATE = re.compile(
     r"torch\._(?!_)\w|torch\.\w+(\.\w+)*\._(?!_)\w|from torch[\w.]* import (\(?\s*|[^\n]*,\s*)_[A-Za-z]"
-    r"|\._local_tensor\b|\._flatten\(|\._split_tensor\(|\._custom_chunk\(|\._execution_engine\b"
+    r"|\._local_tensor\b|\._flatten\(|\._split_tensor\(|\._custom_chunk\(|\._execution_engine\b|\._is_view\("
 )
 
 
@@ -77,6 +77,11 @@ def test_backward_callback_runs_after_every_grad():
     w.register_hook(lambda g: tc.queue_backward_callback(lambda: seen.append(w.grad.clone())))
     (w * 2).sum().backward()
     assert len(seen) == 1 and torch.equal(seen[0], torch.full((3,), 2.0))
+
+
+def test_is_view_tells_views_from_their_base():
+    base = torch.ones(4, 2)
+    assert tc.is_view(base[1:]) and tc.is_view(base.view(8)) and not tc.is_view(base) and not tc.is_view(base.clone())
 
 
 def test_fake_store_backs_the_fake_process_group():

@@ -30,6 +30,7 @@ from ndweave.dmodule.plan import (
     PlacementSpec,
     check_placements,
     match_modules,
+    names_removed_module,
     no_match_error,
     normalize_plan,
     split_key,
@@ -127,6 +128,8 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str,
         hits = [(fqn, m) for fqn, m in match_modules(root, regex, key)
                 if m._parameters.get(leaf) is not None or m._buffers.get(leaf) is not None]
         if not hits:
+            if names_removed_module(root, regex):
+                continue  # the module is on another pipeline stage
             raise no_match_error("parameter", key, (name for s in slots.values() for name, _, _ in s))
         for fqn, m in hits:
             t = m._parameters.get(leaf)
@@ -260,11 +263,11 @@ def _apply_patches(root: nn.Module, mesh: DeviceMesh, patch_plan: dict[str, list
         if key.startswith("class:"):
             cls_name = key[len("class:"):]
             hits = [(fqn, m) for fqn, m in root.named_modules() if type(m).__name__ == cls_name]
-            if not hits:
+            if not hits and not names_removed_module(root, key):
                 raise no_match_error("patch", key, ("class:" + type(m).__name__ for m in root.modules()))
         else:
             hits = match_modules(root, key)
-            if not hits:
+            if not hits and not names_removed_module(root, key):
                 raise no_match_error("patch", key, (fqn for fqn, _ in root.named_modules()))
         fns = [_resolve_patch(p) for p in patches]
         for fqn, m in hits:
@@ -293,6 +296,8 @@ def _install_forward_plan(root: nn.Module, mesh: DeviceMesh, fwd_plan: dict[str,
         if leaf not in IO_LEAVES:
             hits = [(f, m) for f, m in hits if m._parameters.get(leaf) is not None or m._buffers.get(leaf) is not None]
         if not hits:
+            if names_removed_module(root, regex):
+                continue  # the module is on another pipeline stage
             candidates = [_join(f, x) for f, m in root.named_modules() for x in (*IO_LEAVES, *m._parameters)]
             raise no_match_error("forward", key, candidates)
         _check_forward_value(key, value, mesh)

@@ -20,9 +20,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ndweave.mesh.contracts import removed_modules
 from ndweave.mesh.torch_compat import StridedShard, chunk_sizes, is_shard_like
 
-__all__ = ["PlacementSpec", "Plan", "normalize_plan", "match_modules", "check_placements", "IO_LEAVES"]
+__all__ = [
+    "PlacementSpec", "Plan", "normalize_plan", "match_modules", "names_removed_module", "check_placements", "IO_LEAVES",
+]
 
 IO_LEAVES = ("input", "output")
 
@@ -130,7 +133,19 @@ def match_modules(root: nn.Module, regex: str, key: str | None = None) -> list[t
         pattern = re.compile(regex)
     except re.error as err:
         raise ValueError(f"plan key {key!r}: {regex!r} is not a valid regular expression ({err})") from None
-    return [(fqn, m) for fqn, m in root.named_modules(remove_duplicate=False) if pattern.fullmatch(fqn)]
+    removed = removed_modules(root)  # a pipeline stage's placeholders stand where other stages' layers were
+    return [(fqn, m) for fqn, m in root.named_modules(remove_duplicate=False)
+            if pattern.fullmatch(fqn) and fqn not in removed]
+
+
+def names_removed_module(root: nn.Module, key: str) -> bool:
+    """Whether plan key ``key`` (a module regex, or ``class:<Name>``) names a module that a pipeline
+    stage removed from ``root``: such a key matching nothing is expected, not a typo."""
+    removed = removed_modules(root)
+    if key.startswith("class:"):
+        return key[len("class:"):] in removed.values()
+    pattern = re.compile(key)
+    return any(pattern.fullmatch(fqn) for fqn in removed)
 
 
 def no_match_error(section: str, key: str, candidates: Iterable[str]) -> ValueError:

@@ -3,8 +3,9 @@
 torch keeps some things we need behind underscores: a DTensor's local shard without an autograd
 node, ``_StridedShard``, the chunking DTensor itself uses, the local shape/offset of a shard, mesh
 flattening, the fake process group's store, the autograd engine's end-of-backward callback, fake
-tensors and pytrees. Packages import them from here, never from torch directly, so a torch release
-that moves one breaks one file, and ``tests/mesh/test_mesh_torch_compat.py`` says which.
+tensors and pytrees, whether a tensor is a view. Packages import them from here, never from torch
+directly, so a torch release that moves one breaks one file, and ``tests/mesh/test_mesh_torch_compat.py``
+says which.
 
 The tests pin each against the installed torch (2.13 in CI); the floor in the packages'
 ``pyproject.toml`` (2.11) is the oldest release ndweave has run on (the CUDA machine).
@@ -43,6 +44,7 @@ __all__ = [
     "flatten_mesh",
     "flatten_state_dict",
     "is_shard_like",
+    "is_view",
     "local_shape_and_offset",
     "local_tensor",
     "queue_backward_callback",
@@ -126,6 +128,12 @@ def fake_store() -> torch.distributed.Store:
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once the current backward pass has finished (what torch's DDP does at its end)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor's storage (``Tensor._is_view``): autograd refuses to
+    ``detach_()`` one, which torch's pipelining does to stage outputs."""
+    return t._is_view()
 
 
 def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -18,8 +18,8 @@ decided so each element of the global model is counted exactly once:
 
 Plain (non-DTensor) parameters are counted on every rank that holds them, outside DP: replicate a
 parameter over tensor-parallel ranks as a ``Replicate`` DTensor (``ndweave.dmodule`` does), not as a
-plain tensor. Pipeline parallelism is not testable yet in this repository; the rule above is what a
-pipeline stage needs.
+plain tensor. ``ndweave.pipeline``'s engine marks the second copies of tied weights (tested there
+with DistributedOptimizer and BasicOptimizer across pipeline stages).
 """
 
 from __future__ import annotations

@@ -1,5 +1,29 @@
-"""ndweave.pipeline (in development: see README.md for what is coming)."""
+"""ndweave.pipeline: pipeline parallelism over the "PP" dim of a mesh, on torch's pipelining schedules.
+
+    module = construct_pipeline_stage(model, PipelineParallelPlan(num_microbatches=4), mesh)
+    engine = PipeEngine(module, mesh, loss_fn)
+    loss = engine(x, y)           # forward + backward of the mini-batch, every PP rank gets the loss
+"""
+
+from ndweave.pipeline.construct import PipeModule, StagePlaceholder, construct_pipeline_stage
+from ndweave.pipeline.engine import PipeEngine
+from ndweave.pipeline.plan import SCHEDULE_NAMES, PipelineParallelPlan
+from ndweave.pipeline.split import model_layers
+from ndweave.pipeline.ties import SharedParam
+from ndweave.pipeline.timeline import Action, ScheduleTimeline
 
 __version__ = "0.1.0"
 
-__all__: list[str] = ["__version__"]
+__all__ = [
+    "Action",
+    "PipeEngine",
+    "PipeModule",
+    "PipelineParallelPlan",
+    "SCHEDULE_NAMES",
+    "ScheduleTimeline",
+    "SharedParam",
+    "StagePlaceholder",
+    "__version__",
+    "construct_pipeline_stage",
+    "model_layers",
+]

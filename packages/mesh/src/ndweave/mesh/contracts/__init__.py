@@ -3,7 +3,8 @@
 Packages never import each other; where two must cooperate (DDP hands grad buckets to the sharded
 optimizer, a pipeline schedule tells any data-parallel wrapper which micro-batch is the last, the
 optimizer hands sharded state to checkpointing in one format, every wrapper finishes its grad sync
-before a step) they meet here, through small protocols and dataclasses owned by neither side.
+before a step, a pipeline stage says which modules it removed so whole-model plans still apply)
+they meet here, through small protocols and dataclasses owned by neither side.
 """
 
 from ndweave.mesh.contracts.data_parallel import (
@@ -39,6 +40,7 @@ from ndweave.mesh.contracts.sharded_state import (
     reshard_pieces,
     slice_piece,
 )
+from ndweave.mesh.contracts.removed_modules import mark_removed_modules, removed_modules
 from ndweave.mesh.contracts.tied_params import is_tied_replica, mark_tied_replica
 
 __all__ = [
@@ -57,12 +59,14 @@ __all__ = [
     "from_torch_state_dict",
     "is_elementwise",
     "is_tied_replica",
+    "mark_removed_modules",
     "mark_tied_replica",
     "merge_pieces",
     "merge_state_dicts",
     "move_param_into",
     "padded_bucket_numel",
     "reduce_partial_grads",
+    "removed_modules",
     "reshard_pieces",
     "resolve_state_value",
     "shard_range",

@@ -1,0 +1,146 @@
+"""ndweave.pipeline's engine vs torch pipelining's schedule driven by hand, on the same stages; and
+the measured bubble next to the theory.
+
+    python benchmarks/bench_pipeline.py                       # PP = 2 and 4 ranks, CPU/gloo
+    python benchmarks/bench_pipeline.py --world-sizes 4 --schedules 1f1b zero_bubble --layers 16
+
+Per world size (all of it the PP dim) and schedule it prints:
+
+* step time (forward + backward of one mini-batch, no optimizer), median over interleaved rounds, of
+  ``PipeEngine(module, mesh, loss_fn, plan)(x, y)`` and of torch's own schedule object built by hand
+  over ``PipelineStage``s of the same chunks (``schedule.step(x)`` / ``step(target=y)``), and the
+  ratio ours / torch (target: <= 1.0): what the engine's loss scaling, DP control, tied-weight and
+  timing hooks cost;
+* the bubble the engine's timeline measures (share of the step each rank waits, averaged) next to
+  the fill-drain theory ``(p - 1) / (v * m + p - 1)``, which assumes backward costs what forward does
+  (it costs about twice as much), free communication, and one core per rank.
+
+The model is a stack of Linear + ReLU blocks (no embedding, so every stage takes the same input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common import init_rank, spawn, sync
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int, width: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def _worker(rank: int, world: int, port: int, args, queue) -> None:
+    from torch.distributed.pipelining import PipelineStage
+
+    from ndweave.mesh import init_device_mesh
+    from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage
+    from ndweave.pipeline.plan import schedule_class
+
+    device = init_rank(rank, world, port, args.device, args.threads)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("PP",))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.width, generator=g).to(device)
+    y = torch.randn(args.batch, args.width, generator=g).to(device)
+    results = []
+    for schedule in args.schedules:
+        virtual = 2 if schedule == "interleaved_1f1b" else 1
+        plan = PipelineParallelPlan(schedule_type=schedule, num_microbatches=args.microbatches, virtual_chunks=virtual)
+
+        def chunks():
+            module = construct_pipeline_stage(Stack(args.layers, args.width), plan, mesh)
+            for chunk in module:
+                chunk.to(device)
+            return module
+
+        ours_module = chunks()
+        engine = PipeEngine(ours_module, mesh, _loss, plan)
+        theirs_module = chunks()
+        stages = [PipelineStage(chunk, stage, engine.resolved.num_stages, device, group=mesh["PP"].get_group())
+                  for stage, chunk in zip(theirs_module.stage_indices, theirs_module.chunks)]
+        cls = schedule_class(schedule)
+        torch_schedule = cls(stages[0] if engine.resolved.single_stage else stages,
+                             n_microbatches=args.microbatches, loss_fn=_loss)
+        first, last = 0 in theirs_module.stage_indices, engine.resolved.num_stages - 1 in theirs_module.stage_indices
+
+        def ours():
+            engine(x, y)
+
+        def theirs():
+            torch_schedule.step(*((x,) if first else ()), target=y if last else None)
+
+        steps = {"ours": (ours, ours_module), "torch": (theirs, theirs_module)}
+        times = {k: [] for k in steps}
+        for _ in range(args.warmup):
+            for fn, module in steps.values():
+                fn()
+                module.zero_grad(set_to_none=True)
+        for _ in range(args.rounds):  # interleaved, so machine noise hits both alike
+            for k, (fn, module) in steps.items():
+                dist.barrier()
+                sync(device)
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    fn()
+                    module.zero_grad(set_to_none=True)
+                sync(device)
+                times[k].append((time.perf_counter() - t0) / args.steps)
+        engine.recorder.enabled = True
+        ours()
+        timeline = engine.timeline()
+        worst = {k: torch.tensor(statistics.median(v)) for k, v in times.items()}
+        for value in worst.values():  # the slowest rank's median is the step time
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        results.append((schedule, worst["ours"].item(), worst["torch"].item(), timeline.bubble_fraction,
+                        timeline.theory, timeline.text()))
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--show-timeline", action="store_true", help="print each run's text timeline")
+    args = parser.parse_args()
+    print(f"Stack of {args.layers} x Linear({args.width}) + ReLU, batch {args.batch}, {args.microbatches} "
+          f"micro-batches, {args.device}, {args.threads} thread(s) per rank; ms per step, slowest rank's median")
+    print("| PP | schedule | ours ms | torch ms | ratio | bubble measured | theory (p-1)/(v*m+p-1) |")
+    print("|---|---|---|---|---|---|---|")
+    for world in args.world_sizes:
+        for schedule, ours, theirs, bubble, theory, text in spawn(_worker, world, args):
+            print(f"| {world} | {schedule} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {ours / theirs:.2f} | "
+                  f"{bubble:.3f} | {theory:.3f} |", flush=True)
+            if args.show_timeline:
+                print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""``construct_pipeline_stage``: this rank's stage chunk(s), each the original model minus the layers
+of other stages, so every parameter keeps its original FQN.
+
+A chunk is a *skeleton copy* of the model: the modules on the path from the root to a removed layer
+are shallow copies (own child / parameter / buffer dicts, same attributes), the removed layer's slot
+holds a :class:`StagePlaceholder`, and every kept layer is the original module object. Nothing is
+allocated or initialized: a ``meta``-device or ``deferred_init`` model stays so, and only the kept
+layers' tensors are reachable from the chunk. The model passed in is left untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ndweave.mesh import ParallelMesh, resolve_mesh
+from ndweave.mesh.contracts import finish_grad_sync, mark_removed_modules
+from ndweave.mesh.torch_compat import local_tensor
+from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
+from ndweave.pipeline.split import assign_stages, model_layers
+from ndweave.pipeline.ties import SharedParam, find_shared_params
+
+__all__ = ["PipeModule", "StagePlaceholder", "construct_pipeline_stage"]
+
+
+class LoadResult(NamedTuple):
+    """What ``PipeModule.load_state_dict`` returns (the fields of torch's own result)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+class StagePlaceholder(nn.Module):
+    """Stands where another stage's layer was: no parameters, hands its first input through.
+
+    Loops over a layer list (``for block in self.h: x = block(x)``) and calls of a final norm or head
+    then run unchanged on a stage that does not hold them.
+    """
+
+    def __init__(self, fqn: str, stage: int) -> None:
+        super().__init__()
+        self.fqn = fqn
+        self.stage = stage
+
+    def forward(self, *args, **kwargs):
+        if args:
+            return args[0]
+        if kwargs:
+            return next(iter(kwargs.values()))
+        raise TypeError(f"StagePlaceholder for {self.fqn!r} (stage {self.stage}) was called without inputs")
+
+    def extra_repr(self) -> str:
+        return f"{self.fqn!r} is on stage {self.stage}"
+
+
+class PipeModule(nn.Module):
+    """This rank's pipeline stage chunks: ``module.chunks``, ``module[i]``, ``len(module)``.
+
+    Chunk ``i`` runs stage ``module.stage_indices[i]``. Chunks can be replaced in place, e.g. by their
+    data-parallel wrapper: ``module[i] = DDP(module[i], mesh["DP"])``; the engine reads them when it is
+    built. ``named_parameters()`` / ``state_dict()`` use the model's original FQNs (no ``chunks.i.``
+    prefix); ``load_state_dict`` takes a whole-model state dict and loads what each chunk holds.
+    """
+
+    def __init__(self, chunks: list[nn.Module], stage_indices: list[int], stage_layers: list[list[str]],
+                 resolved: ResolvedPlan, shared_params: list[SharedParam]) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.stage_indices = tuple(stage_indices)
+        self.stage_layers = stage_layers
+        """The layer FQNs of every stage of the pipeline (not only this rank's)."""
+        self.resolved_plan = resolved
+        self.shared_params = shared_params
+        """Weights held by several stages (tied embedding and LM head), all stages' view."""
+
+    @property
+    def num_stages(self) -> int:
+        return self.resolved_plan.num_stages
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return self.chunks[index]
+
+    def __setitem__(self, index: int, chunk: nn.Module) -> None:
+        self.chunks[index] = chunk
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self.chunks)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(
+            "a PipeModule is run by a schedule: engine = PipeEngine(module, mesh, loss_fn, plan); "
+            "loss = engine(inputs, targets)"
+        )
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """Every chunk's parameters under their original FQNs."""
+        seen: set[int] = set()
+        for chunk in self.chunks:
+            for name, param in chunk.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate):
+                if remove_duplicate and id(param) in seen:
+                    continue
+                seen.add(id(param))
+                yield name, param
+
+    def state_dict(self, *args, **kwargs):
+        """Every chunk's state under its original FQN (what one device's ``model.state_dict()`` holds
+        of this rank's stages)."""
+        merged: dict = {}
+        for chunk in self.chunks:
+            merged.update(chunk.state_dict(*args, **kwargs))
+        return merged
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load each chunk's entries from a whole-model (or this rank's) ``state_dict``; keys of other
+        stages are ignored. ``strict``: every key a chunk holds must be present."""
+        missing: list[str] = []
+        for chunk in self.chunks:
+            own = chunk.state_dict(keep_vars=True)
+            result = chunk.load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=False, assign=assign)
+            missing.extend(result.missing_keys)
+        if strict and missing:
+            raise RuntimeError(f"PipeModule.load_state_dict: missing keys {missing}")
+        return LoadResult(missing, [])
+
+    def finish_grad_sync(self) -> None:
+        """Finish every chunk's pending grad sync (``GradSyncable``), for optimizers given the module."""
+        finish_grad_sync(list(self.chunks))
+
+
+def construct_pipeline_stage(model: nn.Module, plan: PipelineParallelPlan,
+                             mesh: ParallelMesh | DeviceMesh | None = None) -> PipeModule:
+    """This rank's stage chunk(s) of ``model`` under ``plan``, over the ``"PP"`` dim of ``mesh``
+    (default: the default ``DEVICE_MESH``)::
+
+        module = construct_pipeline_stage(GPT(config), PipelineParallelPlan(num_microbatches=4), mesh)
+        module[0]                        # the GPT with other stages' blocks replaced by placeholders
+        [n for n, _ in module.named_parameters()]   # original FQNs: "transformer.h.2.attn.q_proj.weight"
+    """
+    pp_mesh = resolve_mesh(mesh, "PP")
+    resolved = resolve_plan(plan, pp_mesh.size())
+    stage_layers = assign_stages(model, resolved.num_stages, plan.split_points)
+    _check_shared_modules(model, plan)
+    shared = find_shared_params(model, stage_layers, plan.shared_modules)
+    mine = resolved.stages_of(pp_mesh.get_local_rank())
+    chunks = [_build_chunk(model, stage_layers, stage) for stage in mine]
+    return PipeModule(chunks, mine, stage_layers, resolved, shared)
+
+
+def _build_chunk(model: nn.Module, stage_layers: list[list[str]], stage: int) -> nn.Module:
+    stage_of = {fqn: s for s, layers in enumerate(stage_layers) for fqn in layers}
+    removed = [fqn for fqn in model_layers(model)
+               if stage_of[fqn] != stage and _has_params(model.get_submodule(fqn))]
+    root = _skeleton(model)
+    copies: dict[str, nn.Module] = {"": root}
+    for fqn in removed:
+        parent_fqn, _, name = fqn.rpartition(".")
+        _copied_path(copies, parent_fqn)._modules[name] = StagePlaceholder(fqn, stage_of[fqn])
+    gone: dict[str, str] = {}
+    for fqn in removed:
+        for sub, module in model.get_submodule(fqn).named_modules(prefix=fqn):
+            gone[sub] = type(module).__name__
+    return mark_removed_modules(root, gone)
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _copied_path(copies: dict[str, nn.Module], fqn: str) -> nn.Module:
+    """The skeleton copy of the module at ``fqn``, copying its ancestors first where needed."""
+    if fqn in copies:
+        return copies[fqn]
+    parent_fqn, _, name = fqn.rpartition(".")
+    parent = _copied_path(copies, parent_fqn)
+    copies[fqn] = parent._modules[name] = _skeleton(parent._modules[name])
+    return copies[fqn]
+
+
+def _skeleton(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` whose child, parameter, buffer and hook tables are its own, so
+    replacing a child in the copy leaves the original alone. Tensors are shared, never copied."""
+    new = copy.copy(module)
+    for key, value in new.__dict__.items():
+        if key.startswith("_") and isinstance(value, (dict, set)):
+            new.__dict__[key] = copy.copy(value)
+    return new
+
+
+def _check_shared_modules(model: nn.Module, plan: PipelineParallelPlan) -> None:
+    names = {fqn for fqn, _ in model.named_modules()} | {fqn for fqn, _ in model.named_parameters(remove_duplicate=False)}
+    for group in plan.shared_modules:
+        for fqn in group:
+            if fqn not in names:
+                near = difflib.get_close_matches(fqn, sorted(names), n=5, cutoff=0.3)
+                raise ValueError(f"shared_modules names {fqn!r}, which {type(model).__name__} does not have; nearest: {near}")
+
+
+def chunk_device(chunk: nn.Module, mesh_device_type: str) -> torch.device:
+    """Where a chunk computes: its first tensor's device, else the mesh's device type."""
+    for t in (*chunk.parameters(), *chunk.buffers()):
+        device = local_tensor(t).device  # a DTensor's shard lives on the mesh's device
+        if device.type != "meta":
+            return device
+    if mesh_device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh_device_type, torch.accelerator.current_device_index())

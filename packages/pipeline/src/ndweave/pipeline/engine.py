@@ -1,0 +1,278 @@
+"""``PipeEngine``: one training step of a ``PipeModule`` under a torch pipelining schedule.
+
+torch runs the schedule (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+``ScheduleInterleavedZeroBubble``, ...) over ``PipelineStage`` objects built on the PP dim's process
+group. The engine adds what composition needs:
+
+* **Loss scaling.** The schedule's loss is ``loss_fn(output, target) / num_microbatches`` and torch's
+  own grad scaling is off, so the grads that reach ``.grad`` (or a data-parallel wrapper's buckets)
+  are those of the mean micro-batch loss with no division afterwards (which would miss grads a
+  wrapper keeps in its buckets).
+* **Data-parallel sync** through ``ndweave.mesh.contracts.DataParallelWrapper`` only: each backward
+  of a wrapped chunk is told whether it is that chunk's last of the step (torch's schedules say so,
+  counting split weight-gradient steps too), so the wrapper accumulates until then and launches its
+  sync from the last one. Zero-bubble's weight step computes grads with ``autograd.grad`` and adds
+  them to ``.grad`` by hand, past the hooks wrappers accumulate with; the engine hands them to
+  autograd's own accumulation instead (see :class:`_Stage`).
+* **Shared weights** (``ties.py``): grads of a weight held by several stages are summed across them
+  before the data-parallel sync.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.checkpoint import checkpoint
+
+from ndweave.mesh import ParallelMesh, resolve_mesh
+from ndweave.mesh.contracts import DataParallelWrapper, finish_grad_sync
+from ndweave.mesh.torch_compat import is_view
+from ndweave.pipeline.construct import PipeModule, chunk_device
+from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
+from ndweave.pipeline.ties import HookGate, TiedGradSync
+from ndweave.pipeline.timeline import ScheduleTimeline, TimelineRecorder
+
+__all__ = ["PipeEngine"]
+
+
+class PipeEngine:
+    """Runs forward and backward of a mini-batch through the pipeline; returns the mean micro-batch loss.
+
+    ::
+
+        module = construct_pipeline_stage(model, plan, mesh)
+        engine = PipeEngine(module, mesh, F.cross_entropy, plan)
+        for x, y in batches:                    # x needed on the first stage, y on the last (else None)
+            optimizer.zero_grad()
+            loss = engine(x, y)                 # the same value on every PP rank
+            optimizer.step()
+
+    Build it after wrapping / parallelizing the chunks (``module[i] = DDP(module[i], ...)``): it reads
+    the chunks and the shared weights' parameters once. When a call returns, every chunk's grads are
+    final: summed across stages for shared weights, synced over DP, ``Partial`` grads reduced.
+
+    Args:
+        module: this rank's chunks, from :func:`construct_pipeline_stage`.
+        mesh: the mesh with the ``"PP"`` dim (a ``ParallelMesh``, a named ``DeviceMesh``, or ``None``
+            for the default ``DEVICE_MESH``).
+        loss_fn: ``loss_fn(output, target)`` on the last stage's output for one micro-batch; for grads
+            equal to one device's, a mean over the micro-batch.
+        plan: the plan the module was built with (default: that one).
+    """
+
+    def __init__(self, module: PipeModule, mesh: ParallelMesh | DeviceMesh | None = None, loss_fn=None,
+                 plan: PipelineParallelPlan | None = None) -> None:
+        if not isinstance(module, PipeModule):
+            raise TypeError(f"PipeEngine runs a PipeModule from construct_pipeline_stage; got {type(module).__name__}")
+        if loss_fn is None:
+            raise ValueError("PipeEngine needs loss_fn(output, target) for the last stage")
+        pp_mesh = resolve_mesh(mesh, "PP")
+        resolved = resolve_plan(plan or module.resolved_plan.plan, pp_mesh.size())
+        if resolved.num_stages != module.num_stages or resolved.stages_of(pp_mesh.get_local_rank()) != list(module.stage_indices):
+            raise ValueError("the plan and mesh give other stages than the module was built with; pass the same plan and mesh")
+        self.module = module
+        self.loss_fn = loss_fn
+        self.resolved = resolved
+        self.pp_mesh = pp_mesh
+        self.recorder = TimelineRecorder()
+        self._gate = HookGate()
+        pp_ranks = pp_mesh.mesh.flatten().tolist()
+        self._rank_of_stage = lambda stage: pp_ranks[resolved.stage_rank(stage)]
+        group = pp_mesh.get_group()
+        self._ties = TiedGradSync(module.chunks, module.stage_indices, module.shared_params, self._rank_of_stage,
+                                  group, self._gate)
+        deferred = self._ties.chunk_indices()
+        # get_mesh (how a stage finds a received DTensor activation's mesh) is newer than torch 2.11
+        takes_get_mesh = "get_mesh" in inspect.signature(PipelineStage.__init__).parameters
+        self.stages = [
+            _Stage(_StageModule(chunk, stage, resolved), stage, resolved.num_stages,
+                   chunk_device(chunk, pp_mesh.device_type), group=group,
+                   **({"get_mesh": _mesh_lookup(chunk)} if takes_get_mesh else {}))
+            for stage, chunk in zip(module.stage_indices, module.chunks)
+        ]
+        for index, stage in enumerate(self.stages):
+            stage.configure(module.chunks[index], index in deferred, self._gate, self.recorder)
+        kwargs = dict(n_microbatches=resolved.num_microbatches, loss_fn=self._micro_batch_loss, scale_grads=False)
+        cls = resolved.schedule
+        self.schedule = cls(self.stages[0], **kwargs) if resolved.single_stage else cls(self.stages, **kwargs)
+
+    # ------------------------------------------------------------------ one step
+    def __call__(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of one mini-batch; returns the mean micro-batch loss (float64, detached)."""
+        first = 0 in self.module.stage_indices
+        last = self.resolved.num_stages - 1 in self.module.stage_indices
+        self._check_batch("inputs", inputs, needed=first)
+        self._check_batch("targets", targets, needed=last)
+        losses: list[torch.Tensor] = []
+        self._ties.begin()
+        try:
+            self.recorder.start()
+            self.schedule.step(*((inputs,) if first else ()), target=targets if last else None, losses=losses,
+                               return_outputs=False)
+            self.recorder.stop()
+        except BaseException:
+            self._ties.cancel()  # no capture hooks left behind on the parameters
+            raise
+        self._ties.finish(self._deliver)
+        finish_grad_sync(list(self.module.chunks))
+        return self._broadcast_loss(losses, last)
+
+    def _micro_batch_loss(self, output, target):
+        # divided here, not in torch's scale_grads (which divides .grad after the fact and so would
+        # miss grads a data-parallel wrapper keeps in its own buckets)
+        return self.loss_fn(output, target) / self.resolved.num_microbatches
+
+    def _check_batch(self, name: str, batch, *, needed: bool) -> None:
+        if not needed:
+            return
+        if not isinstance(batch, torch.Tensor):
+            raise ValueError(f"this rank holds the {'first' if name == 'inputs' else 'last'} stage and needs {name}; got {batch!r}")
+        m = self.resolved.num_microbatches
+        if batch.shape[0] % m:
+            raise ValueError(
+                f"{name} has {batch.shape[0]} samples along dim 0, which does not split into num_microbatches={m} "
+                "equal micro-batches; use a batch size divisible by it"
+            )
+
+    def _deliver(self, index: int, params: list, grads: list) -> None:
+        """Run one backward that adds ``grads`` into ``params`` of chunk ``index`` as its last micro-batch."""
+        chunk = self.module.chunks[index]
+        if isinstance(chunk, DataParallelWrapper):
+            chunk.set_is_last_microbatch(True)
+        with self._gate.pause():
+            torch.autograd.backward([p.view_as(p) for p in params], grads)
+
+    def _broadcast_loss(self, losses: list[torch.Tensor], last: bool) -> torch.Tensor:
+        device = self.stages[0].device
+        if last:
+            values = [(l.full_tensor() if isinstance(l, DTensor) else l).detach().to(torch.float64) for l in losses]
+            loss = torch.stack(values).sum().to(device)
+        else:
+            loss = torch.zeros((), dtype=torch.float64, device=device)
+        if self.pp_mesh.size() > 1:
+            dist.broadcast(loss, src=self._rank_of_stage(self.resolved.num_stages - 1), group=self.pp_mesh.get_group())
+        return loss
+
+    # ------------------------------------------------------------------ the schedule picture
+    def timeline(self) -> ScheduleTimeline:
+        """The last step's F/B/W actions per PP rank with their measured times (call on every PP
+        rank after a step with ``engine.recorder.enabled = True``); see :class:`ScheduleTimeline`."""
+        return self.recorder.gather(self.pp_mesh.get_group(), self.resolved)
+
+
+class _StageModule(nn.Module):
+    """What a ``PipelineStage`` runs for one chunk: feeds the received activation the way the model
+    takes it, hands on the first tensor of the chunk's output, casts for ``p2p_dtype``, recomputes."""
+
+    def __init__(self, chunk: nn.Module, stage: int, resolved: ResolvedPlan) -> None:
+        super().__init__()
+        self.chunk = chunk
+        self.first = stage == 0
+        self.last = stage == resolved.num_stages - 1
+        self.input_name = None if self.first else resolved.plan.stage_input_name
+        self.p2p_dtype = resolved.plan.p2p_dtype
+        self.recompute = resolved.recomputes(stage)
+        self.compute_dtype = next((p.dtype for p in chunk.parameters() if p.is_floating_point()), None)
+        self.tp_mesh = next((p.device_mesh for p in chunk.parameters() if isinstance(p, DTensor)), None)
+
+    def forward(self, *args):
+        if not self.first:
+            args = tuple(self._received(a) for a in args)
+        if self.recompute:
+            out = checkpoint(self._run, *args, use_reentrant=False)
+        else:
+            out = self._run(*args)
+        if self.p2p_dtype is not None and not self.last and out.is_floating_point():
+            out = out.to(self.p2p_dtype)
+        if is_view(out):  # torch's split backward detach_()es stage outputs, which a view refuses
+            out = out.clone()
+        return out
+
+    def _run(self, *args):
+        out = self.chunk(**{self.input_name: args[0]}) if self.input_name else self.chunk(*args)
+        return _first_tensor(out)
+
+    def _received(self, activation: torch.Tensor) -> torch.Tensor:
+        if activation.is_floating_point() and self.compute_dtype is not None and activation.dtype != self.compute_dtype:
+            activation = activation.to(self.compute_dtype)
+        if self.tp_mesh is not None and not isinstance(activation, DTensor):
+            # a tensor-parallel chunk handed on a replicated output as a plain tensor (DModule's
+            # use_local_output): it is Replicate over the TP mesh, and the next chunk's layers expect that
+            activation = DTensor.from_local(activation, self.tp_mesh, [Replicate()] * self.tp_mesh.ndim, run_check=False)
+        return activation
+
+
+def _first_tensor(output):
+    """The tensor a stage hands on: the output itself, or the first tensor in a tuple / list / dict /
+    HF ``ModelOutput`` (``(logits, loss)`` -> logits)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+    raise TypeError(f"a pipeline stage must output a tensor (or a tuple/list/dict holding one); got {type(output).__name__}")
+
+
+def _mesh_lookup(chunk: nn.Module):
+    """``get_mesh`` for torch's stage: find a DTensor activation's mesh among the chunk's meshes."""
+    meshes = {}
+    for p in chunk.parameters():
+        if isinstance(p, DTensor):
+            meshes.setdefault(tuple(p.device_mesh.mesh_dim_names or ()), p.device_mesh)
+
+    def get_mesh(dim_names, *_):
+        if tuple(dim_names or ()) in meshes:
+            return meshes[tuple(dim_names or ())]
+        raise KeyError(f"no mesh with dims {dim_names} among this stage's parameters' meshes {list(meshes)}")
+
+    return get_mesh
+
+
+class _Stage(PipelineStage):
+    """torch's ``PipelineStage`` plus data-parallel micro-batch control and hook-visible weight grads."""
+
+    def configure(self, chunk: nn.Module, defer_sync: bool, gate: HookGate, recorder: TimelineRecorder) -> None:
+        self._data_parallel = chunk if isinstance(chunk, DataParallelWrapper) else None
+        self._defer_sync = defer_sync  # a shared weight's copy: the sync waits for the cross-stage sum
+        self._gate = gate
+        self._recorder = recorder
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        with self._recorder.action(self.stage_index, "F", fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        with self._recorder.action(self.stage_index, "B" if full_backward else "I", bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        with self._recorder.action(self.stage_index, "W", bwd_chunk_id):
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        if self._data_parallel is not None:
+            self._data_parallel.set_is_last_microbatch(last_backward and not self._defer_sync)
+        if backward_type != "weight" or self._data_parallel is None:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        # torch's weight step: autograd.grad, then ``.grad += dw`` by hand. Take the dw it computed and
+        # accumulate it through autograd instead, so the wrapper's post-accumulate hooks (DDP's
+        # buckets) see it. (A chunk without a wrapper keeps torch's way: nothing hooks its grads.)
+        params = list(self.submod.parameters())
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        fresh = [(p, p.grad) for p in params if p.grad is not None]
+        for p, grad in zip(params, before):
+            p.grad = grad
+        if fresh:
+            with self._gate.pause():  # the capture hooks already saw these grads inside autograd.grad
+                torch.autograd.backward([p.view_as(p) for p, _ in fresh], [g for _, g in fresh])
+        return result

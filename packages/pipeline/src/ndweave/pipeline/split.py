@@ -1,0 +1,147 @@
+"""Cutting a model into stages by FQN: the units a stage is made of, and which stage holds each.
+
+A model is seen as a sequence of *layers* in registration order (which is execution order for the
+models this is meant for: embeddings, blocks, final norm, head). A module is a layer unless it is a
+container (``ModuleList``, ``ModuleDict``, ``Sequential``) or holds one, in which case its children
+are looked at instead; the entries of a ``ModuleList`` / ``Sequential`` (the repeated blocks) are
+always layers. For nanoGPT the layers are ``transformer.wte``, ``transformer.wpe``,
+``transformer.drop``, ``transformer.h.0`` ... ``transformer.h.{n-1}``, ``transformer.ln_f``,
+``lm_head``.
+
+Stages are contiguous runs of layers. Layers without parameters (dropout, rotary tables) cost
+nothing to keep, and a stage may need them wherever they sit (Llama's ``rotary_emb`` is called on
+every stage), so every stage keeps them.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+
+from torch import nn
+
+__all__ = ["model_layers", "assign_stages"]
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+_LISTS = (nn.ModuleList, nn.Sequential)
+
+
+def model_layers(model: nn.Module) -> list[str]:
+    """FQNs of ``model``'s layers in registration order (see the module docstring)."""
+    layers: list[str] = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, param in module.named_parameters(recurse=False):
+            raise ValueError(
+                f"parameter {prefix + name!r} belongs to {type(module).__name__} {prefix[:-1] or '(the root)'!r}, "
+                "which the pipeline splits into its children; move it into a submodule so a stage can own it"
+            )
+        entries_are_layers = isinstance(module, _LISTS)
+        for name, child in module.named_children():
+            fqn = prefix + name
+            if not entries_are_layers and _holds_container(child):
+                walk(child, fqn + ".")
+            else:
+                layers.append(fqn)
+
+    if isinstance(model, _LISTS) or _holds_container(model):
+        walk(model, "")
+    else:
+        raise ValueError(
+            f"{type(model).__name__} has no ModuleList / ModuleDict / Sequential of layers to split into stages"
+        )
+    return layers
+
+
+def _holds_container(module: nn.Module) -> bool:
+    return any(isinstance(m, _CONTAINERS) for m in module.modules())
+
+
+def _param_numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def assign_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] | None) -> list[list[str]]:
+    """The layers of each stage: given by ``split_points`` (FQNs where stages 1.. begin) or, when
+    ``None``, balanced by parameter count. Every stage gets at least one layer with parameters."""
+    layers = model_layers(model)
+    weights = [_param_numel(model.get_submodule(fqn)) for fqn in layers]
+    if split_points is None:
+        starts = _balanced_starts(weights, num_stages)
+    else:
+        starts = _starts_from_points(model, layers, split_points, num_stages)
+    bounds = [*starts, len(layers)]
+    stages = [layers[bounds[i] : bounds[i + 1]] for i in range(num_stages)]
+    for index, stage in enumerate(stages):
+        if not any(weights[layers.index(fqn)] for fqn in stage):
+            raise ValueError(f"stage {index} would hold no parameters (layers {stage}); move its split point")
+    return stages
+
+
+def _starts_from_points(model: nn.Module, layers: list[str], points: Sequence[str], num_stages: int) -> list[int]:
+    if len(points) != num_stages - 1:
+        raise ValueError(
+            f"{num_stages} stages need {num_stages - 1} split points (where stages 1..{num_stages - 1} begin); "
+            f"got {len(points)}: {list(points)}"
+        )
+    starts = [0]
+    for point in points:
+        index = _layer_index(model, layers, point)
+        if index <= starts[-1]:
+            raise ValueError(
+                f"split point {point!r} (layer {index}) does not come after the previous stage's start "
+                f"{layers[starts[-1]]!r}; give split points in model order, each starting a non-empty stage"
+            )
+        starts.append(index)
+    return starts
+
+
+def _layer_index(model: nn.Module, layers: list[str], point: str) -> int:
+    if point in layers:
+        return layers.index(point)
+    inside = [i for i, fqn in enumerate(layers) if fqn.startswith(point + ".")]
+    if inside:  # a container: its first layer
+        return inside[0]
+    owner = next((fqn for fqn in layers if point.startswith(fqn + ".")), None)
+    if owner is not None:
+        raise ValueError(
+            f"split point {point!r} lies inside the layer {owner!r}; a stage begins at a whole layer, e.g. {owner!r}"
+        )
+    names = [fqn for fqn, _ in model.named_modules() if fqn]
+    near = difflib.get_close_matches(point, names, n=5, cutoff=0.3)
+    raise ValueError(f"split point {point!r} names no module of {type(model).__name__}; nearest FQNs: {near or names[:8]}")
+
+
+def _balanced_starts(weights: list[int], num_stages: int) -> list[int]:
+    """Start indices of ``num_stages`` contiguous groups minimizing the largest group's weight, each
+    starting at a weighted layer (weightless layers join the group before them)."""
+    weighted = [i for i, w in enumerate(weights) if w]
+    if len(weighted) < num_stages:
+        raise ValueError(
+            f"the model has {len(weighted)} layers with parameters, too few for {num_stages} stages; "
+            "use fewer stages or virtual_chunks"
+        )
+    # weight of a group spanning weighted layers a..b-1 (plus the weightless layers after each)
+    prefix = [0]
+    for i in weighted:
+        prefix.append(prefix[-1] + weights[i])
+    n = len(weighted)
+    inf = float("inf")
+    # best[k][j]: smallest possible max over k groups covering the first j weighted layers
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                cost = max(best[k - 1][i], prefix[j] - prefix[i])
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    starts, j = [], n
+    for k in range(num_stages, 0, -1):
+        i = cut[k][j]
+        starts.append(i)
+        j = i
+    starts.reverse()
+    # the first group also takes any weightless layers before the first weighted one
+    return [0] + [weighted[i] for i in starts[1:]]
