@@ -140,27 +140,34 @@ def test_resume_at_every_layout_and_on_one_process(tmp_path, cell):
     try:
         run_distributed(_save_at, 4, str(tmp_path), *cell, timeout=300)
         run_distributed(_load_at_every_cell, 4, str(tmp_path), timeout=300)
-
-        # one process, no process group, a plain torch AdamW (from a sharded or a DTensor state)
-        at_save, ref_optimizer, ref_scheduler = _reference(BEFORE)
-        after, _, _ = _reference(BEFORE + AFTER)
-        model = build("gpt", seed=1)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
-        scheduler, position = _schedule(optimizer), DataPosition()
-        state = _state(model, optimizer, scheduler, position)
-        load(tmp_path / "ckpt", state)
-        _check_params(model, at_save, "one process")
-        _check_optimizer(optimizer, model, at_save, ref_optimizer, "one process")
-        _train(model, optimizer, scheduler, position, AFTER, clip=CLIP)
-        _check_params(model, after, "one process")
-
-        # plain DCP reads it too: dcp_to_torch_save, then torch.load into a single-device model
-        dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "plain.pt")
-        plain = build("gpt", seed=1)
-        plain.load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=False)["model"])
-        _check_params(plain, at_save, "dcp_to_torch_save")
+        resume_on_one_process(tmp_path)
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def resume_on_one_process(folder) -> dict:
+    """Load ``folder/ckpt`` on one process, no process group, into a plain torch AdamW (from any
+    layout's state) and check it against the reference, at the save and 3 steps later; and read it
+    with plain DCP (``dcp_to_torch_save`` + a single-device model). Returns the plain file's dict."""
+    at_save, ref_optimizer, ref_scheduler = _reference(BEFORE)
+    after, _, _ = _reference(BEFORE + AFTER)
+    model = build("gpt", seed=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    scheduler, position = _schedule(optimizer), DataPosition()
+    state = _state(model, optimizer, scheduler, position)
+    load(folder / "ckpt", state)
+    assert state["step"] == BEFORE and scheduler.state_dict() == ref_scheduler.state_dict()
+    _check_params(model, at_save, "one process")
+    _check_optimizer(optimizer, model, at_save, ref_optimizer, "one process")
+    _train(model, optimizer, scheduler, position, AFTER, clip=CLIP)
+    _check_params(model, after, "one process")
+
+    dcp_to_torch_save(folder / "ckpt", folder / "plain.pt")
+    plain_state = torch.load(folder / "plain.pt", weights_only=False)
+    plain = build("gpt", seed=1)
+    plain.load_state_dict(plain_state["model"])
+    _check_params(plain, at_save, "dcp_to_torch_save")
+    return plain_state
 
 
 def _save_gpt2(folder):

@@ -19,6 +19,7 @@ from ndweave.mesh.contracts import (
     mark_tied_replica,
     padded_bucket_numel,
     slot_numel,
+    tied_primary,
     uses_distributed_optimizer,
 )
 from ndweave.mesh.testing import ReferenceDataParallel, check_data_parallel, distributed
@@ -47,8 +48,13 @@ def test_tied_replica_mark():
     embedding, head = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
     assert mark_tied_replica(head) is head
     assert is_tied_replica(head) and not is_tied_replica(embedding)
+    assert tied_primary(head) is None and tied_primary(embedding) is None
+    other = mark_tied_replica(torch.nn.Parameter(torch.ones(2)), primary="transformer.wte.weight")
+    assert is_tied_replica(other) and tied_primary(other) == "transformer.wte.weight"
     with pytest.raises(TypeError, match="parameter"):
         mark_tied_replica("lm_head.weight")
+    with pytest.raises(TypeError, match="FQN"):
+        mark_tied_replica(head, primary=0)
 
 
 def test_sharded_layout_is_read_from_the_buckets():

@@ -109,3 +109,6 @@ def test_shared_modules_tie_weights_the_model_does_not():
     model = TinyLM(num_layers=2, tie=False)
     stage = _stage(model, PipelineParallelPlan(shared_modules=[["wte", "head"]]), 2, 0)
     assert stage.shared_params == [SharedParam(("wte.weight", "head.weight"), (0, 1))]
+    # the first stage's name comes first whatever the plan's order (checkpoints key the state by it)
+    stage = _stage(model, PipelineParallelPlan(shared_modules=[["head", "wte"]]), 2, 0)
+    assert stage.shared_params == [SharedParam(("wte.weight", "head.weight"), (0, 1))]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ndweave.mesh.contracts import StatePiece, from_torch_state_dict
+from ndweave.mesh.contracts import StatePiece, from_torch_state_dict, tied_primary
 
 from ndweave.checkpoint.pieces import PieceSet, needs_pieces
 
@@ -39,6 +39,7 @@ __all__ = [
     "param_names",
     "saved_state",
     "sharded_leaf",
+    "tied_primaries",
 ]
 
 
@@ -116,6 +117,15 @@ def group_names(state: dict[str, Any], key: str, optimizer: torch.optim.Optimize
     return out
 
 
+def tied_primaries(state: dict[str, Any], optimizer: Any) -> dict[str, str]:
+    """``FQN -> primary FQN`` of the optimizer's parameters that are the second copy of a weight tied
+    across pipeline stages (``ndweave.mesh.contracts.tied_primary``). Their optimizer state is
+    the primary's: saved once, under the primary's FQN (as one device's optimizer holds it), by the
+    rank holding the primary, and loaded from there into every copy."""
+    found = {fqn: tied_primary(param) for fqn, param in named_params(state, optimizer).items()}
+    return {fqn: primary for fqn, primary in found.items() if primary is not None and primary != fqn}
+
+
 def is_torch_format(state_dict: dict[str, Any]) -> bool:
     """A ``torch.optim`` state dict (integer parameter ids) rather than the FQN-keyed format."""
     ids = list(state_dict.get("state", {})) + [p for g in state_dict.get("param_groups", []) for p in g["params"]]
@@ -124,9 +134,17 @@ def is_torch_format(state_dict: dict[str, Any]) -> bool:
 
 def optimizer_state(state: dict[str, Any], key: str, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """One optimizer's state dict in the FQN-keyed format: its own when it already is (ndweave's
-    ``DistributedOptimizer``), a torch optimizer's with parameter ids turned into FQNs."""
+    ``DistributedOptimizer``), a torch optimizer's with parameter ids turned into FQNs; without the
+    state of tied copies (:func:`tied_primaries`)."""
     own = optimizer.state_dict()
-    return from_torch_state_dict(own, group_names(state, key, optimizer)) if is_torch_format(own) else own
+    sd = from_torch_state_dict(own, group_names(state, key, optimizer)) if is_torch_format(own) else own
+    primaries = tied_primaries(state, optimizer)
+    if not primaries:
+        return sd
+    # a tied copy's state is the primary's (equal grads, equal steps): written once, by the primary
+    return {"state": {fqn: entry for fqn, entry in sd["state"].items() if fqn not in primaries},
+            "param_groups": [{**g, "params": list(dict.fromkeys(primaries.get(f, f) for f in g["params"]))}
+                             for g in sd["param_groups"]]}
 
 
 def merge_optimizer_states(states: list[dict[str, Any]]) -> dict[str, Any]:

@@ -5,7 +5,8 @@ The steps, on every rank::
 
     save id       rank 0's, broadcast            (names the .partial folder)
     local plan    what this rank holds           (DCP's planner; sharded optimizer state as PieceSets)
-    global plan   rank 0 dedups, builds metadata (a gather and a scatter, errors included)
+    global plan   rank 0 dedups, builds metadata (a gather and a scatter, errors included), and
+                  joins the optimizers' param-group FQN lists (pipeline stages hold different ones)
     stage         async only: copy what this rank writes off the live tensors
     write         this rank's files              (background thread when async)
     commit        rank 0 writes .metadata + marker, renames; the others wait for it
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from ndweave.checkpoint.commit import SaveCommit
 from ndweave.checkpoint.coordination import broadcast, coordinate, rank, world_size
-from ndweave.checkpoint.entries import saved_state
+from ndweave.checkpoint.entries import entry_kind, saved_state
 from ndweave.checkpoint.errors import CheckpointError
 from ndweave.checkpoint.pieces import PieceSavePlanner
 
@@ -93,6 +94,22 @@ def _wait_for_previous_saves() -> None:
                               f"{thread.error}", RuntimeWarning, stacklevel=3)
 
 
+def _group_params(flat: dict[str, Any], state: dict[str, Any]) -> dict[str, list[str]]:
+    """This rank's FQN list of every optimizer param group, by flat key (``optimizer.param_groups.0.params``)."""
+    keys = tuple(f"{k}.param_groups." for k, v in state.items() if entry_kind(v) == "optimizers")
+    return {name: value for name, value in flat.items() if name.startswith(keys) and name.endswith(".params")}
+
+
+def _joined(everyone: list[dict[str, list[str]]]) -> dict[str, list[str]]:
+    """Every rank's lists joined, in rank order without repeats: pipeline stages each hold their own
+    parameters, and the checkpoint's param groups list all of them (DCP would keep one rank's)."""
+    joined: dict[str, dict[str, None]] = {}
+    for groups in everyone:
+        for name, fqns in groups.items():
+            joined.setdefault(name, {}).update(dict.fromkeys(fqns))
+    return {name: list(fqns) for name, fqns in joined.items()}
+
+
 def save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoint: bool = False,
          timeout: float = DEFAULT_TIMEOUT_S) -> SaveHandle:
     """Save ``state`` to the folder ``path`` from every rank (a collective).
@@ -133,16 +150,17 @@ def start_save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoi
         planner.set_up_planner(saved_state(state), storage_meta=writer.storage_meta(), is_coordinator=me == 0)
         writer.set_up_storage_writer(me == 0, rank=me, use_collectives=True)
         commit.prepare()
-        return writer.prepare_local_plan(planner.create_local_plan())
+        return writer.prepare_local_plan(planner.create_local_plan()), _group_params(planner.state_dict, state)
 
-    def global_plan(plans):
-        global_plans, metadata = planner.create_global_plan(plans)
+    def global_plan(gathered):
+        global_plans, metadata = planner.create_global_plan([plan for plan, _ in gathered])
         mine["metadata"] = metadata  # rank 0 writes it at the commit
-        return writer.prepare_global_plan(global_plans)
+        return [(plan, _joined([groups for _, groups in gathered])) for plan in writer.prepare_global_plan(global_plans)]
 
     mine: dict[str, Any] = {}
     try:
-        plan = coordinate(f"planning the save of {path}", local_plan, global_plan)
+        plan, groups = coordinate(f"planning the save of {path}", local_plan, global_plan)
+        planner.state_dict.update(groups)  # written by whichever rank DCP picked: the same on all
     except CheckpointError:
         if me == 0:
             shutil.rmtree(commit.staging, ignore_errors=True)  # every rank has left the planning

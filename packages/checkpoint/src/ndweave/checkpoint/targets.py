@@ -22,7 +22,15 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ndweave.mesh.contracts import MASTER_KEY, SCALAR_KEYS, StatePiece, to_torch_state_dict
 from ndweave.mesh.torch_compat import local_tensor
 
-from ndweave.checkpoint.entries import as_list, entry_kind, group_names, is_torch_format, named_params, sharded_leaf
+from ndweave.checkpoint.entries import (
+    as_list,
+    entry_kind,
+    group_names,
+    is_torch_format,
+    named_params,
+    sharded_leaf,
+    tied_primaries,
+)
 from ndweave.checkpoint.pieces import PieceSet
 
 __all__ = ["Destination", "destination"]
@@ -106,7 +114,9 @@ def _optimizers(dest: Destination, state: dict[str, Any], key: str, metadata: Me
     for optimizer in as_list(state[key]):
         own = optimizer.state_dict()
         names = None if not is_torch_format(own) else group_names(state, key, optimizer)
+        stored = tied_primaries(state, optimizer)  # a tied copy reads its primary's state
         fqns = [f for g in own["param_groups"] for f in g["params"]] if names is None else [f for g in names for f in g]
+        fqns = [stored.get(f, f) for f in fqns]
         dest.fqns[key].update(fqns)
         if not groups:
             dest.problems.append(("missing", f"{key} (the optimizer's state and param groups)"))
@@ -117,20 +127,28 @@ def _optimizers(dest: Destination, state: dict[str, Any], key: str, metadata: Me
             continue
         if saved and not any(f in saved for f in fqns):
             dest.problems.append(("missing", f"{key}.state: none of the optimizer's parameters"))
-        targets = _piece_targets(own, saved, key, dest) if names is None else _tensor_targets(optimizer, names, saved, key, dest)
-        handlers.append((optimizer, names, targets))
-    for _, _, targets in handlers:
+        targets = (_piece_targets(own, saved, stored, key, dest) if names is None
+                   else _tensor_targets(optimizer, names, saved, stored, key, dest))
+        handlers.append((optimizer, names, stored, targets))
+    claimed: dict[str, str] = {}
+    for _, _, stored, targets in handlers:
         for fqn, entry in targets.items():
-            dest.tree[key]["state"].setdefault(fqn, {}).update({name: leaf for name, (leaf, _) in entry.items()})
+            where = stored.get(fqn, fqn)
+            if claimed.setdefault(where, fqn) != fqn:  # DCP reads a key into one destination per rank
+                raise NotImplementedError(
+                    f"optimizer {key!r}: this rank holds two copies of the tied weight {where!r} "
+                    f"({claimed[where]!r} and {fqn!r}) as separate tensors; tie them into one tensor on this rank")
+            dest.tree[key]["state"].setdefault(where, {}).update({name: leaf for name, (leaf, _) in entry.items()})
 
     def hand_over() -> None:
         groups_now = dest.tree[key]["param_groups"]
-        for optimizer, names, targets in handlers:
+        for optimizer, names, stored, targets in handlers:
             full_state = {}
             for fqn, entry in targets.items():
-                if (key, fqn) in dest.skipped:
+                where = stored.get(fqn, fqn)
+                if (key, where) in dest.skipped:
                     continue
-                read = dest.tree[key]["state"][fqn]  # values DCP replaced (not tensors) are only here
+                read = dest.tree[key]["state"][where]  # values DCP replaced (not tensors) are only here
                 full_state[fqn] = {n: filled if isinstance(read[n], PieceSet) else read[n] for n, (_, filled) in entry.items()}
             if names is None:
                 _masters_from_model(full_state, optimizer, named_params(state, optimizer))
@@ -155,17 +173,19 @@ def _target(dest: Destination, where: str, name: str, md: Any, shape: torch.Size
     return target, target
 
 
-def _add_targets(dest: Destination, key: str, fqn: str, saved: dict[str, Any], shape: torch.Size,
+def _add_targets(dest: Destination, key: str, fqn: str, where: str, saved: dict[str, Any], shape: torch.Size,
                  like: Callable[[torch.dtype], tuple[Any, Any]], targets: dict[str, dict[str, tuple[Any, Any]]]) -> None:
+    """Targets of parameter ``fqn`` for the state ``saved`` under the FQN ``where`` (a tied copy's
+    primary, else ``fqn``)."""
     for name, md in saved.items():
-        found = _target(dest, f"{key}.state.{fqn}", name, md, shape, like)
+        found = _target(dest, f"{key}.state.{where}", name, md, shape, like)
         if found is None:
-            dest.skipped.add((key, fqn))
+            dest.skipped.add((key, where))
         else:
             targets.setdefault(fqn, {})[name] = found
 
 
-def _piece_targets(own: dict[str, Any], saved: dict[str, dict[str, Any]], key: str,
+def _piece_targets(own: dict[str, Any], saved: dict[str, dict[str, Any]], stored: dict[str, str], key: str,
                    dest: Destination) -> dict[str, dict[str, tuple[Any, Any]]]:
     """A sharded optimizer (``StatePiece`` format): for each parameter range it holds and each
     state key saved for it, a fresh piece of that range (or a scalar)."""
@@ -179,12 +199,14 @@ def _piece_targets(own: dict[str, Any], saved: dict[str, dict[str, Any]], key: s
                                  p.start, p.end) for p in ranges]
             return PieceSet(pieces), pieces
 
-        _add_targets(dest, key, fqn, saved.get(fqn, {}), torch.Size(ranges[0].layout.global_shape), fresh, targets)
+        where = stored.get(fqn, fqn)
+        _add_targets(dest, key, fqn, where, saved.get(where, {}), torch.Size(ranges[0].layout.global_shape), fresh,
+                     targets)
     return targets
 
 
 def _tensor_targets(optimizer: torch.optim.Optimizer, names: list[list[str]], saved: dict[str, dict[str, Any]],
-                    key: str, dest: Destination) -> dict[str, dict[str, tuple[Any, Any]]]:
+                    stored: dict[str, str], key: str, dest: Destination) -> dict[str, dict[str, tuple[Any, Any]]]:
     """A torch optimizer: for each parameter and state key saved for it, a tensor like the parameter
     (a DTensor with its placements where it is one), or a scalar. Master weights are skipped: the
     model's own parameters were loaded."""
@@ -196,8 +218,9 @@ def _tensor_targets(optimizer: torch.optim.Optimizer, names: list[list[str]], sa
                 tensor = torch.empty_like(param, dtype=dtype).detach()
                 return sharded_leaf(tensor, with_replicas=True), tensor
 
-            entries = {n: md for n, md in saved.get(fqn, {}).items() if n != MASTER_KEY}
-            _add_targets(dest, key, fqn, entries, param.shape, like, targets)
+            where = stored.get(fqn, fqn)
+            entries = {n: md for n, md in saved.get(where, {}).items() if n != MASTER_KEY}
+            _add_targets(dest, key, fqn, where, entries, param.shape, like, targets)
     return targets
 
 

@@ -33,7 +33,7 @@ class SharedParam:
     """One weight held by several stages."""
 
     fqns: tuple[str, ...]
-    """Every FQN the weight has in the whole model."""
+    """Every FQN the weight has in the whole model, by stage: ``fqns[0]`` is on the first stage."""
     stages: tuple[int, ...]
     """The stages holding a copy, increasing; the first one's copy is the one counted in grad norms."""
 
@@ -51,8 +51,10 @@ def find_shared_params(model: nn.Module, stage_layers: list[list[str]],
     stage_of = {fqn: s for s, layers in enumerate(stage_layers) for fqn in layers}
     shared = []
     for names in merged:
-        stages = sorted({stage_of[layer] for fqn in names for layer in stage_of if fqn.startswith(layer + ".")})
-        if len(stages) > 1:
+        stage_of_name = {fqn: stage_of[layer] for fqn in names for layer in stage_of if fqn.startswith(layer + ".")}
+        stages = sorted(set(stage_of_name.values()))
+        if len(stages) > 1:  # names on the first stage first: the counted copy's name is fqns[0]
+            names = sorted(names, key=lambda fqn: stage_of_name.get(fqn, stages[-1]))
             shared.append(SharedParam(tuple(names), tuple(stages)))
     return shared
 
@@ -160,7 +162,9 @@ class TiedGradSync:
                     received = torch.empty_like(data)
                     self._exchange([(dist.irecv, received, first)])
                     data.copy_(received)
-                    mark_tied_replica(param)  # the grad norm counts the first stage's copy only
+                    # the grad norm counts the first stage's copy only, and a checkpoint keeps the
+                    # optimizer state once, under the weight's one-device name (the first stage's)
+                    mark_tied_replica(param, primary=sp.fqns[0])
             self.copies.append(copy)
 
     def _exchange(self, ops) -> None:

@@ -41,7 +41,7 @@ from ndweave.mesh.contracts.sharded_state import (
     slice_piece,
 )
 from ndweave.mesh.contracts.removed_modules import mark_removed_modules, removed_modules
-from ndweave.mesh.contracts.tied_params import is_tied_replica, mark_tied_replica
+from ndweave.mesh.contracts.tied_params import is_tied_replica, mark_tied_replica, tied_primary
 
 __all__ = [
     "BUCKET_ALIGNMENT",
@@ -72,6 +72,7 @@ __all__ = [
     "shard_range",
     "slice_piece",
     "slot_numel",
+    "tied_primary",
     "to_torch_state_dict",
     "union_state_dicts",
     "uses_distributed_optimizer",
