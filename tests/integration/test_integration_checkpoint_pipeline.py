@@ -1,11 +1,12 @@
 """The pipeline cells of the resharding matrix: nanoGPT (wte / lm_head tied, so the weight lives on the
 first and the last stage) cut into 2 stages by FQN, DModule TP + DDP inside the stages, trained with
-``PipeEngine`` and a ``DistributedOptimizer``, saved at (PP, DP, TP) = (2, 1, 2) or (2, 2, 1) and
+``PipeEngine`` and a ``DistributedOptimizer``. Saved at (PP, DP, TP) = (2, 1, 2) or (2, 2, 1) and
 resumed at (1, 2, 2), (1, 4, 1), the other pipeline cell with the stage boundary moved, and on one
-process without a process group (a plain ``torch.optim`` AdamW). Parameters, optimizer state, lr
-schedule and data position equal one process's run at the save, and the next steps equal its
-continuation (float64, strict). The checkpoint knows no stages: its keys are one device's FQNs, the
-tied weight's optimizer state is there once.
+process without a process group (a plain ``torch.optim`` AdamW); saved at the PP-free cells and
+resumed in both pipeline cells. Parameters, optimizer state, lr schedule and data position equal one
+process's run at the save, and the next steps equal its continuation (float64, strict). The
+checkpoint knows no stages: its keys are one device's FQNs, the tied weight's optimizer state is
+there once.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ SAVES = {
                                     ((2, 2, 1), "transformer.h.0", False)]),
     (2, 2, 1): ("transformer.h.0", [((1, 2, 2), None, False), ((1, 4, 1), None, True),
                                     ((2, 1, 2), "transformer.h.1", True)]),
+    # the PP-free cells' saves into pipelines (test_integration_checkpoint.py resumes them PP-free)
+    (1, 2, 2): (None, [((2, 1, 2), "transformer.h.1", True), ((2, 2, 1), "transformer.h.0", False)]),
+    (1, 4, 1): (None, [((2, 1, 2), "transformer.h.0", False), ((2, 2, 1), "transformer.h.1", True)]),
 }
 
 
