@@ -12,6 +12,7 @@ from ndweave.mesh.testing import ReferenceDataParallel, distributed, run_distrib
 from ndweave.pipeline import PipelineParallelPlan
 from pipeline_models import assert_same_training, fp32_one_process_run, one_process_run, train_pipeline
 
+STEPS = 10
 # (schedule, virtual chunks, micro-batches): every schedule, zero bubble with one and two stages per rank
 SCHEDULES = [
     ("gpipe", 1, 4),
@@ -25,7 +26,7 @@ SCHEDULES = [
 @pytest.mark.parity
 @distributed(world_size=4, timeout=300)
 def test_every_schedule_matches_one_process_on_pp4():
-    model, data, expected = one_process_run(num_layers=6, steps=3)
+    model, data, expected = one_process_run(num_layers=6, steps=STEPS)
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("PP",))
     for schedule, virtual, micro in [*SCHEDULES, ("gpipe", 1, 2)]:  # GPipe also with fewer micro-batches than stages
         plan = PipelineParallelPlan(schedule_type=schedule, virtual_chunks=virtual, num_microbatches=micro)
@@ -35,7 +36,7 @@ def test_every_schedule_matches_one_process_on_pp4():
 @pytest.mark.parity
 @distributed(world_size=4, timeout=300)
 def test_every_schedule_matches_one_process_on_pp2_dp2():
-    model, data, expected = one_process_run(num_layers=4, steps=3)
+    model, data, expected = one_process_run(num_layers=4, steps=STEPS)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("PP", "DP"))
     for schedule, virtual, micro in SCHEDULES:
         plan = PipelineParallelPlan(schedule_type=schedule, virtual_chunks=virtual, num_microbatches=micro,
@@ -54,7 +55,7 @@ def test_every_schedule_matches_one_process_in_fp32(pp):
 def _every_schedule_in_fp32(pp: int) -> None:
     # fp32 on both sides: the bound is what summing the same training in other orders (the pipeline's
     # micro-batches, and twice as many) does on this machine's kernels
-    model, data, expected, tols = fp32_one_process_run(num_layers=2 * pp, steps=3, num_microbatches=4)
+    model, data, expected, tols = fp32_one_process_run(num_layers=2 * pp, steps=STEPS, num_microbatches=4)
     mesh = init_device_mesh("cpu", (pp,), mesh_dim_names=("PP",))
     for schedule, virtual, micro in SCHEDULES:
         plan = PipelineParallelPlan(schedule_type=schedule, virtual_chunks=virtual, num_microbatches=micro)
