@@ -16,6 +16,12 @@ Per world size (all of it the PP dim) and schedule it prints:
   (it costs about twice as much), free communication, and one core per rank.
 
 The model is a stack of Linear + ReLU blocks (no embedding, so every stage takes the same input).
+
+``--simulate-ms F`` adds to every block a simulated device kernel: forward sleeps F ms and backward
+2F ms (``time.sleep``, which leaves the CPU free, as a GPU kernel does), with ``--width`` small so
+the real compute is negligible. That gives each rank its own "device" even on 2 shared cores, so the
+measured bubble can be held against the theory. Zero bubble runs a block's backward twice there (once
+for the input grad, once for the weight grad), so its simulated timings are not comparable.
 """
 
 from __future__ import annotations
@@ -31,11 +37,36 @@ from torch import nn
 from common import init_rank, spawn, sync
 
 
+class _Sleep(torch.autograd.Function):
+    """A simulated device kernel: forward waits ``seconds``, backward twice that, using no CPU."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class SimulatedKernel(nn.Module):
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.seconds = ms / 1e3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.seconds)
+
+
 class Stack(nn.Module):
-    def __init__(self, layers: int, width: int) -> None:
+    def __init__(self, layers: int, width: int, simulate_ms: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers))
+        extra = [SimulatedKernel(simulate_ms)] if simulate_ms else []
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.ReLU(), *extra) for _ in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -65,7 +96,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         plan = PipelineParallelPlan(schedule_type=schedule, num_microbatches=args.microbatches, virtual_chunks=virtual)
 
         def chunks():
-            module = construct_pipeline_stage(Stack(args.layers, args.width), plan, mesh)
+            module = construct_pipeline_stage(Stack(args.layers, args.width, args.simulate_ms), plan, mesh)
             for chunk in module:
                 chunk.to(device)
             return module
@@ -128,9 +159,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--simulate-ms", type=float, default=0.0,
+                        help="a simulated device kernel per block: forward sleeps this many ms, backward twice")
     parser.add_argument("--show-timeline", action="store_true", help="print each run's text timeline")
     args = parser.parse_args()
-    print(f"Stack of {args.layers} x Linear({args.width}) + ReLU, batch {args.batch}, {args.microbatches} "
+    kernel = f" + a simulated {args.simulate_ms:g} ms kernel" if args.simulate_ms else ""
+    print(f"Stack of {args.layers} x Linear({args.width}) + ReLU{kernel}, batch {args.batch}, {args.microbatches} "
           f"micro-batches, {args.device}, {args.threads} thread(s) per rank; ms per step, slowest rank's median")
     print("| PP | schedule | ours ms | torch ms | ratio | bubble measured | theory (p-1)/(v*m+p-1) |")
     print("|---|---|---|---|---|---|---|")

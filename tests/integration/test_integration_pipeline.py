@@ -2,8 +2,9 @@
 strict): nanoGPT (tied wte / lm_head on the first and last stage) split by FQN,
 
 * PP x DP: ndweave DDP (ZeRO layout) per chunk + DistributedOptimizer with clipping, every schedule;
-* PP x TP: the zoo's nanogpt TP plan applied to each chunk unchanged, from ``deferred_init``;
-* PP x DP x TP on 8 ranks: all of it at once.
+* PP x TP: the zoo's nanogpt TP plan applied to each chunk unchanged, from ``deferred_init``, with
+  DDP over a DP dim of size 1 so the DistributedOptimizer steps it, every schedule;
+* PP x DP x TP on 8 ranks: all of it at once, every schedule.
 
 Losses of every step and the final parameters are compared (a sharded optimizer keeps reduced
 grads only in its shard ranges, so they are checked through the parameters they move).
@@ -26,7 +27,6 @@ from ndweave.optim import BasicOptimizer, DistributedOptimizer
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage
 
 STEPS, BATCH, CLIP, LR = 10, 8, 0.5, 1e-2
-STEPS_8_RANKS = 6  # 8 ranks share 2 CPU cores in CI: fewer steps, the same checks
 # nanoGPT (n_layer=2) split by FQN into 2 stages, or balanced by parameter count into 4
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("zero_bubble", 2)]
 
@@ -111,16 +111,17 @@ def test_pipeline_with_zoo_tensor_parallel_plan_from_deferred_init():
     torch.set_default_dtype(STRICT_DTYPE)
     reference, data = build("nanogpt"), batches("gpt", STEPS, BATCH)
     expected = _reference(reference, data)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("PP", "TP"))
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("PP", "DP", "TP"))
     ng = load_example("nanogpt")
-    for schedule, virtual in [("1f1b", 1), ("zero_bubble", 2)]:
+    for schedule, virtual in SCHEDULES:
         plan = _plan(schedule, virtual)
         torch.manual_seed(0)  # build() seeds 0: deferred init replays exactly what eager init drew
         model = deferred_init(ng.GPT, reference.config)
         module = construct_pipeline_stage(model, plan, mesh)
         for i in range(len(module)):
-            module[i] = parallelize_module(module[i], mesh["TP"], get_plan("nanogpt", module[i]))
-        losses = _train(module, mesh, plan, _basic_optimizer, data)
+            chunk = parallelize_module(module[i], mesh["TP"], get_plan("nanogpt", module[i]))
+            module[i] = DDP(chunk, mesh["DP"], use_distributed_optimizer=True, bucket_size=500)
+        losses = _train(module, mesh, plan, _distributed_optimizer, data)
         _check(losses, module, expected, f"PP=2 x TP=2 {schedule} v={virtual}")
 
 
@@ -128,16 +129,17 @@ def test_pipeline_with_zoo_tensor_parallel_plan_from_deferred_init():
 @distributed(world_size=8, timeout=400)
 def test_pipeline_data_tensor_parallel_on_eight_ranks():
     torch.set_default_dtype(STRICT_DTYPE)
-    reference, data = build("nanogpt"), batches("gpt", STEPS_8_RANKS, BATCH)
+    reference, data = build("nanogpt"), batches("gpt", STEPS, BATCH)
     expected = _reference(reference, data)
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("PP", "DP", "TP"))
-    plan = _plan("zero_bubble", 1)
-    module = construct_pipeline_stage(copy.deepcopy(reference), plan, mesh)
-    for i in range(len(module)):
-        chunk = parallelize_module(module[i], mesh["TP"], get_plan("nanogpt", module[i]))
-        module[i] = DDP(chunk, mesh["DP"], use_distributed_optimizer=True, bucket_size=500)
-    losses = _train(module, mesh, plan, _distributed_optimizer, data, mesh["DP"])
-    _check(losses, module, expected, "PP=2 x DP=2 x TP=2 zero_bubble")
+    for schedule, virtual in SCHEDULES:
+        plan = _plan(schedule, virtual)
+        module = construct_pipeline_stage(copy.deepcopy(reference), plan, mesh)
+        for i in range(len(module)):
+            chunk = parallelize_module(module[i], mesh["TP"], get_plan("nanogpt", module[i]))
+            module[i] = DDP(chunk, mesh["DP"], use_distributed_optimizer=True, bucket_size=500)
+        losses = _train(module, mesh, plan, _distributed_optimizer, data, mesh["DP"])
+        _check(losses, module, expected, f"PP=2 x DP=2 x TP=2 {schedule} v={virtual}")
 
 
 @pytest.mark.parity

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndweave.mesh.contracts import DataParallelWrapper
-from ndweave.mesh.testing import assert_close
+from ndweave.mesh.testing import assert_close, measured_tolerance
 from ndweave.pipeline import PipeEngine, construct_pipeline_stage
 
 VOCAB, WIDTH, SEQ = 16, 8, 4
@@ -58,16 +58,21 @@ def batches(num_steps: int, batch: int, seed: int = 0) -> list[tuple[torch.Tenso
             for _ in range(num_steps)]
 
 
-def train_reference(model: nn.Module, data, loss=loss_fn, lr: float = 0.05):
-    """One process, the usual loop: per step the loss and {fqn: grad}; then the final {fqn: param}."""
+def train_reference(model: nn.Module, data, loss=loss_fn, lr: float = 0.05, micro_batches: int = 1):
+    """One process, the usual loop: per step the loss and {fqn: grad}; then the final {fqn: param}.
+    ``micro_batches > 1``: the same math summed in another order (each step's mean loss and its grads
+    accumulated over that many equal micro-batches)."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses, grads = [], []
     for x, y in data:
         opt.zero_grad()
-        value = loss(model(x), y)
-        value.backward()
-        losses.append(value.detach())
+        value = 0.0
+        for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
+            micro = loss(model(xs), ys) / micro_batches
+            micro.backward()
+            value = value + micro.detach()
+        losses.append(value)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
         opt.step()
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
@@ -81,6 +86,27 @@ def one_process_run(num_layers: int, steps: int, batch: int = 8):
     model = TinyLM(num_layers=num_layers)
     data = batches(steps, batch)
     return model, data, train_reference(model, data)
+
+
+def fp32_one_process_run(num_layers: int, steps: int, num_microbatches: int, batch: int = 8):
+    """fp32: what :func:`one_process_run` returns, plus the parity bounds (loss, grad, param) measured
+    on this machine's kernels from the same training summed in other orders: accumulated over the
+    pipeline's ``num_microbatches`` micro-batches and over another count
+    (:func:`ndweave.mesh.testing.measured_tolerance`)."""
+    torch.manual_seed(0)
+    model = TinyLM(num_layers=num_layers)
+    data = batches(steps, batch)
+    expected = train_reference(model, data)
+    others = [train_reference(model, data, micro_batches=k) for k in (num_microbatches, 2 * num_microbatches)]
+    flat = [_flat_grads(run[1]) for run in (expected, *others)]
+    tols = (measured_tolerance(expected[0], *(run[0] for run in others)),
+            measured_tolerance(flat[0], *flat[1:]),
+            measured_tolerance(expected[2], *(run[2] for run in others)))
+    return model, data, expected, tols
+
+
+def _flat_grads(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {f"{fqn} step {step}": g for step, step_grads in enumerate(grads) for fqn, g in step_grads.items()}
 
 
 def train_pipeline(model: nn.Module, plan, mesh, data, *, wrap=None, loss=loss_fn, lr: float = 0.05,
@@ -115,14 +141,16 @@ def _fqn(name: str) -> str:
     return name.removeprefix("module.")  # ReferenceDataParallel's names (ndweave's DDP keeps the model's)
 
 
-def assert_same_training(actual, expected, what: str) -> None:
-    """Every loss, every grad of every step and every final parameter this rank holds, vs one process."""
+def assert_same_training(actual, expected, what: str, tols=(None, None, None)) -> None:
+    """Every loss, every grad of every step and every final parameter this rank holds, vs one process
+    (float64 strict, or fp32 within the (loss, grad, param) bounds of :func:`fp32_one_process_run`)."""
     losses, grads, params = actual
     ref_losses, ref_grads, ref_params = expected
+    loss_tol, grad_tol, param_tol = tols
     assert params, f"{what}: this rank holds no parameters"
     for step, (loss, ref_loss) in enumerate(zip(losses, ref_losses, strict=True)):
-        assert_close(loss, ref_loss, name=f"{what}: loss of step {step}")
+        assert_close(loss, ref_loss, name=f"{what}: loss of step {step}", tol=loss_tol)
         for fqn, grad in grads[step].items():
-            assert_close(grad, ref_grads[step][fqn], name=f"{what}: grad {fqn} step {step}")
+            assert_close(grad, ref_grads[step][fqn], name=f"{what}: grad {fqn} step {step}", tol=grad_tol)
     for fqn, param in params.items():
-        assert_close(param, ref_params[fqn], name=f"{what}: param {fqn}")
+        assert_close(param, ref_params[fqn], name=f"{what}: param {fqn}", tol=param_tol)
