@@ -16,12 +16,14 @@ __all__ = ["start", "say", "progress", "step", "finish", "compare", "sample"]
 
 def start(mesh: Any, model: torch.nn.Module, args: argparse.Namespace) -> None:
     count = sum(p.numel() for p in model.parameters())  # a tied weight once
-    print(mesh.describe().splitlines()[0].split(";")[0], f"({args.device})")
-    print("\n".join(mesh.describe().splitlines()[1:]))
-    sp = "" if args.no_sp else "+SP"
+    describe = mesh.describe().splitlines()
+    print(describe[0].split(";")[0], "\n".join(describe[1:]), sep="\n")
+    pp, dp, tp = (mesh[d].size() for d in ("PP", "DP", "TP"))
     print(f"GPT: {args.n_layer} layers, n_embd {args.n_embd}, {args.n_head} heads, block {args.block_size}, "
-          f"vocab 256 (bytes): {count / 1e6:.2f}M parameters, {args.dtype}; PP schedule {args.schedule}, "
-          f"TP{sp}, ZeRO-1 (DistributedOptimizer); global batch {args.global_batch} x {args.block_size} tokens")
+          f"vocab 256 (bytes): {count / 1e6:.2f}M parameters, {args.dtype}")
+    print(f"PP={pp} ({args.schedule}, {args.micro_batches} micro-batches per DP rank), "
+          f"TP={tp}{'' if args.no_sp or tp == 1 else ' +SP'}, DP={dp} with ZeRO-1 (DistributedOptimizer); "
+          f"global batch {args.global_batch} x {args.block_size} tokens, {args.steps} steps")
 
 
 def say(text: str) -> None:
@@ -76,6 +78,9 @@ def compare(result: Any, args: argparse.Namespace) -> bool:
     import train
     from ndweave.mesh.testing import SAFETY, max_difference, measured_tolerance
 
+    if not result.losses:
+        print("nothing to compare: this run trained no steps")
+        return True
     last = max(result.losses)
     print(f"single-device reference: {last} steps on one process ...", flush=True)
     runs = [train.train_single_device(args, k, last) for k in (1, 2, 4)]
