@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--virtual-chunks", type=int, default=1, help="stages per PP rank (interleaved schedules: 2)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
-    p.add_argument("--warmup", type=int, default=20, help="steps of linear warmup")
+    p.add_argument("--warmup", type=int, default=40, help="steps of linear warmup")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="bf16: bf16 params, fp32 masters")
@@ -162,7 +162,7 @@ def lr_schedule(optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> t
 
 
 def adamw_kwargs(args: argparse.Namespace) -> dict:
-    return {"lr": args.lr, "weight_decay": args.weight_decay, "betas": (0.9, 0.95)}
+    return {"lr": args.lr, "weight_decay": args.weight_decay, "betas": (0.9, 0.99)}
 
 
 def build_optimizer(chunks: list[nn.Module], args: argparse.Namespace):
