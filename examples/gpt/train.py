@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402
 from data import VOCAB_SIZE, TextData  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -182,19 +184,20 @@ class RunResult:
     seconds: float = 0.0
     """Wall time of the training steps."""
     tokens_per_s: float = 0.0
+    """Tokens trained on per second of ``seconds``, over all ranks."""
     peak_memory: list[int] = field(default_factory=list)
     """Each rank's peak memory in bytes (host RSS on CPU, allocated device memory on CUDA)."""
     mesh: str = ""
+    """The mesh it ran on, e.g. ``"PP=2 x DP=2 x TP=2"``."""
 
 
 def gather_params(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
     """Every stage's parameters, unsharded, on every rank (small models: simplest correct way)."""
-    from ndweave.mesh.testing import full_tensor
-
     local = {}
     for chunk in chunks:
         for name, p in chunk.named_parameters(remove_duplicate=False):
-            local[name] = full_tensor(p)  # a collective over TP: every TP rank calls it in the same order
+            # full_tensor is a collective over TP: every TP rank holds the same chunk, same order
+            local[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
     everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(everyone, local)
     return {k: v for part in everyone for k, v in part.items()}
@@ -210,8 +213,6 @@ def peak_memory(device: str) -> int:
 
 def train(args: argparse.Namespace) -> RunResult:
     """The job on this rank (the default process group may exist already, as in the test harness)."""
-    import report
-
     mesh = build_mesh(args)
     rank, dp_rank, dp_size = dist.get_rank(), mesh["DP"].get_local_rank(), mesh["DP"].size()
     model = build_model(args)
@@ -254,33 +255,43 @@ def train(args: argparse.Namespace) -> RunResult:
     dist.all_gather_object(memory, peak_memory(args.device))
     tokens = (last - start) * args.global_batch * args.block_size
     return RunResult(losses, gather_params(chunks), seconds, tokens / max(seconds, 1e-9), memory,
-                     mesh._short())
+                     " x ".join(f"{d}={mesh[d].size()}" for d in DIMS))
 
 
 def train_single_device(args: argparse.Namespace, micro_batches: int = 1, last: int | None = None) -> RunResult:
     """The same run on this one process with plain torch (AdamW, clip_grad_norm_, the same lr
     schedule and data); ``micro_batches > 1`` accumulates each batch's gradient in that many parts:
-    the same math, summed in another order."""
+    the same math, summed in another order. bf16 parameters get fp32 masters, as in the parallel run."""
     model = build_model(args)
-    optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(args))
+    params = list(model.parameters())
+    masters = [p.detach().float().requires_grad_() if p.dtype == torch.bfloat16 else p for p in params]
+    optimizer = torch.optim.AdamW(masters, **adamw_kwargs(args))
     scheduler, data, position = lr_schedule(optimizer, args), TextData(args.block_size, args.seed), DataPosition()
     losses = {}
     for step in range(1, (last or args.steps) + 1):
         x, y = (t.to(args.device) for t in data.batch(position, args.global_batch))
         optimizer.zero_grad()
+        model.zero_grad()
         total = 0.0
         for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
             loss = loss_fn(model(xs)[0], ys) / micro_batches
             loss.backward()
             total += loss.item()
+        for p, master in zip(params, masters):
+            if master is not p:
+                master.grad = p.grad.float()
         if args.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            torch.nn.utils.clip_grad_norm_(masters, args.clip)
         optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(params, masters):
+                if master is not p:
+                    p.copy_(master)
         scheduler.step()
         position.advance(args.global_batch)
         losses[step] = total
-    params = {n: p.detach().cpu().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return RunResult(losses, params)
+    final = {n: p.detach().cpu().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return RunResult(losses, final)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,16 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if "TORCHELASTIC_RUN_ID" not in os.environ and "RANK" not in os.environ:
         relaunch_under_torchrun(args, argv)
-    import report
-
     result = train(args)
     ok = True
     if dist.get_rank() == 0:
         report.finish(result, args)
         if args.compare_single_device:
-            ok = report.compare(result, args)
+            ok = report.compare(result, args, lambda k, last: train_single_device(args, k, last))
         if args.sample:
-            report.sample(result.params, args)
+            model = build_model(argparse.Namespace(**{**vars(args), "device": "cpu"}))
+            model.load_state_dict(result.params)
+            report.sample(model, args)
     dist.barrier()  # the others wait while rank 0 compares and samples
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -119,5 +119,5 @@ def test_two_torchrun_nodes_on_loopback(tmp_path):
     for node, (agent, out) in enumerate(zip(agents, outputs)):
         assert agent.returncode == 0, f"node {node} exited with {agent.returncode}:\n{out[-4000:]}"
     summary = [line for out in outputs for line in out.splitlines() if line.startswith("done: ")]
-    assert len(summary) == 1 and "PP=2, DP=2, TP=1" in summary[0], outputs
+    assert len(summary) == 1 and "PP=2 x DP=2 x TP=1" in summary[0], outputs
     assert (tmp_path / "loss.png").stat().st_size > 0
