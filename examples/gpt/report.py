@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-__all__ = ["start", "say", "progress", "step", "finish", "compare", "sample"]
+__all__ = ["compare", "finish", "progress", "sample", "say", "start", "step"]
 
 
 def start(mesh: Any, model: torch.nn.Module, args: argparse.Namespace) -> None:

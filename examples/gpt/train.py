@@ -39,6 +39,9 @@ from ndweave.mesh import ParallelMesh, init_device_mesh  # noqa: E402
 from ndweave.optim import DistributedOptimizer  # noqa: E402
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage  # noqa: E402
 
+__all__ = ["RunResult", "build_mesh", "build_model", "build_optimizer", "gather_params", "loss_fn", "lr_schedule",
+           "main", "parallelize", "parse_args", "parse_mesh", "train", "train_single_device"]
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float64}
 DIMS = ("PP", "DP", "TP")
 
@@ -110,8 +113,8 @@ def relaunch_under_torchrun(args: argparse.Namespace, argv: list[str]) -> None:
 
 def build_mesh(args: argparse.Namespace) -> ParallelMesh:
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     sizes = parse_mesh(args.mesh, world)
     return init_device_mesh(args.device, tuple(sizes[d] for d in DIMS), mesh_dim_names=DIMS)
 
@@ -140,7 +143,9 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def parallelize(model: GPT, mesh: ParallelMesh, args: argparse.Namespace) -> tuple[list[nn.Module], PipeEngine]:
-    """dmodule (TP+SP inside each stage) -> pipeline stages -> DDP per stage chunk -> the engine."""
+    """Cut the pipeline stages (by FQN), parallelize each stage chunk with the zoo's TP+SP plan, wrap
+    it in DDP, then build the engine (this order: a plan applies to a chunk, the engine reads the
+    wrapped chunks)."""
     plan = PipelineParallelPlan(schedule_type=args.schedule, virtual_chunks=args.virtual_chunks,
                                 num_microbatches=args.micro_batches)
     module = construct_pipeline_stage(model, plan, mesh)

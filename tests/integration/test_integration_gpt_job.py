@@ -1,7 +1,8 @@
 """The main job, ``examples/gpt/train.py``, as users run it: its own training function on the test
 harness's ranks (float64) against its own single-device run, strict:
 
-* PP=2 x DP=2 on 4 ranks: every step's loss and the final parameters;
+* PP=2 x DP=2 on 4 ranks: every step's loss and the final parameters; PP=2 x TP=2 in fp32 through
+  ``--compare-single-device``'s own measured bound;
 * PP=2 x DP=2 x TP(+SP)=2 on 8 ranks, stopped at step 2 with a checkpoint, resumed at DP=4 on 4
   ranks up to step 3, then on one rank up to step 4: each part's losses are the uninterrupted
   run's (the checkpoint holds step, data position, lr schedule, RNG), and so are the parameters;
@@ -57,6 +58,16 @@ def test_job_on_pp2_dp2_matches_one_process(tmp_path):
     for rank, result in enumerate(results):
         _check(result, reference, f"PP=2 x DP=2, rank {rank}")
         _check_params(result, reference, f"PP=2 x DP=2, rank {rank}")
+
+
+@pytest.mark.parity
+def test_compare_single_device_in_fp32_passes_its_measured_bound(tmp_path, capsys):
+    """What ``--compare-single-device`` prints and decides, for an fp32 run on PP=2 x TP(+SP)=2."""
+    argv = [*TINY, "--dtype", "fp32", "--mesh", "pp=2,tp=2", "--steps", "3", "--checkpoint-dir", str(tmp_path)]
+    result = run_distributed(_run, 4, argv, timeout=300)[0]
+    args = job.parse_args(argv)
+    assert job.report.compare(result, args, lambda k, last: job.train_single_device(args, k, last))
+    assert "PASS" in capsys.readouterr().out
 
 
 @pytest.mark.parity
