@@ -103,7 +103,10 @@ def parse_mesh(spec: str, world: int | None) -> dict[str, int]:
 
 def relaunch_under_torchrun(args: argparse.Namespace, argv: list[str]) -> None:
     """Not started by torchrun: start this script again under it, one process per mesh rank."""
-    world = math.prod(parse_mesh(args.mesh, None).values())
+    try:
+        world = math.prod(parse_mesh(args.mesh, None).values())
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     if args.device == "cuda" and world > torch.cuda.device_count():
         raise SystemExit(f"--mesh {args.mesh} needs {world} GPUs, {torch.cuda.device_count()} are visible")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
