@@ -6,10 +6,11 @@ parallelism and a ZeRO optimizer over one device mesh, checkpointed, resumable o
     torchrun --nproc-per-node 8 examples/gpt/train.py --mesh pp=2,dp=-1,tp=2 --device cuda
 
 Run without torchrun, the script starts itself under torchrun (``--standalone``) with as many
-processes as ``--mesh`` names. The composition, one function per concern and in this order:
-``ndweave.mesh`` (the mesh) -> ``ndweave.dmodule`` (the zoo's nanogpt TP+SP plan per stage) ->
-``ndweave.pipeline`` (stages, ``PipeEngine``) -> ``ndweave.ddp`` -> ``ndweave.optim``
-(``DistributedOptimizer``) -> ``ndweave.checkpoint`` (``CheckpointManager``, ``DataPosition``).
+processes as ``--mesh`` names. The composition, one function per concern: ``ndweave.mesh`` (the
+mesh) -> ``ndweave.dmodule`` (the zoo's nanogpt TP+SP plan) -> ``ndweave.pipeline`` (stages by FQN,
+``PipeEngine``) -> ``ndweave.ddp`` -> ``ndweave.optim`` (``DistributedOptimizer``) ->
+``ndweave.checkpoint`` (``CheckpointManager``, ``DataPosition``); see ``parallelize`` for the order
+the model is built in.
 """
 
 from __future__ import annotations
