@@ -31,10 +31,10 @@ _NORM = re.compile(r"(norm|ln_\w+|layernorm)\.(weight|bias)$")
 
 
 def load_nanogpt():
-    """``examples/nanogpt.py`` as a module (the examples folder is not a package)."""
+    """``examples/gpt/model.py`` as a module (the examples folder is not a package)."""
     name = "ndweave_examples_nanogpt"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "nanogpt.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "gpt" / "model.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)

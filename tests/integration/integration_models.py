@@ -13,11 +13,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_example(name: str):
-    """``examples/<name>.py`` as a module (the examples folder is not a package)."""
-    key = f"ndweave_examples_{name}"
+    """``examples/<name>.py`` as a module, e.g. ``"gpt/model"`` (the examples are not a package)."""
+    key = "ndweave_examples_" + name.replace("/", "_")
     if key not in sys.modules:
-        sys.path.insert(0, str(ROOT / "examples"))  # train_demo imports nanogpt by bare name
-        spec = importlib.util.spec_from_file_location(key, ROOT / "examples" / f"{name}.py")
+        path = ROOT / "examples" / f"{name}.py"
+        sys.path.insert(0, str(path.parent))  # gpt/train imports gpt/model and gpt/data by bare name
+        spec = importlib.util.spec_from_file_location(key, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[key] = module
         spec.loader.exec_module(module)
@@ -41,7 +42,7 @@ def build(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "mlp":
         return MLP()
-    ng = load_example("nanogpt")
+    ng = load_example("gpt/model")
     # bias=False: a key-projection bias has an exactly-zero true gradient (softmax ignores a constant
     # per query), so Adam would turn two runs' different rounding noise into full-size steps.
     return ng.GPT(ng.GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, dropout=0.0, bias=False))

@@ -1,43 +1,40 @@
-"""The demo's composition (DModule TP+SP, DDP, DistributedOptimizer) on GPUs with NCCL.
+"""The GPT job (examples/gpt/train.py: DModule TP+SP, pipeline, DDP, DistributedOptimizer) on GPUs
+with NCCL, float64 against its own single-device run on the GPU (strict).
 
 Skipped where fewer than 2 CUDA devices are visible; run on a GPU machine with
 ``python -m pytest tests/integration/test_integration_cuda.py``.
 """
 
-import copy
-
 import pytest
 import torch
 
 from integration_models import load_example
-from ndweave.mesh import DEVICE_MESH
 from ndweave.mesh.testing import assert_close, run_distributed
 
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"
 )
+TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16", "--global-batch", "8",
+        "--micro-batches", "2", "--steps", "4", "--dtype", "float64", "--device", "cuda", "--quiet", "--plot", ""]
 
 
-def _demo_on_cuda(dp: int, tp: int) -> float:
-    demo = load_example("train_demo")
-    args = demo.argparse.Namespace(dp=dp, tp=tp, no_sp=False, steps=4, batch=4, lr=3e-3, seed=3)
-    DEVICE_MESH.init_device_mesh("cuda", (dp, tp), mesh_dim_names=("DP", "TP"))
-    cfg = demo.model_config()
-    data = demo.make_batches(cfg, args.steps, args.batch, args.seed)
-    torch.manual_seed(args.seed)
-    initial = demo.GPT(cfg).to("cuda")
-    losses, model = demo.train_parallel(copy.deepcopy(initial), data, args, "cuda")
-    ref_losses, ref_params = demo.train_reference(copy.deepcopy(initial), data, args, "cuda")
-    loss_tol, param_tol = demo.measured_bounds(initial, data, args, "cuda", (ref_losses, ref_params))
-    assert_close(torch.tensor(losses), torch.tensor(ref_losses), name="losses", tol=loss_tol)
-    for name, p in model.named_parameters():
-        assert_close(p, ref_params[name], name=name, tol=param_tol)
-    for p in model.parameters():
-        assert p.device.type == "cuda"
-    return losses[-1]
+def _job_on_cuda(argv: list[str]):
+    job = load_example("gpt/train")
+    result = job.train(job.parse_args(argv))
+    assert torch.cuda.max_memory_allocated() > 0
+    return result
 
 
 @needs_two_gpus
-@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)])
-def test_demo_composition_on_two_gpus(dp, tp):
-    run_distributed(_demo_on_cuda, 2, dp, tp, device_type="cuda", timeout=300)
+@pytest.mark.parametrize("mesh", ["dp=2", "tp=2", "pp=2"])
+def test_gpt_job_on_two_gpus(mesh, tmp_path):
+    job = load_example("gpt/train")
+    argv = [*TINY, "--mesh", mesh, "--checkpoint-dir", str(tmp_path)]
+    result = run_distributed(_job_on_cuda, 2, argv, device_type="cuda", timeout=300)[0]
+    reference = job.train_single_device(job.parse_args(argv))
+    steps = sorted(result.losses)
+    assert_close(torch.tensor([result.losses[s] for s in steps], dtype=torch.float64),
+                 torch.tensor([reference.losses[s] for s in steps], dtype=torch.float64),
+                 name=f"{mesh}: losses")
+    for name, p in result.params.items():
+        assert_close(p, reference.params[name], name=f"{mesh}: {name}")

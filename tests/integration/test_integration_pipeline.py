@@ -112,7 +112,7 @@ def test_pipeline_with_zoo_tensor_parallel_plan_from_deferred_init():
     reference, data = build("nanogpt"), batches("gpt", STEPS, BATCH)
     expected = _reference(reference, data)
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("PP", "DP", "TP"))
-    ng = load_example("nanogpt")
+    ng = load_example("gpt/model")
     for schedule, virtual in SCHEDULES:
         plan = _plan(schedule, virtual)
         torch.manual_seed(0)  # build() seeds 0: deferred init replays exactly what eager init drew

@@ -1,5 +1,5 @@
 """DModule (TP/SP) + DDP + optimizer on one (DP=2, TP=2) mesh, trained 20 steps, against one process
-(both in float64, strict tolerance); and the demo's own functions in fp32 with a measured bound.
+(both in float64, strict tolerance). The GPT job's own parity tests: ``test_integration_gpt_job.py``.
 
 This is the seed's loop as users write it: ``zero_grad(); loss.backward(); step()`` with no other call.
 """
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
-from integration_models import batches, build, load_example, loss_of, train_reference
+from integration_models import batches, build, loss_of, train_reference
 from ndweave.ddp import DistributedDataParallel as DDP
 from ndweave.dmodule import get_plan, parallelize_module
 from ndweave.mesh import DEVICE_MESH
@@ -79,27 +79,3 @@ def test_seed_loop_matches_one_process(kind, optim):
     assert sorted(names) == sorted(ref_params), "DDP/DModule changed the parameter names"
     for name, p in model.named_parameters():
         assert_close(p, ref_params[name], name=name)
-
-
-@pytest.mark.parity
-@pytest.mark.parametrize("dtype", [torch.float32, STRICT_DTYPE], ids=["fp32_measured", "float64_strict"])
-@distributed(world_size=4, timeout=240)
-def test_training_demo_functions_match(dtype):
-    """The demo (examples/train_demo.py) as CI sees it: its own parallel and reference loops, and its
-    own pass criterion (fp32: a bound measured from two reordered single-process runs)."""
-    demo = load_example("train_demo")
-    args = demo.argparse.Namespace(dp=2, tp=2, no_sp=False, steps=6, batch=4, lr=3e-3, seed=3)
-    DEVICE_MESH.init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
-    torch.set_default_dtype(dtype)
-    cfg = demo.model_config()
-    data = demo.make_batches(cfg, args.steps, args.batch, args.seed)
-    torch.manual_seed(args.seed)
-    reference = demo.GPT(cfg)
-    losses, model = demo.train_parallel(copy.deepcopy(reference), data, args, "cpu")
-    ref_losses, ref_params = demo.train_reference(copy.deepcopy(reference), data, args, "cpu")
-    loss_tol = param_tol = None  # float64: the strict default
-    if dtype != STRICT_DTYPE:
-        loss_tol, param_tol = demo.measured_bounds(reference, data, args, "cpu", (ref_losses, ref_params))
-    assert_close(torch.tensor(losses), torch.tensor(ref_losses), name="demo losses", tol=loss_tol)
-    for name, p in model.named_parameters():
-        assert_close(p, ref_params[name], name=name, tol=param_tol)

@@ -15,7 +15,7 @@ is plain data: ``save_plan`` / ``load_plan`` write and read it as JSON.
 | name      | model                                   | module          |
 |-----------|-----------------------------------------|-----------------|
 | "mlp"     | the README's fc1 -> ReLU -> fc2 MLP      | ``plans.mlp``     |
-| "nanogpt" | ``examples/nanogpt.py``'s GPT            | ``plans.nanogpt`` |
+| "nanogpt" | ``examples/gpt/model.py``'s GPT          | ``plans.nanogpt`` |
 | "hf_llama"| transformers ``LlamaForCausalLM``        | ``plans.hf_llama``|
 | "hf_gpt2" | transformers ``GPT2LMHeadModel``         | ``plans.hf_gpt2`` |
 """

@@ -1,4 +1,4 @@
-"""Plan "nanogpt": the GPT of ``examples/nanogpt.py`` (separate q/k/v projections, tied lm_head).
+"""Plan "nanogpt": the GPT of ``examples/gpt/model.py`` (separate q/k/v projections, tied lm_head).
 
 Tensor parallel (Megatron layout), per block::
 
@@ -42,7 +42,7 @@ def nanogpt_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
     if model is not None:
         config = config_of(model, "nanogpt")
         require(hasattr(model, "transformer") and hasattr(model, "lm_head"), "nanogpt",
-                f"{type(model).__name__} is not the GPT of examples/nanogpt.py (no .transformer / .lm_head)")
+                f"{type(model).__name__} is not the GPT of examples/gpt/model.py (no .transformer / .lm_head)")
         require(config.n_embd % config.n_head == 0, "nanogpt",
                 f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
         bias = config.bias

@@ -11,7 +11,7 @@ parallelism without patches to its own code:
 ``lm_head`` is tied to ``wte`` by default (as in nanoGPT; ``GPTConfig(tie_weights=False)`` unties it).
 A floating-point input is taken as hidden states from a previous pipeline stage (see ``forward``).
 
-    sys.path.insert(0, "examples"); from nanogpt import GPT, GPTConfig   # a plain file, not a package
+    sys.path.insert(0, "examples/gpt"); from model import GPT, GPTConfig   # a plain file, not a package
     model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32))
     logits, loss = model(idx, targets)
 """

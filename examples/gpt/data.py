@@ -1,0 +1,56 @@
+"""Byte-level text data for the GPT job: every byte is a token (vocabulary 256, no tokenizer).
+
+The corpus is ``data/shakespeare.txt`` (see ``data/README.md``). It is cut into non-overlapping
+windows of ``block_size + 1`` bytes; a sample is one window (inputs: its first ``block_size`` bytes,
+targets: the same shifted by one). The samples form one global stream, the same at every mesh:
+epoch after epoch, a permutation of the windows drawn from ``(seed, epoch)``. A step trains on the
+next ``global_batch`` samples of the stream and each data-parallel rank reads only its contiguous
+slice of them (``ndweave.checkpoint.DataPosition.rank_slice``). The checkpoint holds the stream
+position, so a run resumed at another DP size trains on exactly the batches the uninterrupted run
+would have.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ndweave.checkpoint import DataPosition
+
+__all__ = ["CORPUS", "VOCAB_SIZE", "TextData"]
+
+CORPUS = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
+VOCAB_SIZE = 256
+
+
+class TextData:
+    """The corpus as windows of ``block_size + 1`` bytes, read in a seeded order."""
+
+    def __init__(self, block_size: int, seed: int, path: Path = CORPUS) -> None:
+        raw = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).long()
+        self.num_samples = (raw.numel() - 1) // (block_size + 1)
+        if self.num_samples < 1:
+            raise ValueError(f"{path} is shorter than one window of block_size + 1 = {block_size + 1} bytes")
+        self.windows = raw[: self.num_samples * (block_size + 1)].view(self.num_samples, block_size + 1)
+        self.seed = seed
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    def samples(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of stream positions ``[start, stop)`` (crossing epochs if need be)."""
+        positions = torch.arange(start, stop)
+        index = torch.empty_like(positions)
+        for epoch in (positions // self.num_samples).unique().tolist():
+            here = positions // self.num_samples == epoch
+            index[here] = self._order(epoch)[positions[here] % self.num_samples]
+        windows = self.windows[index]
+        return windows[:, :-1], windows[:, 1:]
+
+    def batch(self, position: DataPosition, global_batch: int, dp_rank: int = 0,
+              dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """This DP rank's slice of the next global batch (the position is advanced by the caller,
+        after the optimizer step)."""
+        part = position.rank_slice(global_batch, dp_rank, dp_size)
+        return self.samples(part.start, part.stop)

@@ -1,0 +1,125 @@
+"""What the GPT job shows (rank 0 only): the mesh and model at start, a progress bar, checkpoint
+lines, peak memory per rank, a loss-curve PNG and a summary; the single-device comparison; a sample
+of generated text."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+__all__ = ["compare", "finish", "progress", "sample", "say", "start", "step"]
+
+
+def start(mesh: Any, model: torch.nn.Module, args: argparse.Namespace) -> None:
+    count = sum(p.numel() for p in model.parameters())  # a tied weight once
+    describe = mesh.describe().splitlines()
+    print(describe[0].split(";")[0], "\n".join(describe[1:]), sep="\n")
+    pp, dp, tp = (mesh[d].size() for d in ("PP", "DP", "TP"))
+    print(f"GPT: {args.n_layer} layers, n_embd {args.n_embd}, {args.n_head} heads, block {args.block_size}, "
+          f"vocab 256 (bytes): {count / 1e6:.2f}M parameters, {args.dtype}")
+    print(f"PP={pp} ({args.schedule}, {args.micro_batches} micro-batches per DP rank), "
+          f"TP={tp}{'' if args.no_sp or tp == 1 else ' +SP'}, DP={dp} with ZeRO-1 (DistributedOptimizer); "
+          f"global batch {args.global_batch} x {args.block_size} tokens, {args.steps} steps")
+
+
+def say(text: str) -> None:
+    tqdm.write(text)
+
+
+def progress(start: int, last: int, show: bool) -> tqdm:
+    return tqdm(total=last, initial=start, disable=not show, desc="train", unit="step", dynamic_ncols=True)
+
+
+def step(bar: tqdm, loss: float, tokens: int, seconds: float) -> None:
+    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / seconds:,.0f}", step_ms=f"{seconds * 1e3:.0f}",
+                    refresh=False)
+    bar.update(1)
+
+
+def finish(result: Any, args: argparse.Namespace) -> None:
+    if args.quiet:
+        return
+    mib = [m / 2**20 for m in result.peak_memory]
+    kind = "host RSS" if args.device == "cpu" else "max allocated"
+    print(f"peak memory per rank ({kind}, MiB): " + " ".join(f"{m:.0f}" for m in mib))
+    if args.plot and result.losses:
+        _plot(result.losses, args)
+        print(f"loss curve: {args.plot}")
+    steps = sorted(result.losses)
+    final = result.losses[steps[-1]] if steps else float("nan")
+    print(f"done: mesh {result.mesh}, steps {steps[0] if steps else '-'}..{steps[-1] if steps else '-'}, "
+          f"final loss {final:.4f}, {result.seconds:.1f}s, {result.tokens_per_s:,.0f} tokens/s, "
+          f"peak memory {max(mib):.0f} MiB/rank")
+
+
+def _plot(losses: dict[int, float], args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(list(losses), list(losses.values()), label=f"mesh {args.mesh}")
+    ax.axhline(math.log(256), color="grey", linestyle=":", label="uniform over bytes (ln 256)")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title="GPT on Shakespeare, ndweave")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    plt.close(fig)
+
+
+def compare(result: Any, args: argparse.Namespace, single_device: Callable[[int, int], Any]) -> bool:
+    """Train the same steps on this process (``single_device(micro_batches, last_step)``) and
+    compare; the bound is measured here, from single-device runs that differ only in summation
+    order (float64: the strict tolerance)."""
+    from ndweave.mesh.testing import SAFETY, max_difference, measured_tolerance
+
+    if not result.losses:
+        print("nothing to compare: this run trained no steps")
+        return True
+    last = max(result.losses)
+    print(f"single-device reference: {last} steps on one process ...", flush=True)
+    runs = [single_device(k, last) for k in (1, 2, 4)]
+    steps = sorted(result.losses)
+
+    def losses(run):
+        return torch.tensor([run.losses[s] for s in steps], dtype=torch.float64)
+
+    gap = (losses(result) - losses(runs[0])).abs()
+    param_gap = max_difference(result.params, runs[0].params)
+    if args.dtype == "float64":
+        from ndweave.mesh.testing import STRICT
+
+        loss_bound = param_bound = STRICT.atol + STRICT.rtol * losses(runs[0]).abs().max().item()
+        how = "the float64 strict tolerance"
+    else:
+        loss_bound = measured_tolerance(losses(runs[0]), *(losses(r) for r in runs[1:])).atol
+        param_bound = measured_tolerance(runs[0].params, *(r.params for r in runs[1:])).atol
+        how = f"{SAFETY:g}x the spread of single-device runs that differ only in summation order"
+    for s, g in zip(steps, gap.tolist()):
+        if s == steps[0] or s == steps[-1] or s % max(1, len(steps) // 10) == 0:
+            print(f"  step {s:>5}: loss {result.losses[s]:.6f}  one process {runs[0].losses[s]:.6f}  |diff| {g:.2e}")
+    ok = gap.max().item() <= loss_bound and param_gap <= param_bound
+    print(f"max |loss difference| {gap.max().item():.2e} (bound {loss_bound:.1e}), max |parameter difference| "
+          f"{param_gap:.2e} (bound {param_bound:.1e}); bounds: {how}")
+    print("PASS: the parallel run matches single-device training" if ok else "FAIL: the runs differ")
+    return ok
+
+
+def sample(model: torch.nn.Module, args: argparse.Namespace, prompt: bytes = b"ROMEO:\n") -> str:
+    """``args.sample`` bytes the trained model (whole, on this process) writes after ``prompt``."""
+    model.eval()
+    idx = torch.tensor([list(prompt)])
+    g = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():
+        for _ in range(args.sample):
+            logits = model(idx[:, -args.block_size:])[0][0, -1].double() / 0.8  # temperature 0.8
+            idx = torch.cat([idx, torch.multinomial(torch.softmax(logits, -1), 1, generator=g)[None]], 1)
+    text = bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+    print("sample:\n" + text)
+    return text

@@ -1,0 +1,134 @@
+"""The main job, ``examples/gpt/train.py``, as users run it: its own training function on the test
+harness's ranks (float64) against its own single-device run, strict:
+
+* PP=2 x DP=2 on 4 ranks: every step's loss and the final parameters; PP=2 x TP=2 in fp32 through
+  ``--compare-single-device``'s own measured bound;
+* PP=2 x DP=2 x TP(+SP)=2 on 8 ranks, stopped at step 2 with a checkpoint, resumed at DP=4 on 4
+  ranks up to step 3, then on one rank up to step 4: each part's losses are the uninterrupted
+  run's (the checkpoint holds step, data position, lr schedule, RNG), and so are the parameters;
+* the real launcher: two torchrun agents ("nodes") on loopback with c10d rendezvous.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from integration_models import ROOT, load_example
+from ndweave.mesh.testing import assert_close, run_distributed
+
+job = load_example("gpt/train")
+TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16", "--global-batch", "8",
+        "--micro-batches", "2", "--warmup", "2", "--lr", "1e-2", "--min-lr", "1e-3", "--clip", "0.5",
+        "--dtype", "float64", "--quiet", "--plot", ""]
+
+
+def _args(*extra: str):
+    return job.parse_args([*TINY, *extra])
+
+
+def _run(argv: list[str]):
+    return job.train(job.parse_args(argv))
+
+
+def _check(result, reference, what):
+    assert result.losses, what
+    steps = sorted(result.losses)
+    assert_close(torch.tensor([result.losses[s] for s in steps], dtype=torch.float64),
+                 torch.tensor([reference.losses[s] for s in steps], dtype=torch.float64),
+                 name=f"{what}: losses of steps {steps}")
+
+
+def _check_params(result, reference, what):
+    assert set(result.params) == set(reference.params)
+    for name, p in result.params.items():
+        assert_close(p, reference.params[name], name=f"{what}: {name}")
+
+
+@pytest.mark.parity
+def test_job_on_pp2_dp2_matches_one_process(tmp_path):
+    argv = [*TINY, "--mesh", "pp=2,dp=2", "--steps", "3", "--schedule", "gpipe", "--checkpoint-dir", str(tmp_path)]
+    results = run_distributed(_run, 4, argv, timeout=300)
+    reference = job.train_single_device(job.parse_args(argv))
+    for rank, result in enumerate(results):
+        _check(result, reference, f"PP=2 x DP=2, rank {rank}")
+        _check_params(result, reference, f"PP=2 x DP=2, rank {rank}")
+
+
+@pytest.mark.parity
+def test_compare_single_device_in_fp32_passes_its_measured_bound(tmp_path, capsys):
+    """What ``--compare-single-device`` prints and decides, for an fp32 run on PP=2 x TP(+SP)=2."""
+    argv = [*TINY, "--dtype", "fp32", "--mesh", "pp=2,tp=2", "--steps", "3", "--checkpoint-dir", str(tmp_path)]
+    result = run_distributed(_run, 4, argv, timeout=300)[0]
+    args = job.parse_args(argv)
+    assert job.report.compare(result, args, lambda k, last: job.train_single_device(args, k, last))
+    assert "PASS" in capsys.readouterr().out
+
+
+@pytest.mark.parity
+def test_job_on_eight_ranks_resumes_at_dp4_and_on_one_process(tmp_path):
+    base = [*TINY, "--steps", "4", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0"]
+    uninterrupted = job.train_single_device(_args("--steps", "4"))
+    at_two = job.train_single_device(_args("--steps", "4"), last=2)
+
+    first = run_distributed(_run, 8, [*base, "--mesh", "pp=2,dp=2,tp=2", "--stop-at", "2"], timeout=400)[0]
+    assert sorted(first.losses) == [1, 2]
+    _check(first, uninterrupted, "PP=2 x DP=2 x TP=2")
+    _check_params(first, at_two, "PP=2 x DP=2 x TP=2 at step 2")
+
+    second = run_distributed(_run, 4, [*base, "--mesh", "dp=4", "--resume", "--stop-at", "3"], timeout=300)[0]
+    assert sorted(second.losses) == [3]
+    _check(second, uninterrupted, "resumed at DP=4")
+
+    third = run_distributed(_run, 1, [*base, "--mesh", "dp=1", "--resume"], timeout=300)[0]
+    assert sorted(third.losses) == [4]
+    _check(third, uninterrupted, "resumed on one process")
+    _check_params(third, uninterrupted, "resumed on one process, step 4")
+
+
+def test_mesh_flag_errors_name_the_fix():
+    assert job.parse_mesh("pp=2,dp=-1,tp=2", 16) == {"PP": 2, "DP": 4, "TP": 2}
+    assert job.parse_mesh("tp=2", 2) == {"PP": 1, "DP": 1, "TP": 2}
+    with pytest.raises(ValueError, match="needs 8 processes but the world has 4"):
+        job.parse_mesh("pp=2,dp=2,tp=2", 4)
+    with pytest.raises(ValueError, match="does not divide the world of 6"):
+        job.parse_mesh("pp=2,dp=-1,tp=2", 6)
+    with pytest.raises(ValueError, match="expected pp=N"):
+        job.parse_mesh("cp=2", 2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_nodes_on_loopback(tmp_path):
+    """Two torchrun agents, as on two machines (node ranks 0 and 1), 2 processes each, c10d
+    rendezvous on 127.0.0.1: the job runs PP=2 x DP=2 across them and prints its summary."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(p) for p in sorted((ROOT / "packages").glob("*/src"))]
+                                         + [os.environ.get("PYTHONPATH", "")])}
+    train = [str(ROOT / "examples" / "gpt" / "train.py"), *TINY[:-3], "--dtype", "fp32", "--mesh", "pp=2,dp=-1",
+             "--steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--plot", str(tmp_path / "loss.png")]
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "gpt-job",
+         "--node-rank", str(node), *train],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    try:
+        outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+    for node, (agent, out) in enumerate(zip(agents, outputs)):
+        assert agent.returncode == 0, f"node {node} exited with {agent.returncode}:\n{out[-4000:]}"
+    summary = [line for out in outputs for line in out.splitlines() if line.startswith("done: ")]
+    assert len(summary) == 1 and "PP=2 x DP=2 x TP=1" in summary[0], outputs
+    assert (tmp_path / "loss.png").stat().st_size > 0
