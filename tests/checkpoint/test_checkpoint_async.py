@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from checkpoint_cases import Fused, assert_same
-from ndweave.checkpoint import CheckpointError, load, save
+from ndweave.checkpoint import CheckpointError, CheckpointManager, StagingBuffers, load, save
 from ndweave.checkpoint.pieces import PieceSavePlanner
 from ndweave.checkpoint.staging import StagingGate
 from ndweave.mesh.testing import full_tensor, run_distributed
@@ -153,6 +153,26 @@ def test_a_failed_copy_raises_from_the_next_step_and_from_wait(tmp_path):
         with pytest.raises(CheckpointError, match="out of host memory"):
             handle.wait_staged()
     assert not os.path.exists(tmp_path / "a") and _gates(optimizer) == []
+
+
+def test_reused_buffers_hold_each_save_own_values(tmp_path):
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, optimizer, seed=0)
+    manager = CheckpointManager(tmp_path, keep_last=None, async_checkpoint=True, reuse_buffers=True)
+    expected = {}
+    for step in (1, 2, 3):
+        expected[step] = _snapshot(model, optimizer)
+        manager.save(step, {"model": model, "optimizer": optimizer})
+        kept = {id(b) for b in manager.buffers._buffers.values()}
+        _train(model, optimizer, seed=step)  # waits for the copy, then changes every saved tensor
+    manager.save(4, {"model": model}).wait()  # another state: the optimizer's buffers are dropped
+    assert kept and {id(b) for b in manager.buffers._buffers.values()} < kept  # the model's reused
+    assert manager.buffers.nbytes == sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    for step in (1, 2, 3):
+        other = _model()
+        assert_same(_reloaded(manager.path(step), other, torch.optim.AdamW(other.parameters(), lr=0.1)),
+                     expected[step])
 
 
 def _train_sharded(model: Fused, optimizer: torch.optim.Optimizer, seed: int) -> None:

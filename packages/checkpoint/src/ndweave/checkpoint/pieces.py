@@ -28,6 +28,8 @@ from torch.distributed.tensor import DTensor
 from ndweave.mesh.contracts import ShardLayout, StatePiece
 from ndweave.mesh.torch_compat import StridedShard, local_tensor
 
+from ndweave.checkpoint.buffers import StagingBuffers
+
 __all__ = ["PieceLoadPlanner", "PieceSavePlanner", "PieceSet", "needs_pieces"]
 
 
@@ -106,8 +108,9 @@ class PieceSavePlanner(DefaultSavePlanner):
     :meth:`stage` (and :meth:`stage_deferred`), every item this rank writes is resolved from a
     private copy, so the live tensors may change while the files are written."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffers: StagingBuffers | None = None) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
+        self._buffers = buffers
         self._staged: dict[MetadataIndex, torch.Tensor | io.BytesIO] = {}
         self._deferred: list[WriteItem] = []
 
@@ -137,12 +140,12 @@ class PieceSavePlanner(DefaultSavePlanner):
                 if defer is not None and defer(data):
                     self._deferred.append(item)
                     continue
-                data = _host_copy(data)
+                data = self._host_copy(item.index, data)
             else:
                 held += data.getbuffer().nbytes
             self._staged[item.index] = data
         if not self._deferred:
-            self.state_dict = {}  # drop the references to live state: only the copies are written
+            self._staging_done()
         return held
 
     @property
@@ -153,14 +156,20 @@ class PieceSavePlanner(DefaultSavePlanner):
     def stage_deferred(self) -> None:
         """Copy the tensors :meth:`stage` left live; after it, nothing written refers to live state."""
         for item in self._deferred:
-            self._staged[item.index] = _host_copy(super().resolve_data(item))
+            self._staged[item.index] = self._host_copy(item.index, super().resolve_data(item))
         self._deferred.clear()
-        self.state_dict = {}
+        self._staging_done()
 
+    def _host_copy(self, index: MetadataIndex, tensor: torch.Tensor) -> torch.Tensor:
+        if self._buffers is not None:
+            return self._buffers.copy(index, tensor)
+        # a fresh contiguous host tensor: a view would drag its whole storage into the file
+        return tensor.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    # a fresh contiguous host tensor: a view would drag its whole storage into the file
-    return tensor.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+    def _staging_done(self) -> None:
+        self.state_dict = {}  # drop the references to live state: only the copies are written
+        if self._buffers is not None:
+            self._buffers.release_unused()
 
 
 class PieceLoadPlanner(DefaultLoadPlanner):

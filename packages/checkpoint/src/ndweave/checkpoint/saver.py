@@ -31,6 +31,7 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 
+from ndweave.checkpoint.buffers import StagingBuffers
 from ndweave.checkpoint.commit import SaveCommit
 from ndweave.checkpoint.coordination import broadcast, coordinate, rank, world_size
 from ndweave.checkpoint.entries import entry_kind, saved_state
@@ -126,7 +127,7 @@ def _joined(everyone: list[dict[str, list[str]]]) -> dict[str, list[str]]:
 
 
 def save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoint: bool = False,
-         timeout: float = DEFAULT_TIMEOUT_S) -> SaveHandle:
+         timeout: float = DEFAULT_TIMEOUT_S, buffers: StagingBuffers | None = None) -> SaveHandle:
     """Save ``state`` to the folder ``path`` from every rank (a collective).
 
     ``state`` maps names to models (``nn.Module``s, or lists of a model's chunks), optimizers
@@ -149,15 +150,18 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoint: bo
             needs ``handle.wait_staged()`` first. The next ``save`` in this process waits for this
             one.
         timeout: seconds the ranks wait for each other to finish writing.
+        buffers: host buffers an async save copies into and keeps for the next save given them
+            (:class:`StagingBuffers`: faster copies, for this rank's share of host memory held
+            between saves); default: fresh memory, freed once the files are written.
 
     Returns:
         a :class:`SaveHandle`; ``handle.wait()`` returns once the checkpoint is committed.
     """
-    return start_save(path, state, async_checkpoint=async_checkpoint, timeout=timeout)
+    return start_save(path, state, async_checkpoint=async_checkpoint, timeout=timeout, buffers=buffers)
 
 
 def start_save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoint: bool, timeout: float,
-               on_commit: Callable[[], None] | None = None) -> SaveHandle:
+               on_commit: Callable[[], None] | None = None, buffers: StagingBuffers | None = None) -> SaveHandle:
     """:func:`save`, with ``on_commit`` run by rank 0 right after the commit (retention)."""
     _wait_for_previous_saves()
     optimizers = optimizers_of(state) if isinstance(state, dict) else []
@@ -165,7 +169,7 @@ def start_save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoi
     path = Path(path)
     me, world = rank(), world_size()
     commit = SaveCommit(path, broadcast(uuid.uuid4().hex), me, world, timeout)
-    planner = PieceSavePlanner()
+    planner = PieceSavePlanner(buffers if async_checkpoint else None)
     writer = FileSystemWriter(commit.staging)
 
     def local_plan():
