@@ -237,5 +237,11 @@ def start_save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoi
         write_and_commit()
 
     thread = _SaveThread(stage_write_and_commit, path, gate)
-    thread.start()
+    try:
+        thread.start()
+    except BaseException as error:
+        commit.report_failed("".join(traceback.format_exception(error)))
+        if gate is not None:  # no thread will open it: the next step() raises instead of waiting forever
+            gate.finish(error)
+        raise
     return SaveHandle(path, thread, staged)
