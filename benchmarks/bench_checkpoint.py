@@ -12,10 +12,18 @@ every timing from a barrier to a barrier, so the slowest rank sets it):
 * ``raw write``: each rank writes its shards' bytes to one file and fsyncs it (the floor);
 * ``ndweave save, pieces``: the same tensors as a sharded optimizer holds them, flat ranges of the
   global tensor cutting rows anywhere (``StatePiece``s, which plain DCP cannot save);
-* ``ndweave async``: the time ``save(..., async_checkpoint=True)`` blocks (planning plus the copy
-  off the live tensors), against the sync save; ``staged MB`` is the extra host memory it holds
-  per rank until the files are written;
-* ``ndweave load`` / ``dcp.load``: reading it back into the same layout.
+* ``ndweave load`` / ``dcp.load``: reading it back into the same layout; also the CPU time of the
+  busiest rank (all its threads), which a busy machine disturbs less than the wall time.
+
+The saved state is a training state: the tensors as the parameters of a module and an optimizer
+(SGD) over them, ``{"model": module, "optimizer": optimizer}`` (their state dicts for plain DCP).
+Async saving is measured as a user feels it, in a loop of simulated training steps: ``--step-ms``
+of matmuls that do not touch the saved tensors, then ``optimizer.step()`` updating all of them in
+place. ``async: blocks for`` is the extra time a step with ``save(..., async_checkpoint=True)`` in
+front takes over a step without, against the extra time of a step with a sync save; ``then`` is the
+extra time of the ``--after`` following steps plus ``wait()`` (the files being written beside
+training); ``staged MB`` the extra host memory the save holds per rank until its files are written.
+Both with fresh host memory (the default) and with ``StagingBuffers`` reused from earlier saves.
 
 ``ours/this`` is ndweave's time over the row's: below 1 means ndweave is faster.
 """
@@ -32,13 +40,16 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from common import init_rank, spawn, sync
 
-OPS = ("ndweave save", "dcp.save", "raw write", "ndweave save, pieces", "ndweave async (blocking)",
-       "ndweave load", "dcp.load")
+OPS = ("ndweave save", "dcp.save", "raw write", "ndweave save, pieces", "ndweave load", "dcp.load")
+LOADS = ("ndweave load", "dcp.load")
+STEPS = ("step", "step + sync save", "step + async save", "after async save", "step + async save, reused buffers",
+         "after async save, reused buffers")
 
 
 class _Pieces:
@@ -60,14 +71,44 @@ class _Pieces:
         self.pieces = dict(state_dict)
 
 
-def _timed(device, fn) -> float:
+class _Training:
+    """The saved tensors as parameters, an SGD over them (fixed grads), and a step: ``matmuls``
+    products of a ``size`` x ``size`` matrix that touch no saved tensor, then ``optimizer.step()``."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device, step_ms: float, size: int = 256) -> None:
+        self.module = nn.ParameterDict({name: nn.Parameter(t) for name, t in tensors.items()})
+        for p in self.module.parameters():
+            p.grad = torch.full_like(p, 1e-6)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=1e-3)
+        self.state = {"model": self.module, "optimizer": self.optimizer}
+        self.x = torch.randn(size, size, device=device)
+        self.matmuls = 1
+        per = _timed(device, lambda: [self.x @ self.x for _ in range(20)])[0] / 20
+        count = torch.tensor([max(1, round(step_ms / 1e3 / per))])
+        dist.broadcast(count, 0)  # every rank does the same work
+        self.matmuls = int(count)
+
+    def dcp_state(self) -> dict:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def step(self) -> None:
+        for _ in range(self.matmuls):
+            self.x @ self.x
+        self.optimizer.step()
+
+
+def _timed(device, fn) -> tuple[float, float]:
+    """Wall time barrier to barrier, and the CPU time ``fn`` took on the busiest rank."""
     dist.barrier()
     sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
     sync(device)
+    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
     dist.barrier()
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
+    return wall, float(cpu)
 
 
 def _raw_write(path: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -79,7 +120,7 @@ def _raw_write(path: str, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _worker(rank: int, world: int, port: int, args, folder: str, queue) -> None:
-    from ndweave.checkpoint import load, save
+    from ndweave.checkpoint import StagingBuffers, load, save
 
     device = init_rank(rank, world, port, args.device, args.threads)
     mesh = init_device_mesh(device.type, (world,))
@@ -88,37 +129,55 @@ def _worker(rank: int, world: int, port: int, args, folder: str, queue) -> None:
     tensors = {f"w{i}": distribute_tensor(torch.randn(rows, 1024, generator=g).to(device), mesh, [Shard(0)])
                for i in range(args.tensors)}
     pieces = _Pieces(tensors, rank, world)
-    times: dict[str, list[float]] = {op: [] for op in OPS}
+    train = _Training(tensors, device, args.step_ms)
+    buffers = StagingBuffers()  # touched once here, as by a run's earlier saves
+    save(f"{folder}/warm-up", train.state, async_checkpoint=True, buffers=buffers).wait()
+    times: dict[str, list[float]] = {op: [] for op in (*OPS, *STEPS)}
+    cpu: dict[str, list[float]] = {op: [] for op in LOADS}
     staged = 0
     for r in range(args.rounds):
         def path(name: str) -> str:
             return f"{folder}/{name}-{r}"
 
-        saves = [("ndweave save", lambda: save(path("ours"), {"model": tensors})),
-                 ("dcp.save", lambda: dcp.save({"model": tensors}, checkpoint_id=path("dcp")))]
+        def timed(op: str, fn) -> None:
+            wall, busiest = _timed(device, fn)
+            times[op].append(wall)
+            if op in cpu:
+                cpu[op].append(busiest)
+
+        saves = [("ndweave save", lambda: save(path("ours"), train.state)),
+                 ("dcp.save", lambda: dcp.save(train.dcp_state(), checkpoint_id=path("dcp")))]
         for op, fn in saves if r % 2 == 0 else saves[::-1]:  # alternate who goes first
-            times[op].append(_timed(device, fn))
+            timed(op, fn)
         if rank == 0:
             os.makedirs(path("raw"), exist_ok=True)
         dist.barrier()
-        times["raw write"].append(_timed(device, lambda: _raw_write(f"{path('raw')}/{rank}.bin", tensors)))
-        times["ndweave save, pieces"].append(_timed(device, lambda: save(path("pieces"), {"optimizer": pieces})))
-        handles = []
-        times["ndweave async (blocking)"].append(
-            _timed(device, lambda: handles.append(save(path("async"), {"model": tensors}, async_checkpoint=True))))
-        staged = handles[0].staged_bytes
-        handles[0].wait()
-        loads = [("ndweave load", lambda: load(path("ours"), {"model": tensors})),
-                 ("dcp.load", lambda: dcp.load({"model": tensors}, checkpoint_id=path("dcp")))]
+        timed("raw write", lambda: _raw_write(f"{path('raw')}/{rank}.bin", tensors))
+        timed("ndweave save, pieces", lambda: save(path("pieces"), {"optimizer": pieces}))
+        loads = [("ndweave load", lambda: load(path("ours"), train.state)),
+                 ("dcp.load", lambda: dcp.load(train.dcp_state(), checkpoint_id=path("dcp")))]
         for op, fn in loads if r % 2 == 0 else loads[::-1]:
-            times[op].append(_timed(device, fn))
+            timed(op, fn)
+
+        plain = [_timed(device, train.step)[0] for _ in range(3)]
+        times["step"].append(statistics.median(plain))
+        timed("step + sync save", lambda: (save(path("sync"), train.state), train.step()))
+        for suffix, kept in (("", None), (", reused buffers", buffers)):
+            handles = []
+            timed(f"step + async save{suffix}", lambda: (
+                handles.append(save(path(f"async{suffix}"), train.state, async_checkpoint=True, buffers=kept)),
+                train.step()))
+            after = [_timed(device, train.step)[0] for _ in range(args.after)] + [_timed(device, handles[0].wait)[0]]
+            times[f"after async save{suffix}"].append(sum(after))
+        staged = handles[0].staged_bytes
         dist.barrier()
         if rank == 0:
-            for name in ("ours", "dcp", "raw", "pieces", "async"):
+            for name in ("ours", "dcp", "raw", "pieces", "sync", "async", "async, reused buffers"):
                 shutil.rmtree(path(name), ignore_errors=True)
     if rank == 0:
-        queue.put({"times": {op: statistics.median(ts) for op, ts in times.items()}, "staged": staged,
-                   "bytes": sum(t.numel() * t.element_size() for t in tensors.values())})
+        queue.put({"times": {op: statistics.median(ts) for op, ts in times.items()},
+                   "cpu": {op: statistics.median(ts) for op, ts in cpu.items()}, "staged": staged,
+                   "matmuls": train.matmuls, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -131,6 +190,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--step-ms", type=float, default=40.0, help="matmul time of a simulated training step")
+    parser.add_argument("--after", type=int, default=3, help="steps timed after the async save's step")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     print(f"{args.mb:.0f} MB of float32 in {args.tensors} Shard(0) DTensors, {args.device}, {args.rounds} rounds")
@@ -140,14 +201,26 @@ def main() -> None:
             result = spawn(_worker, world, args, folder)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        t, gb = result["times"], result["bytes"] / 1e9
+        t, c, gb = result["times"], result["cpu"], result["bytes"] / 1e9
         print(f"\nworld {world}")
-        print(f"{'':26} {'ms':>9} {'GB/s':>7} {'ours/this':>9}")
+        print(f"{'':26} {'ms':>9} {'GB/s':>7} {'ours/this':>9} {'CPU ms':>9} {'ours/this':>9}")
         for op in OPS:
             ours = t["ndweave load"] if "load" in op else t["ndweave save"]
-            print(f"{op:26} {t[op] * 1e3:9.1f} {gb / t[op]:7.2f} {ours / t[op]:9.2f}")
-        print(f"async save blocks for {t['ndweave async (blocking)'] / t['ndweave save']:.0%} of a sync save; "
-              f"staged host memory {result['staged'] / 2**20:.1f} MB per rank")
+            line = f"{op:26} {t[op] * 1e3:9.1f} {gb / t[op]:7.2f} {ours / t[op]:9.2f}"
+            if op in c:
+                line += f" {c[op] * 1e3:9.1f} {c['ndweave load'] / c[op]:9.2f}"
+            print(line)
+        step = t["step"]
+        print(f"training step ({result['matmuls']} matmuls + SGD step) {step * 1e3:.1f} ms; "
+              f"with an async save in front {t['step + async save'] * 1e3:.1f} ms; with a sync save "
+              f"{t['step + sync save'] * 1e3:.1f} ms")
+        sync_save = t["step + sync save"] - step
+        for suffix in ("", ", reused buffers"):
+            blocked = t[f"step + async save{suffix}"] - step
+            then = t[f"after async save{suffix}"] - args.after * step
+            print(f"async{suffix}: blocks for {blocked / sync_save:.0%} of a sync save ({blocked * 1e3:.1f} of "
+                  f"{sync_save * 1e3:.1f} ms); then {then * 1e3:.1f} ms over the next {args.after} steps + wait()")
+        print(f"staged host memory {result['staged'] / 2**20:.1f} MB per rank")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ atomic commits; asynchronous saves; ``CheckpointManager`` for step folders; ``ex
 file or HF-style safetensors; ``DataPosition`` to resume the data at any data-parallel size.
 """
 
+from ndweave.checkpoint.buffers import StagingBuffers
 from ndweave.checkpoint.data_position import DataPosition, PositionSampler, rank_slice
 from ndweave.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from ndweave.checkpoint.exporter import export
@@ -24,6 +25,7 @@ __all__ = [
     "LoadResult",
     "PositionSampler",
     "SaveHandle",
+    "StagingBuffers",
     "__version__",
     "export",
     "load",

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ndweave.checkpoint.buffers import StagingBuffers
 from ndweave.checkpoint.commit import is_complete
 from ndweave.checkpoint.coordination import broadcast
 from ndweave.checkpoint.loader import LoadResult, load
@@ -39,15 +40,20 @@ class CheckpointManager:
         root: the folder holding the step folders (created on the first save).
         keep_last: how many complete checkpoints to keep.
         async_checkpoint: default for :meth:`save`.
+        reuse_buffers: asynchronous saves copy into host buffers kept for the next save
+            (:class:`~ndweave.checkpoint.StagingBuffers`): faster copies, for this rank's share of
+            the checkpoint held in host memory between saves.
         timeout: seconds the ranks wait for each other while saving.
     """
 
     def __init__(self, root: str | os.PathLike, keep_last: int | None = 3, *, async_checkpoint: bool = False,
-                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout: float = DEFAULT_TIMEOUT_S, reuse_buffers: bool = False) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1 (or None to keep every checkpoint), got {keep_last}")
         self.root, self.keep_last = Path(root), keep_last
         self.async_checkpoint, self.timeout = async_checkpoint, timeout
+        self.buffers = StagingBuffers() if reuse_buffers else None
+        """The host buffers asynchronous saves reuse (``reuse_buffers=True``), else ``None``."""
         self.last_load: LoadResult | None = None
         """What the last :meth:`load_latest` left out (with ``strict=False``)."""
 
@@ -74,7 +80,7 @@ class CheckpointManager:
         is committed rank 0 applies the retention and removes what crashed saves left."""
         asynchronous = self.async_checkpoint if async_checkpoint is None else async_checkpoint
         return start_save(self.path(step), state, async_checkpoint=asynchronous, timeout=self.timeout,
-                          on_commit=self._clean)
+                          on_commit=self._clean, buffers=self.buffers)
 
     def load_latest(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
         """Load the newest complete checkpoint into ``state`` (a collective: every rank loads the one

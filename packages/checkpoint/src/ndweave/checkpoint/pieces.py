@@ -16,7 +16,7 @@ alone. What lands on disk is an ordinary chunked tensor: plain ``dcp.load`` read
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,8 @@ from torch.distributed.tensor import DTensor
 
 from ndweave.mesh.contracts import ShardLayout, StatePiece
 from ndweave.mesh.torch_compat import StridedShard, local_tensor
+
+from ndweave.checkpoint.buffers import StagingBuffers
 
 __all__ = ["PieceLoadPlanner", "PieceSavePlanner", "PieceSet", "needs_pieces"]
 
@@ -103,12 +105,14 @@ def needs_pieces(tensor: Any) -> bool:
 
 class PieceSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, plus boxes of :class:`PieceSet` leaves, plus staging: after
-    :meth:`stage`, every item this rank writes is resolved from a private copy, so the live tensors
-    may change while the files are written."""
+    :meth:`stage` (and :meth:`stage_deferred`), every item this rank writes is resolved from a
+    private copy, so the live tensors may change while the files are written."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffers: StagingBuffers | None = None) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
+        self._buffers = buffers
         self._staged: dict[MetadataIndex, torch.Tensor | io.BytesIO] = {}
+        self._deferred: list[WriteItem] = []
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict.get(index.fqn)
@@ -124,21 +128,48 @@ class PieceSavePlanner(DefaultSavePlanner):
             return staged
         return super().resolve_data(write_item)
 
-    def stage(self) -> int:
+    def stage(self, defer: Callable[[torch.Tensor], bool] | None = None) -> int:
         """Copy everything this rank's final plan writes off the live state (tensors to host memory,
-        other values serialized now); returns the bytes held. Call after ``finish_plan``."""
+        other values serialized now), except the tensors ``defer`` picks: those stay live until
+        :meth:`stage_deferred`. Returns the bytes held once all is staged. Call after ``finish_plan``."""
         held = 0
         for item in self.plan.items:
             data = super().resolve_data(item)
             if isinstance(data, torch.Tensor):
-                # a fresh contiguous host tensor: a view would drag its whole storage into the file
-                data = data.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
                 held += data.numel() * data.element_size()
+                if defer is not None and defer(data):
+                    self._deferred.append(item)
+                    continue
+                data = self._host_copy(item.index, data)
             else:
                 held += data.getbuffer().nbytes
             self._staged[item.index] = data
-        self.state_dict = {}  # drop the references to live state: only the copies are written
+        if not self._deferred:
+            self._staging_done()
         return held
+
+    @property
+    def deferred(self) -> bool:
+        """Whether :meth:`stage` left tensors live for :meth:`stage_deferred`."""
+        return bool(self._deferred)
+
+    def stage_deferred(self) -> None:
+        """Copy the tensors :meth:`stage` left live; after it, nothing written refers to live state."""
+        for item in self._deferred:
+            self._staged[item.index] = self._host_copy(item.index, super().resolve_data(item))
+        self._deferred.clear()
+        self._staging_done()
+
+    def _host_copy(self, index: MetadataIndex, tensor: torch.Tensor) -> torch.Tensor:
+        if self._buffers is not None:
+            return self._buffers.copy(index, tensor)
+        # a fresh contiguous host tensor: a view would drag its whole storage into the file
+        return tensor.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+
+    def _staging_done(self) -> None:
+        self.state_dict = {}  # drop the references to live state: only the copies are written
+        if self._buffers is not None:
+            self._buffers.release_unused()
 
 
 class PieceLoadPlanner(DefaultLoadPlanner):

@@ -1,0 +1,204 @@
+"""Asynchronous saves copy parameters and optimizer state in the background: training goes on at
+once, each optimizer's next ``step()`` waits for the copy (a step pre-hook), and the checkpoint
+holds the values of the moment ``save`` was called. The copy is slowed down here, so a step that did
+not wait, or a buffer copied late, would change what is saved."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from checkpoint_cases import Fused, assert_same
+from ndweave.checkpoint import CheckpointError, CheckpointManager, StagingBuffers, load, save
+from ndweave.checkpoint.pieces import PieceSavePlanner
+from ndweave.checkpoint.staging import StagingGate
+from ndweave.mesh.testing import full_tensor, run_distributed
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    """One step: forward updates BatchNorm's running stats, ``step()`` params and Adam's state."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(seed))
+    optimizer.zero_grad()
+    model(x).square().mean().backward()
+    optimizer.step()
+
+
+def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every saved tensor by name: the module's state dict and the optimizer's state by FQN."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {f"model.{k}": full_tensor(v).clone() for k, v in model.state_dict().items()}
+    for param, entry in optimizer.state.items():
+        out.update({f"optimizer.{names[id(param)]}.{k}": full_tensor(v).clone() for k, v in entry.items()})
+    return out
+
+
+def _reloaded(folder, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    load(folder, {"model": model, "optimizer": optimizer})
+    return _snapshot(model, optimizer)
+
+
+class _SlowCopy:
+    """Patch the background copy: ``delay`` seconds first (or raise ``error``); records when it ended."""
+
+    def __init__(self, delay: float = 0.0, error: BaseException | None = None) -> None:
+        self.delay, self.error, self.finished_at = delay, error, None
+        self.original = PieceSavePlanner.stage_deferred
+
+    def __enter__(self) -> _SlowCopy:
+        def stage_deferred(planner):
+            time.sleep(self.delay)
+            if self.error is not None:
+                raise self.error
+            self.original(planner)
+            self.finished_at = time.perf_counter()
+
+        PieceSavePlanner.stage_deferred = stage_deferred
+        return self
+
+    def __exit__(self, *exc) -> None:
+        PieceSavePlanner.stage_deferred = self.original
+
+
+def _gates(optimizer: torch.optim.Optimizer) -> list[StagingGate]:
+    """The save hooks an optimizer holds (its pre-hook dict, reached through a probe's handle)."""
+    probe = optimizer.register_step_pre_hook(lambda *args: None)
+    hooks = list(probe.hooks_dict_ref().values())
+    probe.remove()
+    return [h for h in hooks if isinstance(h, StagingGate)]
+
+
+def test_training_right_after_an_async_save_does_not_change_what_it_writes(tmp_path):
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, optimizer, seed=0)  # Adam's state exists
+    expected = _snapshot(model, optimizer)
+    step_began: list[float] = []
+    with _SlowCopy(delay=0.4) as copy:
+        handle = save(tmp_path / "a", {"model": model, "optimizer": optimizer}, async_checkpoint=True)
+        assert not handle.done() and len(_gates(optimizer)) == 1
+        # registered after the save's hook: runs once that one let the step through
+        optimizer.register_step_pre_hook(lambda *args: step_began.append(time.perf_counter()))
+        for seed in (1, 2):  # forwards (running stats) while the copy runs, then the steps
+            _train(model, optimizer, seed)
+        handle.wait()
+    assert copy.finished_at is not None and step_began[0] >= copy.finished_at
+    assert _gates(optimizer) == []  # wait() removed the hook
+    assert not torch.equal(model[1].running_mean, expected["model.1.running_mean"])  # training went on
+    other = _model()
+    assert_same(_reloaded(tmp_path / "a", other, torch.optim.AdamW(other.parameters(), lr=0.1)), expected)
+
+
+def test_without_an_optimizer_everything_is_copied_before_returning(tmp_path):
+    model = _model()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with _SlowCopy(error=AssertionError("nothing may be left for the background copy")):
+        handle = save(tmp_path / "a", {"model": model, "step": torch.tensor(3)}, async_checkpoint=True)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-3.0)
+        handle.wait()
+    other = _model()
+    load(tmp_path / "a", {"model": other})
+    assert_same(other.state_dict(), expected)
+
+
+def test_wait_staged_lets_tensors_be_changed_by_hand_and_later_saves_remove_finished_hooks(tmp_path):
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, optimizer, seed=0)
+    expected = _snapshot(model, optimizer)
+    with _SlowCopy(delay=0.3):
+        handle = save(tmp_path / "a", {"model": model, "optimizer": optimizer}, async_checkpoint=True)
+        handle.wait_staged()  # e.g. before an EMA update of the weights
+        assert _gates(optimizer) == []
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+        handle.wait()
+    other = _model()
+    assert_same(_reloaded(tmp_path / "a", other, torch.optim.AdamW(other.parameters(), lr=0.1)), expected)
+
+    # nobody waits: the finished hook stays a no-op until the next save of the same optimizer
+    first = save(tmp_path / "b", {"model": model, "optimizer": optimizer}, async_checkpoint=True)
+    _train(model, optimizer, seed=1)
+    assert len(_gates(optimizer)) == 1 and _gates(optimizer)[0].finished()
+    save(tmp_path / "c", {"model": model, "optimizer": optimizer}, async_checkpoint=True).wait()
+    assert first.done() and _gates(optimizer) == []
+
+
+def test_a_failed_copy_raises_from_the_next_step_and_from_wait(tmp_path):
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, optimizer, seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with _SlowCopy(error=OSError("out of host memory")):
+        handle = save(tmp_path / "a", {"model": model, "optimizer": optimizer}, async_checkpoint=True)
+        with pytest.raises(CheckpointError, match="out of host memory"):
+            optimizer.step()  # raised before the step changed anything
+        assert_same(model.state_dict(), before)
+        _train(model, optimizer, seed=1)  # reported once: training may go on
+        with pytest.raises(CheckpointError, match="out of host memory"):
+            handle.wait()
+        with pytest.raises(CheckpointError, match="out of host memory"):
+            handle.wait_staged()
+    assert not os.path.exists(tmp_path / "a") and _gates(optimizer) == []
+
+
+def test_reused_buffers_hold_each_save_own_values(tmp_path):
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, optimizer, seed=0)
+    manager = CheckpointManager(tmp_path, keep_last=None, async_checkpoint=True, reuse_buffers=True)
+    expected = {}
+    for step in (1, 2, 3):
+        expected[step] = _snapshot(model, optimizer)
+        manager.save(step, {"model": model, "optimizer": optimizer})
+        kept = {id(b) for b in manager.buffers._buffers.values()}
+        _train(model, optimizer, seed=step)  # waits for the copy, then changes every saved tensor
+    manager.save(4, {"model": model}).wait()  # another state: the optimizer's buffers are dropped
+    assert kept and {id(b) for b in manager.buffers._buffers.values()} < kept  # the model's reused
+    assert manager.buffers.nbytes == sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    for step in (1, 2, 3):
+        other = _model()
+        assert_same(_reloaded(manager.path(step), other, torch.optim.AdamW(other.parameters(), lr=0.1)),
+                     expected[step])
+
+
+def _train_sharded(model: Fused, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    """A step on DTensor params (grads made up), and a buffer changed outside the step."""
+    model.seen.add_(1.0)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.1 * seed + 0.05)
+    optimizer.step()
+
+
+def _async_with_dtensor_params(folder: str) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = Fused(mesh)  # StridedShard weight (written as PieceSets) and a Shard(0) bias
+    model.register_buffer("seen", torch.zeros(4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    _train_sharded(model, optimizer, seed=0)
+    expected = _snapshot(model, optimizer)
+    with _SlowCopy(delay=0.3) as copy:
+        handle = save(f"{folder}/a", {"model": model, "optimizer": optimizer}, async_checkpoint=True)
+        _train_sharded(model, optimizer, seed=1)
+        handle.wait()
+    assert copy.finished_at is not None
+    other = Fused(mesh, seed=1)
+    other.register_buffer("seen", torch.full((4,), -1.0))
+    assert_same(_reloaded(f"{folder}/a", other, torch.optim.Adam(other.parameters(), lr=0.1)), expected)
+
+
+def test_sharded_params_and_state_on_two_ranks_are_saved_as_of_the_call(tmp_path):
+    run_distributed(_async_with_dtensor_params, 2, str(tmp_path))
