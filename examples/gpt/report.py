@@ -48,7 +48,7 @@ def finish(result: Any, args: argparse.Namespace) -> None:
     kind = "host RSS" if args.device == "cpu" else "max allocated"
     print(f"peak memory per rank ({kind}, MiB): " + " ".join(f"{m:.0f}" for m in mib))
     if args.plot and result.losses:
-        _plot(result.losses, args)
+        _plot(result.history or result.losses, min(result.losses), args)
         print(f"loss curve: {args.plot}")
     steps = sorted(result.losses)
     final = result.losses[steps[-1]] if steps else float("nan")
@@ -57,7 +57,9 @@ def finish(result: Any, args: argparse.Namespace) -> None:
           f"peak memory {max(mib):.0f} MiB/rank")
 
 
-def _plot(losses: dict[int, float], args: argparse.Namespace) -> None:
+def _plot(losses: dict[int, float], first: int, args: argparse.Namespace) -> None:
+    """The loss curve from step 1 (earlier runs' steps from the checkpoint); a resumed run marks
+    where this run began."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
@@ -65,6 +67,8 @@ def _plot(losses: dict[int, float], args: argparse.Namespace) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(list(losses), list(losses.values()), label=f"mesh {args.mesh}")
+    if first > 1:
+        ax.axvline(first, color="tab:orange", linestyle="--", label=f"resumed at step {first - 1}")
     ax.axhline(math.log(256), color="grey", linestyle=":", label="uniform over bytes (ln 256)")
     ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title="GPT on Shakespeare, ndweave")
     ax.legend()

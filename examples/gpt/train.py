@@ -198,6 +198,8 @@ class RunResult:
     """Each rank's peak memory in bytes (host RSS on CPU, allocated device memory on CUDA)."""
     mesh: str = ""
     """The mesh it ran on, e.g. ``"PP=2 x DP=2 x TP=2"``."""
+    history: dict[int, float] = field(default_factory=dict)
+    """Every step's loss since the run began, earlier runs it resumed from included (from the checkpoint)."""
 
 
 def gather_params(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
@@ -231,13 +233,16 @@ def train(args: argparse.Namespace) -> RunResult:
     chunks, engine = parallelize(model, mesh, args)
     optimizer, scheduler = build_optimizer(chunks, args)
     data, position = TextData(args.block_size, args.seed), DataPosition()
+    # every step's loss so far (NaN: not trained yet), so a resumed run's plot shows the whole curve
+    history = torch.full((args.steps,), float("nan"), dtype=torch.float64)
     state = {"model": chunks, "optimizer": optimizer, "scheduler": scheduler, "data": position, "step": 0,
-             "rng": torch.get_rng_state()}
+             "rng": torch.get_rng_state(), "loss_history": history}
     manager = CheckpointManager(args.checkpoint_dir, keep_last=2)
     start = 0
     if args.resume:
         start = manager.load_latest(state) or 0
         torch.set_rng_state(state["rng"])
+        history = state["loss_history"]
         if show:
             report.say(f"resumed from step {start} of {manager.path(start)}" if start else "no checkpoint: fresh start")
     last = min(args.steps, args.stop_at or args.steps)
@@ -251,7 +256,7 @@ def train(args: argparse.Namespace) -> RunResult:
         scheduler.step()
         position.advance(args.global_batch)
         dist.all_reduce(loss, group=mesh["DP"].get_group())  # equal slices: the global mean
-        losses[step] = loss.item() / dp_size
+        losses[step] = history[step - 1] = loss.item() / dp_size
         report.step(bar, losses[step], args.global_batch * args.block_size, time.perf_counter() - tick)
         if step == last or (args.checkpoint_every and step % args.checkpoint_every == 0):
             state["step"], state["rng"] = step, torch.get_rng_state()
@@ -264,7 +269,8 @@ def train(args: argparse.Namespace) -> RunResult:
     dist.all_gather_object(memory, peak_memory(args.device))
     tokens = (last - start) * args.global_batch * args.block_size
     return RunResult(losses, gather_params(chunks), seconds, tokens / max(seconds, 1e-9), memory,
-                     " x ".join(f"{d}={mesh[d].size()}" for d in DIMS))
+                     " x ".join(f"{d}={mesh[d].size()}" for d in DIMS),
+                     {i + 1: v for i, v in enumerate(history.tolist()) if not math.isnan(v)})
 
 
 def train_single_device(args: argparse.Namespace, micro_batches: int = 1, last: int | None = None) -> RunResult:

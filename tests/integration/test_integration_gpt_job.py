@@ -88,6 +88,10 @@ def test_job_on_eight_ranks_resumes_at_dp4_and_on_one_process(tmp_path):
     third = run_distributed(_run, 1, [*base, "--mesh", "dp=1", "--resume"], timeout=300)[0]
     assert sorted(third.losses) == [4]
     _check(third, uninterrupted, "resumed on one process")
+    assert sorted(third.history) == [1, 2, 3, 4]  # the whole curve, earlier runs' losses from the checkpoint
+    assert_close(torch.tensor([third.history[s] for s in (1, 2, 3, 4)], dtype=torch.float64),
+                 torch.tensor([uninterrupted.losses[s] for s in (1, 2, 3, 4)], dtype=torch.float64),
+                 name="the loss history after two resumes")
     _check_params(third, uninterrupted, "resumed on one process, step 4")
 
 
