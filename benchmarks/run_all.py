@@ -51,7 +51,7 @@ COLUMNS = ("component", "vs (torch native)", "world", "wall ours/theirs", "CPU o
 
 
 def machine(device: str) -> str:
-    """The machine in one line: CPU model, cores, torch, device, load, date."""
+    """The machine in one line: CPU model, cores, torch, device, date."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -60,9 +60,13 @@ def machine(device: str) -> str:
         pass
     if device == "cuda" and torch.cuda.is_available():
         device = f"cuda ({torch.cuda.get_device_name()})"
-    load = " / ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, device {device}, load average {load} "
-            f"(1/5/15 min), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, device {device}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+
+
+def load() -> str:
+    """The 1-minute load average (at the start: what else was running; at the end: the run's own ranks too)."""
+    return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "n/a"
 
 
 def table(rows: list[dict]) -> str:
@@ -81,7 +85,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and rounds: a smoke test, not figures")
     args = parser.parse_args()
-    header = f"Measured on: {machine(args.device)}"  # at the start: the load the run begins under
+    header, load_before = f"Measured on: {machine(args.device)}", load()
     here = Path(__file__).resolve().parent
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,7 +100,7 @@ def main() -> int:
             if subprocess.call([sys.executable, str(here / script), *common, *flags]) != 0:
                 failed.append(script)
         rows = [json.loads(line) for line in results.read_text().splitlines()]
-    print(f"\n{header}\n")
+    print(f"\n{header}; load average {load_before} at the start, {load()} at the end\n")
     print(table(rows))
     print(f"\nRatios are ours / torch native: below 1 means ndweave is faster. **CPU** is the busiest rank's "
           f"process CPU time per step (median of interleaved rounds): the figure the README quotes, because other "
