@@ -12,8 +12,10 @@ every timing from a barrier to a barrier, so the slowest rank sets it):
 * ``raw write``: each rank writes its shards' bytes to one file and fsyncs it (the floor);
 * ``ndweave save, pieces``: the same tensors as a sharded optimizer holds them, flat ranges of the
   global tensor cutting rows anywhere (``StatePiece``s, which plain DCP cannot save);
-* ``ndweave load`` / ``dcp.load``: reading it back into the same layout; also the CPU time of the
-  busiest rank (all its threads), which a busy machine disturbs less than the wall time.
+* ``ndweave load`` / ``dcp.load``: reading it back into the same layout.
+
+Each with the CPU time of the busiest rank (all its threads), which a busy machine disturbs less
+than the wall time.
 
 The saved state is a training state: the tensors as the parameters of a module and an optimizer
 (SGD) over them, ``{"model": module, "optimizer": optimizer}`` (their state dicts for plain DCP).
@@ -35,7 +37,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -44,10 +45,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from common import init_rank, spawn, sync
+from common import Row, add_common_args, emit, init_rank, measure, spawn
 
 OPS = ("ndweave save", "dcp.save", "raw write", "ndweave save, pieces", "ndweave load", "dcp.load")
-LOADS = ("ndweave load", "dcp.load")
 STEPS = ("step", "step + sync save", "step + async save", "after async save", "step + async save, reused buffers",
          "after async save, reused buffers")
 
@@ -83,7 +83,7 @@ class _Training:
         self.state = {"model": self.module, "optimizer": self.optimizer}
         self.x = torch.randn(size, size, device=device)
         self.matmuls = 1
-        per = _timed(device, lambda: [self.x @ self.x for _ in range(20)])[0] / 20
+        per = measure(lambda: self.x @ self.x, device, 20)[0]
         count = torch.tensor([max(1, round(step_ms / 1e3 / per))])
         dist.broadcast(count, 0)  # every rank does the same work
         self.matmuls = int(count)
@@ -95,20 +95,6 @@ class _Training:
         for _ in range(self.matmuls):
             self.x @ self.x
         self.optimizer.step()
-
-
-def _timed(device, fn) -> tuple[float, float]:
-    """Wall time barrier to barrier, and the CPU time ``fn`` took on the busiest rank."""
-    dist.barrier()
-    sync(device)
-    t0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    sync(device)
-    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-    dist.barrier()
-    wall = time.perf_counter() - t0
-    dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
-    return wall, float(cpu)
 
 
 def _raw_write(path: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -133,14 +119,14 @@ def _worker(rank: int, world: int, port: int, args, folder: str, queue) -> None:
     buffers = StagingBuffers()  # touched once here, as by a run's earlier saves
     save(f"{folder}/warm-up", train.state, async_checkpoint=True, buffers=buffers).wait()
     times: dict[str, list[float]] = {op: [] for op in (*OPS, *STEPS)}
-    cpu: dict[str, list[float]] = {op: [] for op in LOADS}
+    cpu: dict[str, list[float]] = {op: [] for op in OPS}
     staged = 0
     for r in range(args.rounds):
         def path(name: str) -> str:
             return f"{folder}/{name}-{r}"
 
         def timed(op: str, fn) -> None:
-            wall, busiest = _timed(device, fn)
+            wall, busiest = measure(fn, device)
             times[op].append(wall)
             if op in cpu:
                 cpu[op].append(busiest)
@@ -159,7 +145,7 @@ def _worker(rank: int, world: int, port: int, args, folder: str, queue) -> None:
         for op, fn in loads if r % 2 == 0 else loads[::-1]:
             timed(op, fn)
 
-        plain = [_timed(device, train.step)[0] for _ in range(3)]
+        plain = [measure(train.step, device)[0] for _ in range(3)]
         times["step"].append(statistics.median(plain))
         timed("step + sync save", lambda: (save(path("sync"), train.state), train.step()))
         for suffix, kept in (("", None), (", reused buffers", buffers)):
@@ -167,7 +153,7 @@ def _worker(rank: int, world: int, port: int, args, folder: str, queue) -> None:
             timed(f"step + async save{suffix}", lambda: (
                 handles.append(save(path(f"async{suffix}"), train.state, async_checkpoint=True, buffers=kept)),
                 train.step()))
-            after = [_timed(device, train.step)[0] for _ in range(args.after)] + [_timed(device, handles[0].wait)[0]]
+            after = [measure(train.step, device)[0] for _ in range(args.after)] + [measure(handles[0].wait, device)[0]]
             times[f"after async save{suffix}"].append(sum(after))
         staged = handles[0].staged_bytes
         dist.barrier()
@@ -184,17 +170,16 @@ def _worker(rank: int, world: int, port: int, args, folder: str, queue) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    add_common_args(parser)
     parser.add_argument("--mb", type=float, default=256.0, help="total state size (MB)")
     parser.add_argument("--tensors", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--step-ms", type=float, default=40.0, help="matmul time of a simulated training step")
     parser.add_argument("--after", type=int, default=3, help="steps timed after the async save's step")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     print(f"{args.mb:.0f} MB of float32 in {args.tensors} Shard(0) DTensors, {args.device}, {args.rounds} rounds")
+    rows = []
     for world in args.world_sizes:
         folder = tempfile.mkdtemp(prefix="ndweave-bench-ckpt-", dir=args.dir)
         try:
@@ -207,21 +192,33 @@ def main() -> None:
         for op in OPS:
             ours = t["ndweave load"] if "load" in op else t["ndweave save"]
             line = f"{op:26} {t[op] * 1e3:9.1f} {gb / t[op]:7.2f} {ours / t[op]:9.2f}"
-            if op in c:
-                line += f" {c[op] * 1e3:9.1f} {c['ndweave load'] / c[op]:9.2f}"
-            print(line)
+            ours_cpu = c["ndweave load"] if "load" in op else c["ndweave save"]
+            print(line + f" {c[op] * 1e3:9.1f} {ours_cpu / c[op]:9.2f}")
         step = t["step"]
         print(f"training step ({result['matmuls']} matmuls + SGD step) {step * 1e3:.1f} ms; "
               f"with an async save in front {t['step + async save'] * 1e3:.1f} ms; with a sync save "
               f"{t['step + sync save'] * 1e3:.1f} ms")
         sync_save = t["step + sync save"] - step
+        blocks = {}
         for suffix in ("", ", reused buffers"):
             blocked = t[f"step + async save{suffix}"] - step
+            blocks[suffix] = blocked / sync_save
             then = t[f"after async save{suffix}"] - args.after * step
             print(f"async{suffix}: blocks for {blocked / sync_save:.0%} of a sync save ({blocked * 1e3:.1f} of "
                   f"{sync_save * 1e3:.1f} ms); then {then * 1e3:.1f} ms over the next {args.after} steps + wait()")
-        print(f"staged host memory {result['staged'] / 2**20:.1f} MB per rank")
-
+        staged = result["staged"] / 2**20
+        print(f"staged host memory {staged:.1f} MB per rank")
+        state = f"{args.mb:g} MB of DTensors + SGD"
+        rows += [
+            Row("ndweave.checkpoint save", f"dcp.save, {state}", world, t["ndweave save"] / t["dcp.save"],
+                c["ndweave save"] / c["dcp.save"], memory=f"async: {staged:.0f} MB staged/rank",
+                bound=f"raw write floor: ours {t['ndweave save'] / t['raw write']:.2f}x",
+                note=f"{t['ndweave save'] * 1e3:.0f} ms; an async save blocks a ~{step * 1e3:.0f} ms step for "
+                     f"{blocks['']:.0%} of a sync save ({blocks[', reused buffers']:.0%} with StagingBuffers)"),
+            Row("ndweave.checkpoint load", f"dcp.load, {state}", world, t["ndweave load"] / t["dcp.load"],
+                c["ndweave load"] / c["dcp.load"], note=f"{t['ndweave load'] * 1e3:.0f} ms"),
+        ]
+    emit(rows, args.json)
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,8 @@ Same plain model (an MLP), same data, same bucket size (``--bucket-mb``, torch's
 plain SGD. Per world size it prints:
 
 * step time (forward + backward + sync + optimizer step), median over interleaved rounds, and the
-  ratio ours / torch (target: <= 0.95);
+  ratio ours / torch (target: <= 0.95); in wall time and in the busiest rank's CPU time (the figure
+  other jobs on a shared machine disturb less);
 * peak memory per rank: CUDA's max allocated bytes on GPUs; on CPU the growth of the process's peak
   RSS from just before wrapping to the end of training (each framework in fresh processes);
 * the bus bandwidth our bucketed all-reduce achieves (``finish_grad_sync`` with overlap off, so it
@@ -18,6 +19,7 @@ plain SGD. Per world size it prints:
 from __future__ import annotations
 
 import argparse
+import functools
 import resource
 import statistics
 import time
@@ -25,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import init_rank, mlp, spawn, sync
+from common import Row, add_common_args, emit, init_rank, interleaved, mlp, spawn, sync
 
 
 def _model(args) -> torch.nn.Module:
@@ -71,17 +73,9 @@ def _worker(rank: int, world: int, port: int, mode: str, kind: str, args, queue)
             runs[k] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
             for _ in range(args.warmup):
                 _step(*runs[k], x, y)
-        times = {k: [] for k in runs}
-        for _ in range(args.rounds):  # interleave, so machine noise hits both alike
-            for k, (ddp, opt) in runs.items():
-                dist.barrier()
-                sync(device)
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    _step(ddp, opt, x, y)
-                sync(device)
-                times[k].append((time.perf_counter() - t0) / args.steps)
-        result = {k: statistics.median(v) for k, v in times.items()}
+        timing = interleaved({k: functools.partial(_step, *run, x, y) for k, run in runs.items()}, device,
+                             args.rounds, args.steps)
+        result = {k: (t.wall, t.cpu) for k, t in timing.items()}
         result.update(_bandwidth(runs["ndweave"][0], args, device))
     else:  # mode == "memory": one framework per process
         model = _model(args).to(device)
@@ -141,8 +135,7 @@ def _bandwidth(ddp, args, device) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    add_common_args(parser)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
@@ -150,29 +143,38 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     args = parser.parse_args()
     numel = sum(p.numel() for p in _model(args).parameters())
     print(f"model: {args.layers}x Linear({args.width}, {args.width}) + head, {numel / 1e6:.1f}M params; "
           f"batch {args.batch}/rank; bucket {args.bucket_mb} MiB; device {args.device}")
-    header = f"{'world':>5} | {'ours ms':>8} | {'torch ms':>8} | {'ratio':>5} | {'ours peak MiB':>13} | " \
-             f"{'torch peak MiB':>14} | {'ours busbw GB/s':>15} | {'raw busbw GB/s':>14}"
+    header = f"{'world':>5} | {'ours ms':>8} | {'torch ms':>8} | {'ratio':>5} | {'ours CPU ms':>11} | " \
+             f"{'torch CPU ms':>12} | {'ratio':>5} | {'ours peak MiB':>13} | {'torch peak MiB':>14} | " \
+             f"{'ours busbw GB/s':>15} | {'raw busbw GB/s':>14}"
     print(header, flush=True)
+    rows = []
     for world in args.world_sizes:
         timing = spawn(_worker, world, "time", "", args)
         memory = {k: max(r["peak_growth"] for r in spawn(_worker, world, "memory", k, args)) for k in ("ndweave", "torch")}
-        ours = max(r["ndweave"] for r in timing)
-        theirs = max(r["torch"] for r in timing)
+        (ours, ours_cpu), (theirs, theirs_cpu) = timing[0]["ndweave"], timing[0]["torch"]
         bw = timing[0]
+        mib = {k: v / 2**20 for k, v in memory.items()}
         print(
             f"{world:>5} | {ours * 1e3:>8.2f} | {theirs * 1e3:>8.2f} | {ours / theirs:>5.2f} | "
-            f"{memory['ndweave'] / 2**20:>13.1f} | {memory['torch'] / 2**20:>14.1f} | "
+            f"{ours_cpu * 1e3:>11.2f} | {theirs_cpu * 1e3:>12.2f} | {ours_cpu / theirs_cpu:>5.2f} | "
+            f"{mib['ndweave']:>13.1f} | {mib['torch']:>14.1f} | "
             f"{bw['ours_busbw'] / 1e9:>15.2f} | {bw['raw_busbw'] / 1e9:>14.2f}",
             flush=True,
         )
-    print(f"(ratio = ours / torch step time; busbw over {bw['num_buckets']} buckets of "
-          f"{bw['bytes'] / 2**20:.1f} MiB in all vs one raw all_reduce of the same bytes)")
-
+        rows.append(Row("ndweave.ddp", f"torch DDP step, {numel / 1e6:.1f}M-param MLP, {args.bucket_mb:g} MiB buckets",
+                        world, ours / theirs, ours_cpu / theirs_cpu,
+                        memory=f"peak {'RSS ' if args.device == 'cpu' else ''}growth {mib['ndweave']:.0f} vs "
+                               f"{mib['torch']:.0f} MiB",
+                        note=f"CPU ms/step ours {ours_cpu * 1e3:.1f}, torch {theirs_cpu * 1e3:.1f}; busbw "
+                             f"{bw['ours_busbw'] / 1e9:.2f} vs one raw all_reduce {bw['raw_busbw'] / 1e9:.2f} GB/s"))
+    print(f"(ratio = ours / torch: wall and the busiest rank's CPU time per step, medians of {args.rounds} "
+          f"interleaved rounds; busbw over {bw['num_buckets']} buckets of {bw['bytes'] / 2**20:.1f} MiB in all vs "
+          f"one raw all_reduce of the same bytes)")
+    emit(rows, args.json)
 
 if __name__ == "__main__":
     main()

@@ -24,14 +24,13 @@ Printed per world size: ms/step of each and the ratios ours / torch (target: <= 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import functools
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import init_rank, spawn, sync
+from common import Row, add_common_args, emit, init_rank, interleaved, spawn
 
 
 class Block(nn.Module):
@@ -104,46 +103,31 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     outs = {k: (o.full_tensor() if hasattr(o, "full_tensor") else o) for k, o in outs.items()}
     for k, o in outs.items():
         torch.testing.assert_close(o, outs["torch"], rtol=1e-4, atol=1e-5, msg=f"{k} output differs from torch's")
-    times: dict[str, list[float]] = {k: [] for k in models}
-    cpu: dict[str, list[float]] = {k: [] for k in models}
     for name, (m, ours) in models.items():  # warm up
         for _ in range(args.warmup):
             _step(m, x, ours)
-    for _ in range(args.rounds):
-        for name, (m, ours) in models.items():
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(args.steps):
-                _step(m, x, ours)
-            sync(device)
-            c1 = time.process_time()
-            dist.barrier()
-            times[name].append((time.perf_counter() - t0) / args.steps)
-            cpu[name].append((c1 - c0) / args.steps)
-    # CPU seconds of the busiest rank: steadier than wall time when the machine is shared
-    cpu_med = torch.tensor([statistics.median(cpu[k]) for k in models], dtype=torch.float64)
-    dist.all_reduce(cpu_med, op=dist.ReduceOp.MAX)
+    timing = interleaved({k: functools.partial(_step, m, x, ours) for k, (m, ours) in models.items()}, device,
+                         args.rounds, args.steps)
     if rank == 0:
-        queue.put({k: (statistics.median(v), min(v), cpu_med[i].item()) for i, (k, v) in enumerate(times.items())})
+        queue.put({k: (t.wall, t.best_wall, t.cpu) for k, t in timing.items()})
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    add_common_args(p)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args()
     print(f"MLP TP: {args.layers} blocks, width {args.width} (hidden {4 * args.width}), {args.tokens} tokens, "
           f"{args.device}, {args.threads} thread(s) per rank; forward+backward, median of {args.rounds} rounds "
           f"x {args.steps} steps")
+    rows = []
     for world in args.world_sizes:
         res = spawn(_worker, world, args)
         for i, stat in enumerate(("wall, median round", "wall, best round", "CPU time, busiest rank")):
@@ -151,6 +135,12 @@ def main() -> None:
             print(f"world {world} ({stat}): torch {t * 1e3:.2f} ms/step | ours-local "
                   f"{res['ours-local'][i] * 1e3:.2f} ms/step (ratio {res['ours-local'][i] / t:.3f}) | ours-dtensor "
                   f"{res['ours-dtensor'][i] * 1e3:.2f} ms/step (ratio {res['ours-dtensor'][i] / t:.3f})")
+        wall, cpu = res["torch"][0], res["torch"][2]
+        rows += [Row("ndweave.dmodule", f"torch parallelize_module, MLP TP fwd+bwd ({plan})", world,
+                     res[k][0] / wall, res[k][2] / cpu,
+                     note=f"CPU ms/step ours {res[k][2] * 1e3:.1f}, torch {cpu * 1e3:.1f}")
+                 for k, plan in (("ours-local", "like-for-like plan"), ("ours-dtensor", "DTensor activations"))]
+    emit(rows, args.json)
 
 
 if __name__ == "__main__":

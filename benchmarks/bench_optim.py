@@ -13,12 +13,13 @@ Same plain MLP, same data, Adam, plain data parallelism:
 * ``ndweave+overlap``: the same with ``overlap_param_gather=True`` (the all-gather runs under the
   next forward, so it leaves ``step ms`` and shows in ``iter ms`` only where it is not hidden).
 
-Per world size it prints, side by side: iteration time (forward + backward + step; median over
-steps, slowest rank, median over interleaved rounds) and ``ours/this`` (ndweave's time over this
-row's: below 1 means ndweave is faster); ``opt.step()`` time alone (for ndweave this includes finishing
-the grad reduce-scatter and the parameter all-gather; for torch DDP the all-reduce is in backward);
-optimizer-state bytes per rank (state tensors + separate master weights) and their ratio to
-unsharded / DP (ndweave's target: 1.00 within 2%).
+Per world size it prints, side by side: iteration time (forward + backward + step; mean over the
+steps barrier to barrier, median over interleaved rounds), the busiest rank's CPU time per iteration
+(the figure other jobs on a shared machine disturb less), each with ``ours/this`` (ndweave's time
+over this row's: below 1 means ndweave is faster); ``opt.step()`` time alone (for ndweave this
+includes finishing the grad reduce-scatter and the parameter all-gather; for torch DDP the all-reduce
+is in backward); optimizer-state bytes per rank (state tensors + separate master weights) and their
+ratio to unsharded / DP (ndweave's target: 1.00 within 2%).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import init_rank, mlp, spawn, sync
+from common import Row, add_common_args, emit, init_rank, measure, mlp, spawn, sync
 
 KINDS = ("unsharded", "torch-zero", "ndweave", "ndweave+overlap")
 
@@ -84,27 +85,28 @@ def _worker(rank: int, world: int, port: int, kind: str, args, queue) -> None:
     x = torch.randn(args.batch, args.width, generator=g).to(device)
     y = torch.randint(0, 10, (args.batch,), generator=g).to(device)
     ddp, opt, source = _build(kind, _model(args).to(device), device, args)
-    iters, steps = [], []
-    for i in range(args.warmup + args.steps):
-        sync(device)
-        t0 = time.perf_counter()
+    steps: list[float] = []
+
+    def iteration() -> None:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         sync(device)
         t1 = time.perf_counter()
         opt.step()
         sync(device)
-        t2 = time.perf_counter()
-        if i >= args.warmup:
-            iters.append(t2 - t0)
-            steps.append(t2 - t1)
-    times = torch.tensor([statistics.median(iters), statistics.median(steps)], dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        steps.append(time.perf_counter() - t1)
+
+    for _ in range(args.warmup):
+        iteration()
+    steps.clear()
+    wall, cpu = measure(iteration, device, args.steps)
+    step = torch.tensor([statistics.median(steps)], dtype=torch.float64)
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     state = torch.tensor([_state_bytes(kind, opt)], dtype=torch.float64)
     all_state = [torch.zeros_like(state) for _ in range(world)]
     dist.all_gather(all_state, state)
     if rank == 0:
-        queue.put({"iter": times[0].item(), "step": times[1].item(), "state": [int(s.item()) for s in all_state],
+        queue.put({"iter": wall, "cpu": cpu, "step": step.item(), "state": [int(s.item()) for s in all_state],
                    "source": source})
     dist.barrier()
     dist.destroy_process_group()
@@ -116,7 +118,7 @@ def _run(kind: str, world: int, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    add_common_args(parser)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=32)
@@ -124,31 +126,40 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=4.0)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     params = sum(p.numel() for p in _model(args).parameters())
     print(f"MLP {args.layers}x{args.width}: {params / 1e6:.2f}M params, Adam, batch {args.batch}/rank, {args.device}")
+    rows = []
     for world in args.world_sizes:
         rounds = {kind: [] for kind in KINDS}
         for _ in range(args.rounds):  # interleaved, so drift in machine load hits every kind alike
             for kind in KINDS:
                 rounds[kind].append(_run(kind, world, args))
-        results = {kind: {**rs[0], "iter": statistics.median(r["iter"] for r in rs),
-                          "step": statistics.median(r["step"] for r in rs)} for kind, rs in rounds.items()}
+        results = {kind: {**rs[0], **{k: statistics.median(r[k] for r in rs) for k in ("iter", "cpu", "step")}}
+                   for kind, rs in rounds.items()}
         if results["ndweave"]["source"] != "ndweave.ddp":
             print("(ndweave-ddp not installed: ndweave rows use ndweave.mesh.testing.ReferenceDataParallel)")
         unsharded = results["unsharded"]["state"][0]
         ours = results["ndweave"]
         print(f"\nworld {world}")
-        print(f"{'':16} {'iter ms':>9} {'ours/this':>9} {'step ms':>9} {'ours/this':>9} "
+        print(f"{'':16} {'iter ms':>9} {'ours/this':>9} {'CPU ms':>9} {'ours/this':>9} {'step ms':>9} {'ours/this':>9} "
               f"{'state MB/rank (max)':>20} {'x DP / unsharded':>17}")
         for kind in KINDS:
             r = results[kind]
             mb = max(r["state"]) / 2**20
-            print(f"{kind:16} {r['iter'] * 1e3:9.2f} {ours['iter'] / r['iter']:9.2f} {r['step'] * 1e3:9.2f} "
-                  f"{ours['step'] / r['step']:9.2f} {mb:20.3f} {max(r['state']) * world / unsharded:17.3f}")
-
+            print(f"{kind:16} {r['iter'] * 1e3:9.2f} {ours['iter'] / r['iter']:9.2f} {r['cpu'] * 1e3:9.2f} "
+                  f"{ours['cpu'] / r['cpu']:9.2f} {r['step'] * 1e3:9.2f} {ours['step'] / r['step']:9.2f} {mb:20.3f} "
+                  f"{max(r['state']) * world / unsharded:17.3f}")
+        zero = results["torch-zero"]
+        ours_mb, zero_mb = max(ours["state"]) / 2**20, max(zero["state"]) / 2**20
+        rows.append(Row("ndweave.optim DistributedOptimizer", f"ZeroRedundancyOptimizer(Adam) iteration, "
+                        f"{params / 1e6:.2f}M-param MLP", world, ours["iter"] / zero["iter"], ours["cpu"] / zero["cpu"],
+                        memory=f"state/rank {ours_mb:.2f} vs {zero_mb:.2f} MB",
+                        bound=f"unsharded/DP = {unsharded / world / 2**20:.2f} MB: ours "
+                              f"{max(ours['state']) * world / unsharded:.3f}x, torch's "
+                              f"{max(zero['state']) * world / unsharded:.3f}x",
+                        note=f"opt.step() alone {ours['step'] / zero['step']:.2f}x torch's"))
+    emit(rows, args.json)
 
 if __name__ == "__main__":
     main()

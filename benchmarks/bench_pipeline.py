@@ -6,7 +6,8 @@ the measured bubble next to the theory.
 
 Per world size (all of it the PP dim) and schedule it prints:
 
-* step time (forward + backward of one mini-batch, no optimizer), median over interleaved rounds, of
+* step time (forward + backward of one mini-batch, no optimizer), median over interleaved rounds, in
+  wall time and in the busiest rank's CPU time (which other jobs on a shared machine disturb less), of
   ``PipeEngine(module, mesh, loss_fn, plan)(x, y)`` and of torch's own schedule object built by hand
   over ``PipelineStage``s of the same chunks (``schedule.step(x)`` / ``step(target=y)``), and the
   ratio ours / torch (target: <= 1.0): what the engine's loss scaling, DP control, tied-weight and
@@ -27,14 +28,13 @@ for the input grad, once for the weight grad), so its simulated timings are not 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import init_rank, spawn, sync
+from common import Row, add_common_args, emit, init_rank, interleaved, spawn
 
 
 class _Sleep(torch.autograd.Function):
@@ -113,34 +113,22 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
 
         def ours():
             engine(x, y)
+            ours_module.zero_grad(set_to_none=True)
 
         def theirs():
             torch_schedule.step(*((x,) if first else ()), target=y if last else None)
+            theirs_module.zero_grad(set_to_none=True)
 
-        steps = {"ours": (ours, ours_module), "torch": (theirs, theirs_module)}
-        times = {k: [] for k in steps}
+        steps = {"ours": ours, "torch": theirs}
         for _ in range(args.warmup):
-            for fn, module in steps.values():
+            for fn in steps.values():
                 fn()
-                module.zero_grad(set_to_none=True)
-        for _ in range(args.rounds):  # interleaved, so machine noise hits both alike
-            for k, (fn, module) in steps.items():
-                dist.barrier()
-                sync(device)
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    fn()
-                    module.zero_grad(set_to_none=True)
-                sync(device)
-                times[k].append((time.perf_counter() - t0) / args.steps)
+        timing = interleaved(steps, device, args.rounds, args.steps)
         engine.recorder.enabled = True
         ours()
         timeline = engine.timeline()
-        worst = {k: torch.tensor(statistics.median(v)) for k, v in times.items()}
-        for value in worst.values():  # the slowest rank's median is the step time
-            dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        results.append((schedule, worst["ours"].item(), worst["torch"].item(), timeline.bubble_fraction,
-                        timeline.theory, timeline.text()))
+        results.append((schedule, timing["ours"], timing["torch"], timeline.bubble_fraction, timeline.theory,
+                        timeline.text()))
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
@@ -148,9 +136,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    add_common_args(parser)
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=512)
@@ -165,15 +151,27 @@ def main() -> None:
     args = parser.parse_args()
     kernel = f" + a simulated {args.simulate_ms:g} ms kernel" if args.simulate_ms else ""
     print(f"Stack of {args.layers} x Linear({args.width}) + ReLU{kernel}, batch {args.batch}, {args.microbatches} "
-          f"micro-batches, {args.device}, {args.threads} thread(s) per rank; ms per step, slowest rank's median")
-    print("| PP | schedule | ours ms | torch ms | ratio | bubble measured | theory (p-1)/(v*m+p-1) |")
-    print("|---|---|---|---|---|---|---|")
+          f"micro-batches, {args.device}, {args.threads} thread(s) per rank; ms per step, median round, wall and "
+          f"the busiest rank's CPU time")
+    print("| PP | schedule | ours ms | torch ms | ratio | ours CPU ms | torch CPU ms | ratio | bubble measured | "
+          "theory (p-1)/(v*m+p-1) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for world in args.world_sizes:
         for schedule, ours, theirs, bubble, theory, text in spawn(_worker, world, args):
-            print(f"| {world} | {schedule} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {ours / theirs:.2f} | "
-                  f"{bubble:.3f} | {theory:.3f} |", flush=True)
+            print(f"| {world} | {schedule} | {ours.wall * 1e3:.1f} | {theirs.wall * 1e3:.1f} | "
+                  f"{ours.wall / theirs.wall:.2f} | {ours.cpu * 1e3:.1f} | {theirs.cpu * 1e3:.1f} | "
+                  f"{ours.cpu / theirs.cpu:.2f} | {bubble:.3f} | {theory:.3f} |", flush=True)
             if args.show_timeline:
                 print(text)
+            device = f", {args.simulate_ms:g} ms simulated kernels" if args.simulate_ms else \
+                ", real compute: the bubble includes waiting for a core"
+            rows.append(Row("ndweave.pipeline PipeEngine", f"torch {schedule} schedule driven by hand"
+                            f"{', simulated device' if args.simulate_ms else ''}", world, ours.wall / theirs.wall,
+                            ours.cpu / theirs.cpu, bound=f"bubble {bubble:.3f} vs theory {theory:.3f} "
+                            f"({bubble / theory:.2f}x)",
+                            note=f"{args.layers} x Linear({args.width}), {args.microbatches} micro-batches{device}"))
+    emit(rows, args.json)
 
 
 if __name__ == "__main__":
