@@ -89,57 +89,50 @@ def _check(losses, module, expected, what):
         assert_close(param, ref_params[fqn], name=f"{what}: param {fqn}")
 
 
-@pytest.mark.parity
-@distributed(world_size=4, timeout=300)
-def test_pipeline_with_ddp_and_distributed_optimizer_every_schedule():
+def _every_schedule(mesh, what, whole_model, tensor_parallel=False):
+    """nanoGPT cut by every schedule's plan over ``mesh`` (``"PP"`` and ``"DP"`` dims, ``"TP"`` when
+    ``tensor_parallel``), each chunk TP-parallelized (zoo plan) and wrapped in DDP with the ZeRO
+    layout, stepped by a DistributedOptimizer: losses and parameters equal one process's.
+    ``whole_model(reference)`` gives the model to cut (a copy, or a deferred-init one)."""
     torch.set_default_dtype(STRICT_DTYPE)
     reference, data = build("nanogpt"), batches("gpt", STEPS, BATCH)
     expected = _reference(reference, data)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("PP", "DP"))
     for schedule, virtual in SCHEDULES:
         plan = _plan(schedule, virtual)
-        module = construct_pipeline_stage(copy.deepcopy(reference), plan, mesh)
+        module = construct_pipeline_stage(whole_model(reference), plan, mesh)
         for i in range(len(module)):
-            module[i] = DDP(module[i], mesh["DP"], use_distributed_optimizer=True, bucket_size=500)
+            chunk = parallelize_module(module[i], mesh["TP"], get_plan("nanogpt", module[i])) if tensor_parallel \
+                else module[i]
+            module[i] = DDP(chunk, mesh["DP"], use_distributed_optimizer=True, bucket_size=500)
         losses = _train(module, mesh, plan, _distributed_optimizer, data, mesh["DP"])
-        _check(losses, module, expected, f"PP=2 x DP=2 {schedule} v={virtual}")
+        _check(losses, module, expected, f"{what} {schedule} v={virtual}")
+
+
+@pytest.mark.parity
+@distributed(world_size=4, timeout=300)
+def test_pipeline_with_ddp_and_distributed_optimizer_every_schedule():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("PP", "DP"))
+    _every_schedule(mesh, "PP=2 x DP=2", copy.deepcopy)
 
 
 @pytest.mark.parity
 @distributed(world_size=4, timeout=300)
 def test_pipeline_with_zoo_tensor_parallel_plan_from_deferred_init():
-    torch.set_default_dtype(STRICT_DTYPE)
-    reference, data = build("nanogpt"), batches("gpt", STEPS, BATCH)
-    expected = _reference(reference, data)
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("PP", "DP", "TP"))
     ng = load_example("gpt/model")
-    for schedule, virtual in SCHEDULES:
-        plan = _plan(schedule, virtual)
+
+    def deferred(reference):
         torch.manual_seed(0)  # build() seeds 0: deferred init replays exactly what eager init drew
-        model = deferred_init(ng.GPT, reference.config)
-        module = construct_pipeline_stage(model, plan, mesh)
-        for i in range(len(module)):
-            chunk = parallelize_module(module[i], mesh["TP"], get_plan("nanogpt", module[i]))
-            module[i] = DDP(chunk, mesh["DP"], use_distributed_optimizer=True, bucket_size=500)
-        losses = _train(module, mesh, plan, _distributed_optimizer, data)
-        _check(losses, module, expected, f"PP=2 x TP=2 {schedule} v={virtual}")
+        return deferred_init(ng.GPT, reference.config)
+
+    _every_schedule(mesh, "PP=2 x TP=2", deferred, tensor_parallel=True)
 
 
 @pytest.mark.parity
 @distributed(world_size=8, timeout=400)
 def test_pipeline_data_tensor_parallel_on_eight_ranks():
-    torch.set_default_dtype(STRICT_DTYPE)
-    reference, data = build("nanogpt"), batches("gpt", STEPS, BATCH)
-    expected = _reference(reference, data)
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("PP", "DP", "TP"))
-    for schedule, virtual in SCHEDULES:
-        plan = _plan(schedule, virtual)
-        module = construct_pipeline_stage(copy.deepcopy(reference), plan, mesh)
-        for i in range(len(module)):
-            chunk = parallelize_module(module[i], mesh["TP"], get_plan("nanogpt", module[i]))
-            module[i] = DDP(chunk, mesh["DP"], use_distributed_optimizer=True, bucket_size=500)
-        losses = _train(module, mesh, plan, _distributed_optimizer, data, mesh["DP"])
-        _check(losses, module, expected, f"PP=2 x DP=2 x TP=2 {schedule} v={virtual}")
+    _every_schedule(mesh, "PP=2 x DP=2 x TP=2", copy.deepcopy, tensor_parallel=True)
 
 
 @pytest.mark.parity

@@ -31,10 +31,13 @@ class Action:
     kind: str
     """``"F"``, ``"B"``, ``"I"`` or ``"W"``."""
     stage: int
+    """The stage index (of the whole pipeline) the action ran."""
     micro_batch: int
+    """The micro-batch it ran on."""
     start: float
     """Seconds since the step began on this rank."""
     end: float
+    """Seconds since the step began when it ended."""
 
 
 class TimelineRecorder:
