@@ -1,14 +1,21 @@
 """``ParallelMesh``: a torch ``DeviceMesh`` plus named-dim rank mapping and role getters.
 
-It wraps, never re-implements, ``torch.distributed.device_mesh``: ``mesh["TP"]`` is torch's own
-submesh, usable directly by DTensor and FSDP2. What it adds is arithmetic that torch only offers for
-the calling rank (coordinates of *any* rank, sibling groups, pipeline neighbours), role getters that
-return the right dim, and errors that say what to do.
+It *is* a torch ``DeviceMesh`` (a subclass sharing the state of the mesh torch built), so it goes
+wherever torch takes one: DTensor, FSDP1 and FSDP2, ``get_group(mesh_dim=...)``. ``mesh["TP"]`` is
+torch's own submesh. What it adds is arithmetic that torch only offers for the calling rank
+(coordinates of *any* rank, sibling groups, pipeline neighbours), role getters that return the right
+dim, veScale's spellings (:class:`~ndweave.mesh.vescale.VeScaleAliases`), and errors that say what to do.
+
+Why a subclass and not a wrapper forwarding attributes: torch checks ``isinstance(mesh,
+DeviceMesh)`` (FSDP1) and compares meshes by type and state (DTensor), so a forwarding wrapper gets
+past some calls and fails deep inside others. The subclass never runs ``DeviceMesh.__init__``; it
+adopts the state of the mesh torch's ``init_device_mesh`` built, so it equals that mesh.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Union
 
@@ -18,7 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
 from ndweave.mesh import layout
-from ndweave.mesh.torch_compat import flatten_mesh
+from ndweave.mesh.torch_compat import adopt_mesh_state, drop_mesh_state, flatten_mesh
+from ndweave.mesh.vescale import VeScaleAliases
 
 __all__ = ["ParallelMesh", "DEVICE_MESH", "init_device_mesh", "DEFAULT_DIM_NAMES", "Dim"]
 
@@ -37,8 +45,12 @@ def _default_backend(device_type: str) -> str:
     return dist.get_default_backend_for_device(device_type)
 
 
-class ParallelMesh:
+class ParallelMesh(VeScaleAliases, DeviceMesh):
     """A named nD device mesh with rank mapping for every rank, not just the caller.
+
+    A torch ``DeviceMesh`` once initialized (equal to ``.device_mesh``, the mesh torch built): pass it
+    to ``fully_shard``, FSDP, ``distribute_tensor`` as is. Where a torch method takes a mesh dim,
+    this one also takes a dim name (``size("TP")``, ``get_group(mesh_dim="TP")``).
 
     Create one explicitly with :func:`init_device_mesh`, or initialize the process-wide default
     :data:`DEVICE_MESH`::
@@ -49,6 +61,9 @@ class ParallelMesh:
     """
 
     def __init__(self, device_mesh: DeviceMesh | None = None) -> None:
+        # DeviceMesh.__init__ is not called: an empty ParallelMesh (DEVICE_MESH before its init) has no
+        # torch state yet; _adopt takes it from the mesh torch builds.
+        self._torch_state: tuple[str, ...] = ()
         self._mesh: DeviceMesh | None = None
         self._grid: np.ndarray | None = None
         # flattened name -> indices of the root dims it spans, in order; and its torch mesh, kept
@@ -99,13 +114,26 @@ class ParallelMesh:
     def _adopt(self, device_mesh: DeviceMesh) -> None:
         if not device_mesh.mesh_dim_names:
             raise ValueError("ParallelMesh needs named dims; build the DeviceMesh with mesh_dim_names=(...)")
+        drop_mesh_state(self, self._torch_state)
+        self._torch_state = adopt_mesh_state(self, device_mesh)
         self._mesh = device_mesh
         self._grid = device_mesh.mesh.cpu().numpy()
         self._flattened, self._flat_meshes = {}, {}
 
     def reset(self) -> None:
         """Forget the mesh (process groups stay alive); the next ``init_device_mesh`` starts afresh."""
+        drop_mesh_state(self, self._torch_state)
+        self._torch_state = ()
         self._mesh, self._grid, self._flattened, self._flat_meshes = None, None, {}, {}
+
+    def __getattr__(self, name: str):
+        # Reached only for attributes the instance lacks: torch's DeviceMesh state before initialization.
+        if name.startswith("__") or vars(self).get("_mesh") is not None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise AttributeError(
+            f"ParallelMesh.{name}: this ParallelMesh is not initialized; call .init_device_mesh(device_type, "
+            "mesh_shape, mesh_dim_names=...) first"
+        )
 
     def is_initialized(self) -> bool:
         return self._mesh is not None
@@ -152,18 +180,36 @@ class ParallelMesh:
     def device_type(self) -> str:
         return self.device_mesh.device_type
 
-    def size(self, dim: Dim | None = None) -> int:
-        """Number of ranks in the whole mesh, or along ``dim``."""
-        return self.device_mesh.size() if dim is None else self.get_strategy_size(dim)
+    def size(self, mesh_dim: Dim | None = None) -> int:
+        """Number of ranks in the whole mesh, or along ``mesh_dim`` (a name or an index)."""
+        return self.device_mesh.size() if mesh_dim is None else self.get_strategy_size(mesh_dim)
 
     def get_strategy_size(self, dim: Dim) -> int:
         """Number of ranks along ``dim`` (``"TP"``, a flattened name, or a dim index)."""
         return math.prod(self.shape[d] for d in self._dims_of(dim))
 
-    def get_group(self, dim: Dim) -> dist.ProcessGroup:
-        """The process group of this rank along ``dim``."""
-        name = self.mesh_dim_names[self._dims_of(dim)[0]] if isinstance(dim, int) else dim
+    def get_group(self, mesh_dim: Dim | None = None) -> dist.ProcessGroup:
+        """The process group of this rank along ``mesh_dim`` (a name or an index; may be left out on a
+        1-D mesh, as in torch)."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise RuntimeError(
+                    f"{self._short()} has {self.ndim} dims; name the one whose group you want: "
+                    f"get_group(mesh_dim={self.mesh_dim_names[-1]!r})"
+                )
+            mesh_dim = 0
+        name = self.mesh_dim_names[self._dims_of(mesh_dim)[0]] if isinstance(mesh_dim, int) else mesh_dim
         return self[name].get_group()
+
+    def get_local_rank(self, mesh_dim: Dim | None = None) -> int:
+        """This rank's index along ``mesh_dim`` (torch's meaning). Without ``mesh_dim``: on a 1-D mesh
+        its index in the mesh (torch's), on an nD mesh its rank on this node (veScale's meaning:
+        ``LOCAL_RANK`` as set by torchrun, else the global rank), which torch leaves undefined there."""
+        if mesh_dim is not None:
+            return self.lookup_rank(mesh_dim)
+        if self.ndim == 1:
+            return self.lookup_rank(0)
+        return int(os.environ.get("LOCAL_RANK", self.get_rank()))
 
     def has_dim(self, dim: str) -> bool:
         return dim in self.mesh_dim_names or dim in self._flattened
@@ -173,8 +219,13 @@ class ParallelMesh:
         """This process's global rank."""
         return dist.get_rank()
 
-    def get_strategy_coordinate(self, rank: int | None = None) -> tuple[int, ...]:
-        """Coordinate of global ``rank`` (default: this rank) in the mesh, one entry per dim."""
+    def get_strategy_coordinate(self, rank: int | None = None, *, local_rank: int | None = None) -> tuple[int, ...]:
+        """Coordinate of global ``rank`` (default: this rank) in the mesh, one entry per dim.
+        ``local_rank=`` is veScale's name for the same argument (a global rank there too)."""
+        if local_rank is not None:
+            if rank is not None:
+                raise TypeError("get_strategy_coordinate: pass rank or local_rank (the same thing), not both")
+            rank = local_rank
         return layout.coordinate_of(self._grid_or_raise(), self.get_rank() if rank is None else rank)
 
     def get_global_rank(self, coordinate: Mapping[str, int] | Sequence[int]) -> int:

@@ -33,12 +33,15 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: 
 __all__ = [
     "DataDependentOutputException",
     "DynamicOutputShapeException",
+    "adopt_mesh_state",
     "FakeTensor",
     "FakeTensorMode",
     "StridedShard",
     "TorchDispatchMode",
     "chunk_sizes",
     "custom_chunk",
+    "drop_mesh_state",
+    "dtensor_over",
     "fake_store",
     "flatten_dense_tensors",
     "flatten_mesh",
@@ -47,6 +50,7 @@ __all__ = [
     "is_view",
     "local_shape_and_offset",
     "local_tensor",
+    "mesh_without_groups",
     "queue_backward_callback",
     "split_indices",
     "split_tensor",
@@ -145,3 +149,40 @@ def unflatten_dense_tensors(flat: torch.Tensor, like: Sequence[torch.Tensor]) ->
     """Views of ``flat`` shaped like ``like`` (the inverse of :func:`flatten_dense_tensors`)."""
     return list(_unflatten_dense_tensors(flat, list(like)))
 
+
+
+def adopt_mesh_state(target: DeviceMesh, source: DeviceMesh) -> tuple[str, ...]:
+    """Make ``target`` (a ``DeviceMesh`` subclass instance that skipped ``DeviceMesh.__init__``) the
+    same mesh as ``source``; return the attribute names taken. A ``DeviceMesh`` keeps its whole state
+    in instance attributes; they are shared, not copied, so the two compare equal, hash alike, and
+    share process groups and flattened meshes."""
+    state = vars(source)
+    vars(target).update(state)
+    return tuple(state)
+
+
+def drop_mesh_state(target: DeviceMesh, names: Sequence[str]) -> None:
+    """Undo :func:`adopt_mesh_state` (``names`` is what it returned)."""
+    for name in names:
+        vars(target).pop(name, None)
+
+
+def mesh_without_groups(device_type: str, ranks: Sequence, mesh_dim_names: Sequence[str]) -> DeviceMesh:
+    """A ``DeviceMesh`` describing ``ranks`` without creating process groups (``_init_backend=False``):
+    what a rank outside that mesh can hold of it (creating groups is collective over the world)."""
+    return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(mesh_dim_names), _init_backend=False)
+
+
+@torch.no_grad()
+def dtensor_over(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A DTensor with ``like``'s mesh, placements, shape and stride whose local tensor is ``local``
+    itself (its storage, offset and strides: a view of a flat buffer stays one).
+
+    ``DTensor.from_local`` on a view at a storage offset gives the wrapper that offset too, and
+    torch's ``Tensor.__deepcopy__`` then reads the wrapper as a real tensor and fails ("Attempted to
+    call copy_() on an invalid python storage"). Built at offset 0, then re-pointed, it deep-copies
+    (by ``clone``) like any DTensor."""
+    base = local.new_empty(0).set_(local.untyped_storage(), 0, local.shape, local.stride())
+    out = DTensor.from_local(base, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+    out._local_tensor.set_(local.untyped_storage(), local.storage_offset(), local.shape, local.stride())
+    return out
