@@ -116,3 +116,25 @@ def test_state_dicts_flatten_as_dcp_saves_them():
                                          "step": 3})
     assert flat == {"model.fc.weight": t, "opt.param_groups.0.lr": 0.1, "opt.param_groups.0.params": ["a"], "step": 3}
     assert paths["model.fc.weight"] == ("model", "fc.weight") and paths["opt.param_groups.0.lr"] == ("opt", "param_groups", 0, "lr")
+
+
+@distributed(world_size=2)
+def test_mesh_state_adoption_groupless_meshes_and_deep_copyable_dtensor_views():
+    import copy
+
+    torch_mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("DP",))
+    twin = object.__new__(type("Twin", (torch.distributed.device_mesh.DeviceMesh,), {}))
+    names = tc.adopt_mesh_state(twin, torch_mesh)
+    assert twin == torch_mesh and hash(twin) == hash(torch_mesh) and twin.get_coordinate() == torch_mesh.get_coordinate()
+    tc.drop_mesh_state(twin, names)
+    assert not vars(twin)
+    other = tc.mesh_without_groups("cpu", [[0], [1]], ("A", "B"))
+    assert other.mesh.tolist() == [[0], [1]] and other.mesh_dim_names == ("A", "B")
+    buffer = torch.arange(10.0)
+    view = buffer[2:8].view(2, 3)
+    # from_local over a view at an offset cannot be deep-copied (torch); dtensor_over can, sharing storage
+    d = tc.dtensor_over(view, torch_mesh, [Replicate()], (2, 3), (3, 1))
+    assert tc.local_tensor(d).data_ptr() == view.data_ptr()
+    copied = copy.deepcopy(d)
+    buffer.zero_()
+    assert torch.equal(copied.to_local(), torch.arange(2.0, 8.0).view(2, 3)) and d.to_local().sum() == 0

@@ -8,12 +8,13 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ndweave.ddp import sync
 from ndweave.ddp.buffer import ParamSlot, build_buckets
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import GradBucket, GradReduction, MicroBatchControl
-from ndweave.mesh.torch_compat import queue_backward_callback
+from ndweave.mesh.torch_compat import dtensor_over, local_tensor, queue_backward_callback
 
 __all__ = ["DistributedDataParallel", "DDP", "DEFAULT_BUCKET_SIZE"]
 
@@ -146,6 +147,16 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def __getattr__(self, name: str):
+        """Attributes the wrapper lacks are the wrapped module's (``ddp.transformer``, ``ddp.config``), as
+        torch's ``get_state_dict(model, optimizer)`` and pipelining expect of a transparent wrapper."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":  # not set yet (inside __init__): nothing to forward to
+                raise
+            return getattr(self.module, name)
+
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The wrapped module's, names unchanged (no ``module.`` prefix)."""
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
@@ -154,8 +165,11 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     def state_dict(self, *args, **kwargs):
-        """The wrapped module's state dict (same keys as without DDP)."""
-        return self.module.state_dict(*args, **kwargs)
+        """The wrapped module's state dict (same keys as without DDP); deep-copyable (see below)."""
+        state_dict = self.module.state_dict(*args, **kwargs)
+        for key, value in state_dict.items():
+            state_dict[key] = _deep_copyable(value)
+        return state_dict
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load into the wrapped module, in place (params stay views of DDP's buffers)."""
@@ -332,6 +346,17 @@ def _synced_params(named, params_to_ignore) -> list[tuple[str, torch.nn.Paramete
     if unknown:
         raise ValueError(f"params_to_ignore names {sorted(unknown)}, which the module does not have")
     return [(n, p) for n, p in named if p.requires_grad and n not in ignore_names and id(p) not in ignore_ids]
+
+
+def _deep_copyable(value):
+    """A detached DTensor param over ``param_data`` sits at a storage offset, which torch's deepcopy of
+    a DTensor cannot handle: the same DTensor, built with ``dtensor_over``. Params (keep_vars) stay."""
+    if not isinstance(value, DTensor) or isinstance(value, torch.nn.Parameter):
+        return value
+    local = local_tensor(value)
+    if local.storage_offset() == 0:
+        return value
+    return dtensor_over(local, value.device_mesh, value.placements, value.shape, value.stride())
 
 
 def _add_module_prefix(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):

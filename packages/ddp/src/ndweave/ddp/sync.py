@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from ndweave.ddp.buffer import ParamSlot
 from ndweave.mesh.collectives import reduce_scatter_flat
 from ndweave.mesh.contracts import reduce_partial_grads
-from ndweave.mesh.torch_compat import flatten_dense_tensors, local_tensor, unflatten_dense_tensors
+from ndweave.mesh.torch_compat import dtensor_over, flatten_dense_tensors, local_tensor, unflatten_dense_tensors
 
 __all__ = [
     "accumulate",
@@ -208,6 +208,5 @@ def publish(slot: ParamSlot) -> None:
 
 def _view_as_dtensor(slot: ParamSlot, placements) -> DTensor:
     param = slot.param
-    return DTensor.from_local(
-        slot.main_grad, param.device_mesh, list(placements), run_check=False, shape=param.shape, stride=param.stride()
-    )
+    # dtensor_over, not from_local: a DTensor over a view at an offset of the buffer cannot be deep-copied
+    return dtensor_over(slot.main_grad, param.device_mesh, placements, param.shape, param.stride())

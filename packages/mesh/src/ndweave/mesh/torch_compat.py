@@ -174,15 +174,16 @@ def mesh_without_groups(device_type: str, ranks: Sequence, mesh_dim_names: Seque
 
 
 @torch.no_grad()
-def dtensor_over(local: torch.Tensor, like: DTensor) -> DTensor:
-    """A DTensor with ``like``'s mesh, placements, shape and stride whose local tensor is ``local``
-    itself (its storage, offset and strides: a view of a flat buffer stays one).
+def dtensor_over(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
+                 shape: Sequence[int], stride: Sequence[int]) -> DTensor:
+    """``DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)`` whose local tensor
+    is ``local`` itself (its storage, offset and strides: a view of a flat buffer stays one).
 
     ``DTensor.from_local`` on a view at a storage offset gives the wrapper that offset too, and
     torch's ``Tensor.__deepcopy__`` then reads the wrapper as a real tensor and fails ("Attempted to
     call copy_() on an invalid python storage"). Built at offset 0, then re-pointed, it deep-copies
     (by ``clone``) like any DTensor."""
     base = local.new_empty(0).set_(local.untyped_storage(), 0, local.shape, local.stride())
-    out = DTensor.from_local(base, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+    out = DTensor.from_local(base, mesh, list(placements), run_check=False, shape=tuple(shape), stride=tuple(stride))
     out._local_tensor.set_(local.untyped_storage(), local.storage_offset(), local.shape, local.stride())
     return out

@@ -69,6 +69,11 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
 
+    def get_parameters(self) -> list[torch.Tensor]:
+        """Every parameter the inner optimizer steps, group by group (veScale's ``get_parameters``): for a
+        ``DistributedOptimizer`` these are this rank's 1-D master shards, not the model's params."""
+        return [p for group in self.inner.param_groups for p in group["params"]]
+
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """This optimizer's state (see the subclass), with torch's state-dict hooks run around it."""
         for hook in self._optimizer_state_dict_pre_hooks.values():

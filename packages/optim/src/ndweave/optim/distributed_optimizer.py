@@ -101,6 +101,9 @@ class DistributedOptimizer(WrappedOptimizer):
             bf16/fp16 models).
         loss_scaler: fp16 loss scaling (see :mod:`ndweave.optim.loss_scale`).
         grad_norm_group: group the grad norm is summed over (default: the whole world).
+        grad_scaler: veScale's (Megatron's) name for ``loss_scaler``; pass one or the other.
+        fp16, bf16, params_dtype: veScale's dtype flags. The dtypes come from the params here, so
+            these only check: a flag the models' params contradict raises.
 
     Example::
 
@@ -124,9 +127,18 @@ class DistributedOptimizer(WrappedOptimizer):
         assume_elementwise: bool = False,
         loss_scaler: Any = None,
         grad_norm_group: dist.ProcessGroup | None = None,
+        grad_scaler: Any = None,
+        fp16: bool | None = None,
+        bf16: bool | None = None,
+        params_dtype: torch.dtype | None = None,
     ) -> None:
         models = [models] if isinstance(models, torch.nn.Module) else list(models)
         self.buckets = self._collect_buckets(models)
+        if grad_scaler is not None:
+            if loss_scaler is not None:
+                raise ValueError("pass loss_scaler or grad_scaler (veScale's name for it), not both")
+            loss_scaler = grad_scaler
+        _check_dtype_flags({b.param_data.dtype for b in self.buckets}, fp16=fp16, bf16=bf16, params_dtype=params_dtype)
         spec = resolve_optimizer(optimizer, optimizer_kwargs)
         check_elementwise(spec.cls, assume_elementwise)
         self.grad_to_fp32 = grad_to_fp32
@@ -320,6 +332,18 @@ class DistributedOptimizer(WrappedOptimizer):
             self._publish()
         finally:
             self._gatherer.overlap = was_overlapped
+
+
+def _check_dtype_flags(dtypes: set[torch.dtype], **flags: Any) -> None:
+    """veScale's ``fp16=``/``bf16=``/``params_dtype=`` against the dtypes the params actually have."""
+    wanted = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    for flag, value in flags.items():
+        dtype = value if flag == "params_dtype" else wanted[flag] if value else None
+        if dtype is not None and dtype not in dtypes:
+            raise ValueError(
+                f"DistributedOptimizer({flag}={value}) but the models' params are {sorted(map(str, dtypes))}: the "
+                f"dtype comes from the params here; convert the model (model.to({dtype})) before wrapping, or drop {flag}="
+            )
 
 
 def _to_cpu(value: Any) -> Any:
