@@ -6,16 +6,13 @@ torch's own submesh. What it adds is arithmetic that torch only offers for the c
 (coordinates of *any* rank, sibling groups, pipeline neighbours), role getters that return the right
 dim, veScale's spellings (:class:`~ndweave.mesh.vescale.VeScaleAliases`), and errors that say what to do.
 
-Why a subclass and not a wrapper forwarding attributes: torch checks ``isinstance(mesh,
-DeviceMesh)`` (FSDP1) and compares meshes by type and state (DTensor), so a forwarding wrapper gets
-past some calls and fails deep inside others. The subclass never runs ``DeviceMesh.__init__``; it
-adopts the state of the mesh torch's ``init_device_mesh`` built, so it equals that mesh.
+A subclass, not a forwarding wrapper: torch checks ``isinstance(mesh, DeviceMesh)`` (FSDP1) and
+compares meshes by type and state (DTensor). It adopts the state of the mesh torch built.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Union
 
@@ -200,16 +197,6 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
             mesh_dim = 0
         name = self.mesh_dim_names[self._dims_of(mesh_dim)[0]] if isinstance(mesh_dim, int) else mesh_dim
         return self[name].get_group()
-
-    def get_local_rank(self, mesh_dim: Dim | None = None) -> int:
-        """This rank's index along ``mesh_dim`` (torch's meaning). Without ``mesh_dim``: on a 1-D mesh
-        its index in the mesh (torch's), on an nD mesh its rank on this node (veScale's meaning:
-        ``LOCAL_RANK`` as set by torchrun, else the global rank), which torch leaves undefined there."""
-        if mesh_dim is not None:
-            return self.lookup_rank(mesh_dim)
-        if self.ndim == 1:
-            return self.lookup_rank(0)
-        return int(os.environ.get("LOCAL_RANK", self.get_rank()))
 
     def has_dim(self, dim: str) -> bool:
         return dim in self.mesh_dim_names or dim in self._flattened

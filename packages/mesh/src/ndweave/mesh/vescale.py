@@ -9,6 +9,7 @@ README's "Coming from veScale" table lists every call.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -28,6 +29,16 @@ class VeScaleAliases:
         if not self.is_initialized() and init_kwargs:
             self.init_device_mesh(**init_kwargs)
         return self.device_mesh if self.is_initialized() else None
+
+    def get_local_rank(self, mesh_dim: str | int | None = None) -> int:
+        """This rank's index along ``mesh_dim`` (torch's meaning). Without ``mesh_dim``: on a 1-D mesh
+        its index in the mesh (torch's), on an nD mesh its rank on this node (veScale's meaning:
+        ``LOCAL_RANK`` as set by torchrun, else the global rank), which torch leaves undefined there."""
+        if mesh_dim is not None:
+            return self.lookup_rank(mesh_dim)
+        if self.ndim == 1:
+            return self.lookup_rank(0)
+        return int(os.environ.get("LOCAL_RANK", self.get_rank()))
 
     def get_data_parallel_dim_groups(self) -> dist.ProcessGroup | None:
         """Same as ``get_data_parallel_group()``."""
