@@ -71,6 +71,7 @@ def test_compare_single_device_in_fp32_passes_its_measured_bound(tmp_path, capsy
 
 
 @pytest.mark.parity
+@pytest.mark.heavy
 def test_job_on_eight_ranks_resumes_at_dp4_and_on_one_process(tmp_path):
     base = [*TINY, "--steps", "4", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0"]
     uninterrupted = job.train_single_device(_args("--steps", "4"))
