@@ -229,6 +229,9 @@ def _failure_before_planning_in_the_background(folder: str) -> None:
             handle.wait()
     dist.barrier()
     assert not os.path.exists(f"{folder}/a")
+    subset = dist.new_group(ranks=[0], backend="gloo")
+    with pytest.raises(ValueError, match="a group of all of them"):
+        save(f"{folder}/b", {"model": model}, async_checkpoint=True, process_group=subset)
 
 
 class _Unsavable:

@@ -254,6 +254,10 @@ def start_save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoi
                on_commit: Callable[[], None] | None = None, buffers: StagingBuffers | None = None,
                group: dist.ProcessGroup | None = None) -> SaveHandle:
     """:func:`save`, with ``on_commit`` run by rank 0 right after the commit (retention)."""
+    if group is not None and is_distributed() and dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(f"process_group has {dist.get_world_size(group)} ranks, the world {dist.get_world_size()}: "
+                         "a checkpoint is saved by every rank; pass a group of all of them "
+                         "(dist.new_group(backend='gloo'))")
     _wait_for_previous_saves()
     optimizers = optimizers_of(state) if isinstance(state, dict) else []
     remove_finished_gates(optimizers)
