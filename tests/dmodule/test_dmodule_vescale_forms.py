@@ -32,6 +32,24 @@ def _kind(t):
     return tuple(t.placements) if isinstance(t, DTensor) else "plain"
 
 
+def _twins(make, plan, **kwargs):
+    """A one-process reference and its DModule, built from the same seed, in float64."""
+    torch.set_default_dtype(STRICT_DTYPE)
+    torch.manual_seed(0)
+    ref = make()
+    torch.manual_seed(0)
+    return ref, parallelize_module(make(), _tp_mesh(), plan, **kwargs)
+
+
+def _check_grads(dm, out, ref, ref_out, y):
+    """One backward of a loss computed outside the model on each side; every gradient compared."""
+    F.mse_loss(out, y).backward()
+    dm.finish_grad_sync()
+    F.mse_loss(ref_out, y).backward()
+    for name, p in dm.named_parameters():
+        assert_close(p.grad, ref.get_parameter(name).grad, name=f"{name}.grad")
+
+
 def _rows(t):
     """This rank's rows of a batch (what a Shard(0) input plan takes a plain tensor to be)."""
     return t.tensor_split(torch.distributed.get_world_size())[torch.distributed.get_rank()]
@@ -51,24 +69,15 @@ class Gate(nn.Module):
 @pytest.mark.parity
 @distributed(world_size=2)
 def test_list_input_plan_binds_keyword_arguments():
-    torch.set_default_dtype(STRICT_DTYPE)
-    torch.manual_seed(0)
-    ref = Gate()
-    torch.manual_seed(0)
     plan = {"forward": {".input": [[Shard(0)], [Shard(0)]], ".output": [[R]]}}  # the batch split over ranks
-    dm = parallelize_module(Gate(), _tp_mesh(), plan)
+    ref, dm = _twins(Gate, plan)
     x, gate = torch.randn(6, 4), torch.randn(6, 4)
     for call in (lambda: dm(_rows(x), _rows(gate)), lambda: dm(_rows(x), gate=_rows(gate)),
                  lambda: dm(x=_rows(x), gate=_rows(gate))):
         out = call()
         assert dm.seen == ((Shard(0),), (Shard(0),)), dm.seen  # by position or by keyword alike
         assert_close(out, ref(x, gate), name="output")
-    y = torch.randn(6, 4)
-    F.mse_loss(out, y).backward()
-    dm.finish_grad_sync()
-    F.mse_loss(ref(x, gate), y).backward()
-    for name, p in dm.named_parameters():
-        assert_close(p.grad, ref.get_parameter(name).grad, name=f"{name}.grad")
+    _check_grads(dm, out, ref, ref(x, gate), torch.randn(6, 4))
 
 
 class Variadic(nn.Module):
@@ -203,24 +212,16 @@ class Outer(nn.Module):
 @pytest.mark.parity
 @distributed(world_size=2)
 def test_factory_per_module_class():
-    torch.set_default_dtype(STRICT_DTYPE)
-    torch.manual_seed(0)
-    ref = Outer()
-    torch.manual_seed(0)
     factory = {Outer: True, Inner: {torch.arange: [Shard(0)]}, Probe: False}  # the innermost class wins
-    dm = parallelize_module(Outer(), _tp_mesh(), {"forward": {".input": [[R]], ".output": [[R]]}}, factory=factory)
+    ref, dm = _twins(Outer, {"forward": {".input": [[R]], ".output": [[R]]}}, factory=factory)
     x, y = torch.randn(5, 4), torch.randn(5, 4)  # 5 rows: an uneven Shard(0) arange
     torch.manual_seed(1)
     out = dm(x)
     assert dm.kinds == ((R,), "plain") and dm.inner.kinds == ((Shard(0),), "plain") and dm.probe.kind == "plain"
-    torch.manual_seed(1)
+    torch.manual_seed(1)  # the same noise drawn
     ref_out = ref(x)
     assert_close(out, ref_out, name="output")
-    F.mse_loss(out, y).backward()
-    dm.finish_grad_sync()
-    F.mse_loss(ref_out, y).backward()
-    for name, p in dm.named_parameters():
-        assert_close(p.grad, ref.get_parameter(name).grad, name=f"{name}.grad")
+    _check_grads(dm, out, ref, ref_out, y)
     assert type(torch.zeros(1)) is torch.Tensor  # outside the forward nothing is converted
 
 
