@@ -47,9 +47,6 @@ FactoryArg = Union[bool, Mapping[type, Union[bool, Mapping[Callable, Any], None]
 
 FactoryPlan = dict[Callable, tuple[Placement, ...]]  # empty: off
 
-# Frames that only pass a call along the torch-function mode stack (another mode, torch.device(...)).
-_MODE_PLUMBING = frozenset({"torch.overrides", "torch.utils._device"})
-
 
 class FactoryMode(TorchFunctionMode):
     """Active during a ``factory=`` DModule's forward; converts per the innermost planned class."""
@@ -69,7 +66,9 @@ class FactoryMode(TorchFunctionMode):
 
 
 def _called_by_model(frame: FrameType | None) -> bool:
-    while frame is not None and frame.f_globals.get("__name__") in _MODE_PLUMBING:
+    # another mode above this one (``with torch.device(...)`` inside forward) passes the call on from
+    # its own __torch_function__: the creator is whoever called that
+    while frame is not None and frame.f_code.co_name == "__torch_function__":
         frame = frame.f_back
     name = "" if frame is None else frame.f_globals.get("__name__", "")
     return not (name == "torch" or name.startswith(("torch.", "ndweave.")))

@@ -1,5 +1,8 @@
 """Forward resharding: hooks that lay out a module's inputs, outputs and weights per the plan.
 
+Input plans reach their arguments through slots bound to the forward signature (``signature.py``).
+Plan values nest like the values they lay out: a list by position (tuple, list), a dict by name
+(dict, dataclass, HF ``ModelOutput``).
 Inputs arriving as plain tensors are taken to be already laid out per the plan (``from_local``);
 DTensor inputs are redistributed. Outputs are redistributed, and handed back as local tensors when
 the spec says ``to_local``. A weight named in the forward plan is redistributed before ``forward``
