@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ndweave.dmodule.factory import FactoryMode
 from ndweave.dmodule.plan import mesh_str
 from ndweave.mesh.contracts import reduce_partial_grads
 
@@ -35,7 +36,7 @@ class DModuleState:
     """What ``parallelize_module`` leaves on the root module (``module._dmodule``)."""
 
     mesh: DeviceMesh
-    factory_mode: Any = None
+    factory_mode: FactoryMode | None = None
     """The ``FactoryMode`` the root's calls run under (``factory=``), or ``None``."""
     hook_handles: list = field(default_factory=list)
     last_synced: list[GradSyncEntry] = field(default_factory=list)
