@@ -190,7 +190,7 @@ def test_bad_plans_give_actionable_errors():
         parallelize_module(MLP(), mesh, patches={"fc9": [_record_fqn]})
     with pytest.raises(TypeError, match=r"one placements list per input"):
         parallelize_module(MLP(), mesh, fwd_resharding_plan={"fc1.input": [R]})
-    with pytest.raises(ValueError, match="unknown sections"):
+    with pytest.raises(ValueError, match="unknown section 'params'; did you mean 'parameter'"):
         parallelize_module(MLP(), mesh, {"params": {}})
     with pytest.raises(ValueError, match=r"'fc1.weight' is on the meta device.*deferred_init"):
         parallelize_module(MLP().to("meta"), mesh, MLP_TP)

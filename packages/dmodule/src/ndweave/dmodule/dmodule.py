@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ndweave.dmodule.factory import FactoryMode
 from ndweave.dmodule.plan import mesh_str
 from ndweave.mesh.contracts import reduce_partial_grads
 
@@ -35,7 +36,8 @@ class DModuleState:
     """What ``parallelize_module`` leaves on the root module (``module._dmodule``)."""
 
     mesh: DeviceMesh
-    factory: bool = False
+    factory_mode: FactoryMode | None = None
+    """The ``FactoryMode`` the root's calls run under (``factory=``), or ``None``."""
     hook_handles: list = field(default_factory=list)
     last_synced: list[GradSyncEntry] = field(default_factory=list)
 
@@ -106,12 +108,10 @@ def _is_partial(g: torch.Tensor | None) -> bool:
 
 
 class FactoryDModule(DModule):
-    """A DModule built with ``factory=True``: its forward runs under :class:`FactoryMode`."""
+    """A DModule built with ``factory=``: its calls run under its ``FactoryMode``."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from ndweave.dmodule.factory import FactoryMode
-
-        with FactoryMode():
+        with self._dmodule.factory_mode:
             return super().__call__(*args, **kwargs)
 
 
@@ -123,11 +123,12 @@ def make_dmodule(module: nn.Module, state: DModuleState) -> nn.Module:
     cls = type(module)
     if issubclass(cls, DModule):  # parallelized before: start from the user's class again
         cls = next(c for c in cls.__mro__ if not issubclass(c, DModule))
-    mixin = FactoryDModule if state.factory else DModule
-    dcls = _CLASSES.get((cls, state.factory))
+    factory = state.factory_mode is not None
+    dcls = _CLASSES.get((cls, factory))
     if dcls is None:
+        mixin = FactoryDModule if factory else DModule
         dcls = type(f"DModule{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
-        _CLASSES[(cls, state.factory)] = dcls
+        _CLASSES[(cls, factory)] = dcls
     module.__class__ = dcls
     module._dmodule = state
     return module
