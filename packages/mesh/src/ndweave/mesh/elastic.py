@@ -84,17 +84,17 @@ def fresh_namespace(store: dist.Store, rank: int, world: int, timeout: timedelta
             store.set(f"{namespace}welcome/{token}", "1")
         return namespace
     token, deadline = uuid.uuid4().hex, time.monotonic() + timeout.total_seconds()
-    while True:
+    while time.monotonic() < deadline:
         namespace = store.get("ndweave/namespace").decode()  # blocks until some rank 0 has written it
         store.set(f"{namespace}hello/{rank}", token)
-        try:
-            store.wait([f"{namespace}welcome/{token}"], timedelta(seconds=_RETRY_S))
-            return namespace
-        except dist.DistStoreError:
-            if time.monotonic() > deadline:
-                raise dist.DistStoreError(
-                    f"rank {rank} found no process group to join within {timeout}: rank 0 did not answer "
-                    f"(is it alive, and is the world size {world} the same on every node?)") from None
+        # polled, not store.wait: a timed-out wait logs a C++ warning on every retry
+        retry = min(deadline, time.monotonic() + _RETRY_S)
+        while time.monotonic() < retry:
+            if store.check([f"{namespace}welcome/{token}"]):
+                return namespace
+            time.sleep(0.01)
+    raise dist.DistStoreError(f"rank {rank} found no process group to join within {timeout}: rank 0 did not "
+                              f"answer (is it alive, and is the world size {world} the same on every node?)")
 
 
 def lost_ranks(wait: timedelta | float) -> list[int] | None:
