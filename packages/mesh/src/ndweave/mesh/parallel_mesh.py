@@ -75,7 +75,8 @@ class ParallelMesh:
         be given for more than three dims. With ``check_uniqueness=True`` a second initialization is
         an error instead of a silent replacement. ``timeout`` (seconds or a ``timedelta``; ``None``:
         torch's default, 30 min for gloo) bounds every collective of the mesh's dim groups, and of the
-        default group when this call creates it (see ``ndweave.mesh.elastic``).
+        default group when this call creates it (see ``ndweave.mesh.elastic``); a default group made
+        before keeps its own.
         """
         if check_uniqueness and self._mesh is not None:
             raise RuntimeError(
@@ -84,7 +85,8 @@ class ParallelMesh:
             )
         shape = tuple(int(n) for n in mesh_shape)
         names = _check_names(shape, mesh_dim_names)
-        if not dist.is_initialized():
+        created = not dist.is_initialized()
+        if created:
             elastic.init_process_group(_default_backend(device_type), timeout)
         world = dist.get_world_size()
         if math.prod(shape) != world:
@@ -93,9 +95,9 @@ class ParallelMesh:
                 f"choose a shape whose product is {world}."
             )
         self._adopt(_torch_init_device_mesh(device_type, shape, mesh_dim_names=names))
-        if timeout is not None:
-            for name in names:
-                set_group_timeout(self._mesh[name].get_group(), elastic.as_timedelta(timeout))
+        for group in {self._mesh[n].get_group() for n in names} if timeout is not None else ():
+            if created or group != dist.group.WORLD:  # a default group made elsewhere keeps its timeout
+                set_group_timeout(group, elastic.as_timedelta(timeout))
         return self._mesh
 
     @classmethod
