@@ -62,8 +62,7 @@ def resolve_spec(spec: str | Mapping[str, int], world_size: int | None, *, dims:
         if world_size % fixed:
             raise ValueError(
                 f"parallel spec {_show(sizes)} cannot run on {world_size} ranks: its fixed dims need a "
-                f"multiple of {fixed} ranks; launch a multiple of {fixed} (torchrun --nproc-per-node, or "
-                f"--nnodes=MIN:MAX with nodes of a multiple of {fixed}) or make the fixed dims smaller")
+                f"multiple of {fixed} ranks; launch a multiple of {fixed} ranks or make the fixed dims smaller")
         sizes[flexible] = world_size // fixed
         if allowed is not None and sizes[flexible] not in allowed:
             raise ValueError(f"parallel spec {_show(sizes)} on {world_size} ranks gives {flexible}="
