@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         lost = lost_ranks(args.timeout)  # a peer gone (torchrun restarts the job), or a bug everywhere
         if lost == []:
             raise
-        print(f"rank {dist.get_rank()}: lost " + (f"rank(s) {lost}" if lost else "the rendezvous store (rank 0)")
+        print(f"rank {dist.get_rank()}: lost " + (f"rank(s) {lost}" if lost else "a peer, and the store with it (its node is gone)")
               + f" within --timeout {args.timeout:g}s; exiting so that torchrun can restart the job", file=sys.stderr)
         return 1
     ok = True

@@ -100,7 +100,7 @@ def fresh_namespace(store: dist.Store, rank: int, world: int, timeout: timedelta
 def lost_ranks(wait: timedelta | float) -> list[int] | None:
     """After a collective failed: the ranks that did not also report in within ``wait`` (the peers
     that are gone, or stuck), through the default group's store. Every survivor should call it:
-    each one reports itself. ``None`` when the store itself is unreachable (it lived in a lost rank).
+    each one reports itself. ``None`` when the store itself is unreachable (its host, rank 0's node, is gone).
 
     Call it with the process-group timeout: a survivor blocked in another collective needs that long
     to notice."""
