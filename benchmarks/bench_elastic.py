@@ -39,7 +39,8 @@ def one_round(args: argparse.Namespace) -> dict[str, float]:
                    "--max-restarts=1", str(ROOT / "examples" / "gpt" / "train.py"), "--mesh", args.mesh,
                    "--n-layer", "2", "--n-embd", "64", "--block-size", "32", "--steps", str(args.kill_at_step + 2),
                    "--checkpoint-every", str(args.checkpoint_every), "--checkpoint-dir", checkpoints, "--plot", "",
-                   "--device", args.device, "--kill-rank", str(args.world - 1), "--kill-at-step", str(args.kill_at_step)]
+                   "--device", args.device, "--kill-rank", str(args.world - 1),
+                   "--kill-at-step", str(args.kill_at_step)]
         begin, seen, pending = time.monotonic(), {}, list(MARKS)
         with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as job:
             for line in job.stdout:  # the progress bar's \r updates arrive with the next full line

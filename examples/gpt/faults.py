@@ -20,7 +20,8 @@ __all__ = ["FaultInjection", "add_args"]
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kill-rank", type=int, default=None, help="(tests) this rank SIGKILLs itself, first attempt only")
+    parser.add_argument("--kill-rank", type=int, default=None,
+                        help="(tests) this rank SIGKILLs itself, first attempt only")
     parser.add_argument("--kill-at-step", type=int, default=1, help="(tests) ... as this step begins")
     parser.add_argument("--kill-in-save", action="store_true", help="(tests) ... inside this step's checkpoint save")
 

@@ -321,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         lost = lost_ranks(args.timeout)  # a peer gone (torchrun restarts the job), or a bug everywhere
         if lost == []:
             raise
-        print(f"rank {dist.get_rank()}: lost " + (f"rank(s) {lost}" if lost else "a peer, and the store with it (its node is gone)")
-              + f" within --timeout {args.timeout:g}s; exiting so that torchrun can restart the job", file=sys.stderr)
+        what = f"rank(s) {lost}" if lost else "a peer, and the store with it (its node is gone)"
+        print(f"rank {dist.get_rank()}: lost {what} within --timeout {args.timeout:g}s; exiting so that torchrun "
+              "can restart the job", file=sys.stderr)
         return 1
     ok = True
     if dist.get_rank() == 0:
