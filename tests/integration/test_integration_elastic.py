@@ -4,8 +4,8 @@ same run on one process in float64, strict:
 * a rank SIGKILLed inside a checkpoint save of a 4-rank run with ``--max-restarts 1``: torchrun
   restarts the workers, the job resumes on its own from the checkpoint before (the one being written
   is never used), redoes the steps since, and finishes;
-* shrink and grow: a 4-rank run killed mid-training (no restarts left) continues on 2 ranks, then on
-  4 again, each time from the newest checkpoint, ``--mesh pp=2,dp=-1`` resolving DP for the world.
+* grow and shrink: a 2-rank run killed mid-training (no restarts left) continues on 4 ranks, then on
+  2 again, each time from the newest checkpoint, ``--mesh pp=2,dp=-1`` resolving DP for the world.
 
 Each part's loss curve (the whole history the final checkpoint keeps: steps of every attempt) and the
 final parameters equal the uninterrupted single-process run's.
@@ -68,14 +68,14 @@ def test_a_rank_killed_in_a_checkpoint_save_restarts_from_the_one_before(tmp_pat
 
 
 @pytest.mark.parity
-def test_a_killed_run_continues_on_fewer_ranks_then_on_more(tmp_path):
-    code, out = _torchrun(4, tmp_path, "--kill-rank", "2", "--kill-at-step", "4")
-    assert code != 0 and "rank 2 SIGKILLs itself at step 4 as it begins" in out, out[-4000:]
+def test_a_killed_run_continues_on_more_ranks_then_on_fewer(tmp_path):
+    code, out = _torchrun(2, tmp_path, "--kill-rank", "1", "--kill-at-step", "4")
+    assert code != 0 and "rank 1 SIGKILLs itself at step 4 as it begins" in out, out[-4000:]
     assert CheckpointManager(tmp_path).steps() == [2]
 
-    code, out = _torchrun(2, tmp_path, "--resume", "--stop-at", "4")
-    assert code == 0 and "resumed from step 2" in out and "mesh PP=2 x DP=1 x TP=1, steps 3..4" in out, out[-4000:]
+    code, out = _torchrun(4, tmp_path, "--resume", "--stop-at", "4")  # grow 2 -> 4
+    assert code == 0 and "resumed from step 2" in out and "mesh PP=2 x DP=2 x TP=1, steps 3..4" in out, out[-4000:]
 
-    code, out = _torchrun(4, tmp_path, "--resume")
-    assert code == 0 and "resumed from step 4" in out and "mesh PP=2 x DP=2 x TP=1, steps 5..6" in out, out[-4000:]
+    code, out = _torchrun(2, tmp_path, "--resume")  # shrink 4 -> 2
+    assert code == 0 and "resumed from step 4" in out and "mesh PP=2 x DP=1 x TP=1, steps 5..6" in out, out[-4000:]
     _check_against_one_process(tmp_path)
