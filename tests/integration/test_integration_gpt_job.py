@@ -96,17 +96,6 @@ def test_job_on_eight_ranks_resumes_at_dp4_and_on_one_process(tmp_path):
     _check_params(third, uninterrupted, "resumed on one process, step 4")
 
 
-def test_mesh_flag_errors_name_the_fix():
-    assert job.parse_mesh("pp=2,dp=-1,tp=2", 16) == {"PP": 2, "DP": 4, "TP": 2}
-    assert job.parse_mesh("tp=2", 2) == {"PP": 1, "DP": 1, "TP": 2}
-    with pytest.raises(ValueError, match="needs 8 processes but the world has 4"):
-        job.parse_mesh("pp=2,dp=2,tp=2", 4)
-    with pytest.raises(ValueError, match="does not divide the world of 6"):
-        job.parse_mesh("pp=2,dp=-1,tp=2", 6)
-    with pytest.raises(ValueError, match="expected pp=N"):
-        job.parse_mesh("cp=2", 2)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
