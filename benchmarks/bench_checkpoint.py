@@ -19,13 +19,22 @@ than the wall time.
 
 The saved state is a training state: the tensors as the parameters of a module and an optimizer
 (SGD) over them, ``{"model": module, "optimizer": optimizer}`` (their state dicts for plain DCP).
-Async saving is measured as a user feels it, in a loop of simulated training steps: ``--step-ms``
-of matmuls that do not touch the saved tensors, then ``optimizer.step()`` updating all of them in
-place. ``async: blocks for`` is the extra time a step with ``save(..., async_checkpoint=True)`` in
-front takes over a step without, against the extra time of a step with a sync save; ``then`` is the
-extra time of the ``--after`` following steps plus ``wait()`` (the files being written beside
-training); ``staged MB`` the extra host memory the save holds per rank until its files are written.
-Both with fresh host memory (the default) and with ``StagingBuffers`` reused from earlier saves.
+Async saving is measured as a user feels it, in a loop of simulated training steps of ``--step-ms``
+that do not touch the saved tensors, then ``optimizer.step()`` updating all of them in place; the
+async saves plan on a gloo group of their own, as ``CheckpointManager``'s do. Two kinds of step:
+
+* ``host``: matmuls on the CPU. Here the save's background copy and writes take cores from the
+  step (2 ranks on 2 cores have none to spare): the worst case, a CPU-only training job;
+* ``device``: the host sleeps through the step's compute, as it waits for an accelerator: the
+  background thread has the host to itself, as in GPU training.
+
+``the call`` is the time ``save(..., async_checkpoint=True)`` itself takes; ``blocks for`` is the
+extra time a step with the save in front takes over a step without (the call, the copy the step
+waits for, and what the background thread took from the step), both against the extra time of a
+step with a sync save; ``then`` is the extra time of the ``--after`` following steps plus ``wait()``
+(the files being written beside training); ``staged MB`` the extra host memory the save holds per
+rank until its files are written. Both with fresh host memory (the default) and with
+``StagingBuffers`` reused from earlier saves.
 
 ``ours/this`` is ndweave's time over the row's: below 1 means ndweave is faster.
 """
@@ -37,6 +46,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -48,8 +58,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from common import Row, add_common_args, emit, init_rank, measure, spawn
 
 OPS = ("ndweave save", "dcp.save", "raw write", "ndweave save, pieces", "ndweave load", "dcp.load")
-STEPS = ("step", "step + sync save", "step + async save", "after async save", "step + async save, reused buffers",
-         "after async save, reused buffers")
+KINDS = ("host", "device")
+VARIANTS = ("", ", reused buffers")
+STEPS = tuple(f"{kind}: {what}" for kind in KINDS for what in (
+    "step", "step + sync save", *(f"{w}{v}" for v in VARIANTS for w in ("the call", "step + async save", "after async save"))))
 
 
 class _Pieces:
@@ -73,7 +85,8 @@ class _Pieces:
 
 class _Training:
     """The saved tensors as parameters, an SGD over them (fixed grads), and a step: ``matmuls``
-    products of a ``size`` x ``size`` matrix that touch no saved tensor, then ``optimizer.step()``."""
+    products of a ``size`` x ``size`` matrix that touch no saved tensor (``host``) or a sleep as long
+    (``device``), then ``optimizer.step()``."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device, step_ms: float, size: int = 256) -> None:
         self.module = nn.ParameterDict({name: nn.Parameter(t) for name, t in tensors.items()})
@@ -86,14 +99,18 @@ class _Training:
         per = measure(lambda: self.x @ self.x, device, 20)[0]
         count = torch.tensor([max(1, round(step_ms / 1e3 / per))])
         dist.broadcast(count, 0)  # every rank does the same work
-        self.matmuls = int(count)
+        self.matmuls, self.step_s = int(count), step_ms / 1e3
+        self.kind = "host"
 
     def dcp_state(self) -> dict:
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def step(self) -> None:
-        for _ in range(self.matmuls):
-            self.x @ self.x
+        if self.kind == "device":
+            time.sleep(self.step_s)
+        else:
+            for _ in range(self.matmuls):
+                self.x @ self.x
         self.optimizer.step()
 
 
@@ -116,8 +133,9 @@ def _worker(rank: int, world: int, port: int, args, folder: str, queue) -> None:
                for i in range(args.tensors)}
     pieces = _Pieces(tensors, rank, world)
     train = _Training(tensors, device, args.step_ms)
+    group = dist.new_group(backend="gloo")  # async saves plan on it, in their background thread
     buffers = StagingBuffers()  # touched once here, as by a run's earlier saves
-    save(f"{folder}/warm-up", train.state, async_checkpoint=True, buffers=buffers).wait()
+    save(f"{folder}/warm-up", train.state, async_checkpoint=True, buffers=buffers, process_group=group).wait()
     times: dict[str, list[float]] = {op: [] for op in (*OPS, *STEPS)}
     cpu: dict[str, list[float]] = {op: [] for op in OPS}
     staged = 0
@@ -145,21 +163,32 @@ def _worker(rank: int, world: int, port: int, args, folder: str, queue) -> None:
         for op, fn in loads if r % 2 == 0 else loads[::-1]:
             timed(op, fn)
 
-        plain = [measure(train.step, device)[0] for _ in range(3)]
-        times["step"].append(statistics.median(plain))
-        timed("step + sync save", lambda: (save(path("sync"), train.state), train.step()))
-        for suffix, kept in (("", None), (", reused buffers", buffers)):
-            handles = []
-            timed(f"step + async save{suffix}", lambda: (
-                handles.append(save(path(f"async{suffix}"), train.state, async_checkpoint=True, buffers=kept)),
-                train.step()))
-            after = [measure(train.step, device)[0] for _ in range(args.after)] + [measure(handles[0].wait, device)[0]]
-            times[f"after async save{suffix}"].append(sum(after))
+        for kind in KINDS:
+            train.kind = kind
+            plain = [measure(train.step, device)[0] for _ in range(3)]
+            times[f"{kind}: step"].append(statistics.median(plain))
+            timed(f"{kind}: step + sync save", lambda: (save(path(f"sync-{kind}"), train.state), train.step()))
+            for suffix, kept in zip(VARIANTS, (None, buffers)):
+                handles, call = [], []
+
+                def async_save_and_step() -> None:
+                    t0 = time.perf_counter()
+                    handles.append(save(path(f"async-{kind}{suffix}"), train.state, async_checkpoint=True,
+                                        buffers=kept, process_group=group))
+                    call.append(time.perf_counter() - t0)
+                    train.step()
+
+                timed(f"{kind}: step + async save{suffix}", async_save_and_step)
+                times[f"{kind}: the call{suffix}"].append(call[0])
+                after = [measure(train.step, device)[0] for _ in range(args.after)]
+                after.append(measure(handles[0].wait, device)[0])
+                times[f"{kind}: after async save{suffix}"].append(sum(after))
         staged = handles[0].staged_bytes
         dist.barrier()
         if rank == 0:
-            for name in ("ours", "dcp", "raw", "pieces", "sync", "async", "async, reused buffers"):
-                shutil.rmtree(path(name), ignore_errors=True)
+            for name in os.listdir(folder):
+                if name.endswith(f"-{r}"):
+                    shutil.rmtree(f"{folder}/{name}", ignore_errors=True)
     if rank == 0:
         queue.put({"times": {op: statistics.median(ts) for op, ts in times.items()},
                    "cpu": {op: statistics.median(ts) for op, ts in cpu.items()}, "staged": staged,
@@ -194,18 +223,20 @@ def main() -> None:
             line = f"{op:26} {t[op] * 1e3:9.1f} {gb / t[op]:7.2f} {ours / t[op]:9.2f}"
             ours_cpu = c["ndweave load"] if "load" in op else c["ndweave save"]
             print(line + f" {c[op] * 1e3:9.1f} {ours_cpu / c[op]:9.2f}")
-        step = t["step"]
-        print(f"training step ({result['matmuls']} matmuls + SGD step) {step * 1e3:.1f} ms; "
-              f"with an async save in front {t['step + async save'] * 1e3:.1f} ms; with a sync save "
-              f"{t['step + sync save'] * 1e3:.1f} ms")
-        sync_save = t["step + sync save"] - step
         blocks = {}
-        for suffix in ("", ", reused buffers"):
-            blocked = t[f"step + async save{suffix}"] - step
-            blocks[suffix] = blocked / sync_save
-            then = t[f"after async save{suffix}"] - args.after * step
-            print(f"async{suffix}: blocks for {blocked / sync_save:.0%} of a sync save ({blocked * 1e3:.1f} of "
-                  f"{sync_save * 1e3:.1f} ms); then {then * 1e3:.1f} ms over the next {args.after} steps + wait()")
+        for kind in KINDS:
+            step, sync_save = t[f"{kind}: step"], t[f"{kind}: step + sync save"] - t[f"{kind}: step"]
+            what = f"{result['matmuls']} matmuls" if kind == "host" else f"{args.step_ms:g} ms asleep"
+            print(f"{kind} step ({what} + SGD step) {step * 1e3:.1f} ms; a sync save in front adds "
+                  f"{sync_save * 1e3:.1f} ms")
+            for suffix in VARIANTS:
+                call = t[f"{kind}: the call{suffix}"]
+                blocked = t[f"{kind}: step + async save{suffix}"] - step
+                blocks[kind + suffix] = (call / sync_save, blocked / sync_save)
+                then = t[f"{kind}: after async save{suffix}"] - args.after * step
+                print(f"  async{suffix}: the call {call / sync_save:.0%} of a sync save ({call * 1e3:.1f} ms), "
+                      f"blocks the step for {blocked / sync_save:.0%} ({blocked * 1e3:.1f} ms); then "
+                      f"{then * 1e3:.1f} ms over the next {args.after} steps + wait()")
         staged = result["staged"] / 2**20
         print(f"staged host memory {staged:.1f} MB per rank")
         state = f"{args.mb:g} MB of DTensors + SGD"
@@ -213,8 +244,10 @@ def main() -> None:
             Row("ndweave.checkpoint save", f"dcp.save, {state}", world, t["ndweave save"] / t["dcp.save"],
                 c["ndweave save"] / c["dcp.save"], memory=f"async: {staged:.0f} MB staged/rank",
                 bound=f"raw write floor: ours {t['ndweave save'] / t['raw write']:.2f}x",
-                note=f"{t['ndweave save'] * 1e3:.0f} ms; an async save blocks a ~{step * 1e3:.0f} ms step for "
-                     f"{blocks['']:.0%} of a sync save ({blocks[', reused buffers']:.0%} with StagingBuffers)"),
+                note=f"{t['ndweave save'] * 1e3:.0f} ms; async (reused buffers), of a sync save: the call "
+                     f"{blocks['device, reused buffers'][0]:.0%}, a {args.step_ms:g} ms step blocked "
+                     f"{blocks['device, reused buffers'][1]:.0%} on a device, {blocks['host, reused buffers'][1]:.0%} "
+                     "on the CPU"),
             Row("ndweave.checkpoint load", f"dcp.load, {state}", world, t["ndweave load"] / t["dcp.load"],
                 c["ndweave load"] / c["dcp.load"], note=f"{t['ndweave load'] * 1e3:.0f} ms"),
         ]

@@ -185,20 +185,62 @@ def _train_sharded(model: Fused, optimizer: torch.optim.Optimizer, seed: int) ->
 
 def _async_with_dtensor_params(folder: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = Fused(mesh)  # StridedShard weight (written as PieceSets) and a Shard(0) bias
-    model.register_buffer("seen", torch.zeros(4))
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    _train_sharded(model, optimizer, seed=0)
-    expected = _snapshot(model, optimizer)
-    with _SlowCopy(delay=0.3) as copy:
-        handle = save(f"{folder}/a", {"model": model, "optimizer": optimizer}, async_checkpoint=True)
-        _train_sharded(model, optimizer, seed=1)
-        handle.wait()
-    assert copy.finished_at is not None
-    other = Fused(mesh, seed=1)
-    other.register_buffer("seen", torch.full((4,), -1.0))
-    assert_same(_reloaded(f"{folder}/a", other, torch.optim.Adam(other.parameters(), lr=0.1)), expected)
+    # the planning runs in the calling thread on the default group, or in the background on a
+    # group of the save's own (what CheckpointManager does)
+    staged = []
+    for name, group in (("default group", None), ("own group", dist.new_group(backend="gloo"))):
+        model = Fused(mesh)  # StridedShard weight (written as PieceSets) and a Shard(0) bias
+        model.register_buffer("seen", torch.zeros(4))
+        model.scale = nn.Parameter(torch.ones(3))  # replicated: rank 0 writes it, rank 1 copies nothing
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        _train_sharded(model, optimizer, seed=0)
+        expected = _snapshot(model, optimizer)
+        with _SlowCopy(delay=0.3) as copy:
+            handle = save(f"{folder}/{name}", {"model": model, "optimizer": optimizer}, async_checkpoint=True,
+                          process_group=group)
+            _train_sharded(model, optimizer, seed=1)
+            handle.wait()
+        assert copy.finished_at is not None
+        staged.append(handle.staged_bytes)
+        other = Fused(mesh, seed=1)
+        other.register_buffer("seen", torch.full((4,), -1.0))
+        other.scale = nn.Parameter(torch.zeros(3))
+        assert_same(_reloaded(f"{folder}/{name}", other, torch.optim.Adam(other.parameters(), lr=0.1)), expected)
+    # what this rank writes either way (DCP gives each replicated value to one rank), not the
+    # superset its local plan held when the planning ran in the background
+    assert staged[0] == staged[1]
 
 
 def test_sharded_params_and_state_on_two_ranks_are_saved_as_of_the_call(tmp_path):
     run_distributed(_async_with_dtensor_params, 2, str(tmp_path))
+
+
+def _failure_before_planning_in_the_background(folder: str) -> None:
+    group = dist.new_group(backend="gloo")
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optimizer": optimizer, "bad": _Unsavable() if dist.get_rank() == 1 else 0}
+    if dist.get_rank() == 1:
+        with pytest.raises(CheckpointError, match="cannot be saved"):
+            save(f"{folder}/a", state, async_checkpoint=True, process_group=group)
+    else:  # the call returns; the failure on rank 1 arrives with the background planning
+        handle = save(f"{folder}/a", state, async_checkpoint=True, process_group=group)
+        with pytest.raises(CheckpointError, match="cannot be saved"):
+            handle.wait()
+    dist.barrier()
+    assert not os.path.exists(f"{folder}/a")
+    subset = dist.new_group(ranks=[0], backend="gloo")
+    with pytest.raises(ValueError, match="a group of all of them"):
+        save(f"{folder}/b", {"model": model}, async_checkpoint=True, process_group=subset)
+
+
+class _Unsavable:
+    def state_dict(self):
+        raise ValueError("this entry cannot be saved")
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_rank_failing_before_background_planning_fails_the_save_on_every_rank(tmp_path):
+    run_distributed(_failure_before_planning_in_the_background, 2, str(tmp_path))

@@ -190,7 +190,7 @@ def test_bad_plans_give_actionable_errors():
         parallelize_module(MLP(), mesh, patches={"fc9": [_record_fqn]})
     with pytest.raises(TypeError, match=r"one placements list per input"):
         parallelize_module(MLP(), mesh, fwd_resharding_plan={"fc1.input": [R]})
-    with pytest.raises(ValueError, match="unknown sections"):
+    with pytest.raises(ValueError, match="unknown section 'params'; did you mean 'parameter'"):
         parallelize_module(MLP(), mesh, {"params": {}})
     with pytest.raises(ValueError, match=r"'fc1.weight' is on the meta device.*deferred_init"):
         parallelize_module(MLP().to("meta"), mesh, MLP_TP)
@@ -248,9 +248,12 @@ def test_list_grad_sync_shows_pending_then_synced():
     # (DTensor reduces the bias grad itself: a sum over the sharded batch dim)
     assert [(e.fqn, e.status) for e in pending] == [("weight", "pending")]
     assert pending[0].placements[0].is_partial()
+    (fqn, grad), = pending  # veScale's (fqn, grad) pairs
+    assert fqn == "weight" and grad is dm.weight.grad
     dm.finish_grad_sync()
     assert [(e.fqn, e.status) for e in dm.list_grad_sync()] == [("weight", "synced")]
     assert dm.weight.grad.placements == (R,)
+    assert dict(dm.list_grad_sync())["weight"] is dm.weight.grad
     dm.finish_grad_sync()  # twice is harmless
 
 

@@ -71,6 +71,7 @@ def test_compare_single_device_in_fp32_passes_its_measured_bound(tmp_path, capsy
 
 
 @pytest.mark.parity
+@pytest.mark.heavy
 def test_job_on_eight_ranks_resumes_at_dp4_and_on_one_process(tmp_path):
     base = [*TINY, "--steps", "4", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0"]
     uninterrupted = job.train_single_device(_args("--steps", "4"))
@@ -93,17 +94,6 @@ def test_job_on_eight_ranks_resumes_at_dp4_and_on_one_process(tmp_path):
                  torch.tensor([uninterrupted.losses[s] for s in (1, 2, 3, 4)], dtype=torch.float64),
                  name="the loss history after two resumes")
     _check_params(third, uninterrupted, "resumed on one process, step 4")
-
-
-def test_mesh_flag_errors_name_the_fix():
-    assert job.parse_mesh("pp=2,dp=-1,tp=2", 16) == {"PP": 2, "DP": 4, "TP": 2}
-    assert job.parse_mesh("tp=2", 2) == {"PP": 1, "DP": 1, "TP": 2}
-    with pytest.raises(ValueError, match="needs 8 processes but the world has 4"):
-        job.parse_mesh("pp=2,dp=2,tp=2", 4)
-    with pytest.raises(ValueError, match="does not divide the world of 6"):
-        job.parse_mesh("pp=2,dp=-1,tp=2", 6)
-    with pytest.raises(ValueError, match="expected pp=N"):
-        job.parse_mesh("cp=2", 2)
 
 
 def _free_port() -> int:

@@ -116,6 +116,7 @@ def test_pipeline_with_ddp_and_distributed_optimizer_every_schedule():
 
 
 @pytest.mark.parity
+@pytest.mark.heavy
 @distributed(world_size=4, timeout=300)
 def test_pipeline_with_zoo_tensor_parallel_plan_from_deferred_init():
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("PP", "DP", "TP"))
@@ -129,6 +130,7 @@ def test_pipeline_with_zoo_tensor_parallel_plan_from_deferred_init():
 
 
 @pytest.mark.parity
+@pytest.mark.heavy
 @distributed(world_size=8, timeout=400)
 def test_pipeline_data_tensor_parallel_on_eight_ranks():
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("PP", "DP", "TP"))

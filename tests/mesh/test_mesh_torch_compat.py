@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -88,6 +89,16 @@ def test_fake_store_backs_the_fake_process_group():
     with fake_world(8, rank=3):
         assert dist.get_rank() == 3 and dist.get_world_size() == 8
         assert isinstance(tc.fake_store(), dist.Store)
+
+
+@distributed(world_size=2)
+def test_group_timeout_and_default_store():
+    group = dist.new_group([0, 1])
+    tc.set_group_timeout(group, timedelta(seconds=7))
+    dist.all_reduce(torch.ones(1), group=group)
+    store = tc.default_store()
+    store.set(f"torch-compat/{dist.get_rank()}", "x")
+    store.wait([f"torch-compat/{1 - dist.get_rank()}"], timedelta(seconds=30))
 
 
 @distributed(world_size=4)

@@ -1,6 +1,10 @@
 """The few collectives a save or load makes, each one answering for every rank: a rank that fails
 sends its error instead of its result, so every rank raises the same error instead of waiting
-forever for the one that left. Without a process group (one process) they are local calls."""
+forever for the one that left. Without a process group (one process) they are local calls.
+
+Each takes the process group to run on (``None``: the default one). An asynchronous save passes a
+group of its own, so that its planning can run in a background thread without racing the training
+loop's collectives on the default group."""
 
 from __future__ import annotations
 
@@ -21,12 +25,12 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def rank() -> int:
-    return dist.get_rank() if is_distributed() else 0
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if is_distributed() else 0
 
 
-def world_size() -> int:
-    return dist.get_world_size() if is_distributed() else 1
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if is_distributed() else 1
 
 
 class _Failed:
@@ -64,28 +68,30 @@ def _attempt(fn: Callable[[], T]) -> tuple[Any, BaseException | None]:
         return _Failed(error), error
 
 
-def coordinate(what: str, local: Callable[[], Any], central: Callable[[list[Any]], list[T]]) -> T:
+def coordinate(what: str, local: Callable[[], Any], central: Callable[[list[Any]], list[T]],
+               group: dist.ProcessGroup | None = None) -> T:
     """DCP's planning pattern: every rank's ``local()`` is gathered on rank 0, which turns them into
     one value per rank (``central(all)``) and scatters them. Returns this rank's value, or raises the
     same error on every rank: the first failed rank's own :class:`CheckpointError` (a damaged file, a
     mismatch) when it raised one, else a ``CheckpointError`` naming each rank that raised, with its
     traceback. Two collectives; no rank receives the others' values."""
     mine, own_error = _attempt(local)
+    me, world = rank(group), world_size(group)
     gathered: list[Any] = [mine]
     if is_distributed():
-        gathered = [None] * world_size() if rank() == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-    messages: list[Any] = [None] * world_size()
-    if rank() == 0:
+        gathered = [None] * world if me == 0 else None
+        dist.gather_object(mine, gathered, group=group, group_dst=0)
+    messages: list[Any] = [None] * world
+    if me == 0:
         if not any(isinstance(v, _Failed) for v in gathered):
             result, central_error = _attempt(lambda: central(gathered))
             own_error = own_error or central_error
             gathered = [result] + [None] * (len(gathered) - 1) if central_error is not None else gathered
         failed = any(isinstance(v, _Failed) for v in gathered)
-        messages = [("failed", gathered)] * world_size() if failed else [("ok", v) for v in result]
+        messages = [("failed", gathered)] * world if failed else [("ok", v) for v in result]
     if is_distributed():
         received: list[Any] = [None]
-        dist.scatter_object_list(received, messages if rank() == 0 else None, src=0)
+        dist.scatter_object_list(received, messages if me == 0 else None, group=group, group_src=0)
         messages = received
     kind, payload = messages[0]
     if kind == "failed":
@@ -93,10 +99,10 @@ def coordinate(what: str, local: Callable[[], Any], central: Callable[[list[Any]
     return payload
 
 
-def broadcast(value: T) -> T:
+def broadcast(value: T, group: dist.ProcessGroup | None = None) -> T:
     """Rank 0's ``value`` on every rank."""
     if not is_distributed():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, group=group, group_src=0)
     return box[0]

@@ -9,9 +9,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from ndweave.checkpoint.buffers import StagingBuffers
 from ndweave.checkpoint.commit import is_complete
-from ndweave.checkpoint.coordination import broadcast
+from ndweave.checkpoint.coordination import broadcast, is_distributed
 from ndweave.checkpoint.loader import LoadResult, load
 from ndweave.checkpoint.saver import DEFAULT_TIMEOUT_S, SaveHandle, start_save
 
@@ -44,16 +46,23 @@ class CheckpointManager:
             (:class:`~ndweave.checkpoint.StagingBuffers`): faster copies, for this rank's share of
             the checkpoint held in host memory between saves.
         timeout: seconds the ranks wait for each other while saving.
+        process_group: the group asynchronous saves plan on, so that their planning runs in the
+            background thread (:func:`~ndweave.checkpoint.save`); default: a gloo group of every
+            rank made by the first asynchronous save (on every rank, as saves are), used by this
+            manager only. Gloo because the planning exchanges small Python objects between host
+            threads; a group of the training loop's would race its collectives.
     """
 
     def __init__(self, root: str | os.PathLike, keep_last: int | None = 3, *, async_checkpoint: bool = False,
-                 timeout: float = DEFAULT_TIMEOUT_S, reuse_buffers: bool = False) -> None:
+                 timeout: float = DEFAULT_TIMEOUT_S, reuse_buffers: bool = False,
+                 process_group: dist.ProcessGroup | None = None) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1 (or None to keep every checkpoint), got {keep_last}")
         self.root, self.keep_last = Path(root), keep_last
         self.async_checkpoint, self.timeout = async_checkpoint, timeout
         self.buffers = StagingBuffers() if reuse_buffers else None
         """The host buffers asynchronous saves reuse (``reuse_buffers=True``), else ``None``."""
+        self._process_group = process_group
         self.last_load: LoadResult | None = None
         """What the last :meth:`load_latest` left out (with ``strict=False``)."""
 
@@ -80,7 +89,13 @@ class CheckpointManager:
         is committed rank 0 applies the retention and removes what crashed saves left."""
         asynchronous = self.async_checkpoint if async_checkpoint is None else async_checkpoint
         return start_save(self.path(step), state, async_checkpoint=asynchronous, timeout=self.timeout,
-                          on_commit=self._clean, buffers=self.buffers)
+                          on_commit=self._clean, buffers=self.buffers,
+                          group=self._planning_group() if asynchronous else None)
+
+    def _planning_group(self) -> dist.ProcessGroup | None:
+        if self._process_group is None and is_distributed() and dist.is_gloo_available():
+            self._process_group = dist.new_group(backend="gloo")
+        return self._process_group
 
     def load_latest(self, state: dict[str, Any], *, strict: bool = True) -> int | None:
         """Load the newest complete checkpoint into ``state`` (a collective: every rank loads the one

@@ -128,25 +128,19 @@ class PieceSavePlanner(DefaultSavePlanner):
             return staged
         return super().resolve_data(write_item)
 
-    def stage(self, defer: Callable[[torch.Tensor], bool] | None = None) -> int:
-        """Copy everything this rank's final plan writes off the live state (tensors to host memory,
-        other values serialized now), except the tensors ``defer`` picks: those stay live until
-        :meth:`stage_deferred`. Returns the bytes held once all is staged. Call after ``finish_plan``."""
-        held = 0
+    def stage(self, defer: Callable[[torch.Tensor], bool] | None = None) -> None:
+        """Copy everything this rank's plan writes off the live state (tensors to host memory, other
+        values serialized now), except the tensors ``defer`` picks: those stay live until
+        :meth:`stage_deferred`. Called on the local plan (a superset of what the final plan keeps)
+        or after ``finish_plan``; :attr:`held` counts the bytes held once all is staged."""
         for item in self.plan.items:
             data = super().resolve_data(item)
-            if isinstance(data, torch.Tensor):
-                held += data.numel() * data.element_size()
-                if defer is not None and defer(data):
-                    self._deferred.append(item)
-                    continue
-                data = self._host_copy(item.index, data)
-            else:
-                held += data.getbuffer().nbytes
-            self._staged[item.index] = data
+            if isinstance(data, torch.Tensor) and defer is not None and defer(data):
+                self._deferred.append(item)
+                continue
+            self._staged[item.index] = self._host_copy(item.index, data) if isinstance(data, torch.Tensor) else data
         if not self._deferred:
             self._staging_done()
-        return held
 
     @property
     def deferred(self) -> bool:
@@ -154,11 +148,28 @@ class PieceSavePlanner(DefaultSavePlanner):
         return bool(self._deferred)
 
     def stage_deferred(self) -> None:
-        """Copy the tensors :meth:`stage` left live; after it, nothing written refers to live state."""
+        """Copy the tensors :meth:`stage` left live that the final plan writes; after it, nothing
+        written refers to live state."""
+        writes = {item.index for item in self.plan.items}
         for item in self._deferred:
-            self._staged[item.index] = self._host_copy(item.index, super().resolve_data(item))
+            if item.index in writes:
+                self._staged[item.index] = self._host_copy(item.index, super().resolve_data(item))
         self._deferred.clear()
         self._staging_done()
+
+    def update_values(self, values: dict[str, Any]) -> None:
+        """Replace the planned flat entries ``values`` (by flat key), staged or not."""
+        self.state_dict.update(values)
+        for item in self.plan.items:
+            if item.index.fqn in values and item.index in self._staged:
+                self._staged[item.index] = self.transform_object(item, values[item.index.fqn])
+
+    @property
+    def held(self) -> int:
+        """Bytes of host memory the staged copies of what this rank writes hold."""
+        writes = {item.index for item in self.plan.items}
+        return sum(v.numel() * v.element_size() if isinstance(v, torch.Tensor) else v.getbuffer().nbytes
+                   for k, v in self._staged.items() if k in writes)
 
     def _host_copy(self, index: MetadataIndex, tensor: torch.Tensor) -> torch.Tensor:
         if self._buffers is not None:

@@ -13,8 +13,11 @@ The steps, on every rank::
     write         this rank's files              (background thread when async)
     commit        rank 0 writes .metadata + marker, renames; the others wait for it
 
-Only the first three are collectives, all in the calling thread; an asynchronous save's thread
-coordinates through files, so it never races the training loop's collectives.
+Only the first three are collectives. They run in the calling thread, except for an asynchronous
+save given a process group of its own (``CheckpointManager`` makes one): then the call does only
+the local plan and the copy of what may change outside ``step()`` (a superset of what the final
+plan keeps: replicated values go to one rank), and the background thread plans on that group,
+which no training collective uses. Past the planning, the thread coordinates through files.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan
 
 from ndweave.checkpoint.buffers import StagingBuffers
 from ndweave.checkpoint.commit import SaveCommit
-from ndweave.checkpoint.coordination import broadcast, coordinate, rank, world_size
+from ndweave.checkpoint.coordination import broadcast, coordinate, is_distributed, rank, world_size
 from ndweave.checkpoint.entries import entry_kind, saved_state
 from ndweave.checkpoint.errors import CheckpointError
 from ndweave.checkpoint.pieces import PieceSavePlanner
@@ -70,12 +75,20 @@ class SaveHandle:
 
     Attributes:
         path: the checkpoint folder.
-        staged_bytes: host memory this rank holds for the save until its files are written.
     """
 
-    def __init__(self, path: Path, thread: _SaveThread | None = None, staged_bytes: int = 0) -> None:
-        self.path, self._thread, self.staged_bytes = path, thread, staged_bytes
+    def __init__(self, path: Path, thread: _SaveThread | None = None, planner: PieceSavePlanner | None = None) -> None:
+        self.path, self._thread, self._planner = path, thread, planner
         self._gate = None if thread is None else thread.gate
+
+    @property
+    def staged_bytes(self) -> int:
+        """Host memory this rank holds for the save until its files are written (0 for a sync
+        save); waits until the copy is done."""
+        if self._planner is None:
+            return 0
+        self.wait_staged()
+        return self._planner.held
 
     def wait_staged(self) -> None:
         """Block until this rank's copy of the tensors it writes is done (``step()`` of every
@@ -127,7 +140,8 @@ def _joined(everyone: list[dict[str, list[str]]]) -> dict[str, list[str]]:
 
 
 def save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoint: bool = False,
-         timeout: float = DEFAULT_TIMEOUT_S, buffers: StagingBuffers | None = None) -> SaveHandle:
+         timeout: float = DEFAULT_TIMEOUT_S, buffers: StagingBuffers | None = None,
+         process_group: dist.ProcessGroup | None = None) -> SaveHandle:
     """Save ``state`` to the folder ``path`` from every rank (a collective).
 
     ``state`` maps names to models (``nn.Module``s, or lists of a model's chunks), optimizers
@@ -141,107 +155,180 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoint: bo
     renamed); a crash leaves any previous checkpoint at ``path`` intact.
 
     Args:
-        async_checkpoint: return right after planning; a background thread copies what this rank
-            writes off the live tensors, then writes the files. Training goes on meanwhile: each
-            optimizer of ``state`` waits in its next ``step()`` until the copy is done (a step
-            pre-hook), and tensors that can change outside a step (module buffers, plain tensors)
-            are copied before returning, as is everything when ``state`` holds no optimizer.
-            Changing saved parameters or optimizer state outside ``step()`` right after the save
-            needs ``handle.wait_staged()`` first. The next ``save`` in this process waits for this
-            one.
+        async_checkpoint: return before the files are written; a background thread copies what
+            this rank writes off the live tensors, then writes the files. Training goes on
+            meanwhile: each optimizer of ``state`` waits in its next ``step()`` until the copy is
+            done (a step pre-hook), and tensors that can change outside a step (module buffers,
+            plain tensors) are copied before returning, as is everything when ``state`` holds no
+            optimizer. Changing saved parameters or optimizer state outside ``step()`` right after
+            the save needs ``handle.wait_staged()`` first. The next ``save`` in this process waits
+            for this one.
         timeout: seconds the ranks wait for each other to finish writing.
         buffers: host buffers an async save copies into and keeps for the next save given them
             (:class:`StagingBuffers`: faster copies, for this rank's share of host memory held
             between saves); default: fresh memory, freed once the files are written.
+        process_group: the group the save's planning collectives run on (default: the default
+            group). With a group of its own (``dist.new_group(backend="gloo")``, created once on
+            every rank and passed to every save; :class:`CheckpointManager` does this), an async
+            save plans in the background thread too and the call returns after this rank's local
+            plan and the copy of its buffers: on the default group the planning (two collectives)
+            must stay in the call, since a background collective would race the training loop's.
 
     Returns:
         a :class:`SaveHandle`; ``handle.wait()`` returns once the checkpoint is committed.
     """
-    return start_save(path, state, async_checkpoint=async_checkpoint, timeout=timeout, buffers=buffers)
+    return start_save(path, state, async_checkpoint=async_checkpoint, timeout=timeout, buffers=buffers,
+                      group=process_group)
 
 
-def start_save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoint: bool, timeout: float,
-               on_commit: Callable[[], None] | None = None, buffers: StagingBuffers | None = None) -> SaveHandle:
-    """:func:`save`, with ``on_commit`` run by rank 0 right after the commit (retention)."""
-    _wait_for_previous_saves()
-    optimizers = optimizers_of(state) if isinstance(state, dict) else []
-    remove_finished_gates(optimizers)
-    path = Path(path)
-    me, world = rank(), world_size()
-    commit = SaveCommit(path, broadcast(uuid.uuid4().hex), me, world, timeout)
-    planner = PieceSavePlanner(buffers if async_checkpoint else None)
-    writer = FileSystemWriter(commit.staging)
+class _Save:
+    """One save's steps (module docstring), shared by the calling and the background thread."""
 
-    def local_plan():
-        planner.set_up_planner(saved_state(state), storage_meta=writer.storage_meta(), is_coordinator=me == 0)
-        writer.set_up_storage_writer(me == 0, rank=me, use_collectives=True)
-        commit.prepare()
-        return writer.prepare_local_plan(planner.create_local_plan()), _group_params(planner.state_dict, state)
+    def __init__(self, path: Path, state: dict[str, Any], planner: PieceSavePlanner,
+                 group: dist.ProcessGroup | None, timeout: float, on_commit: Callable[[], None] | None) -> None:
+        self.path, self.state, self.planner, self.group = path, state, planner, group
+        self.timeout, self.on_commit = timeout, on_commit
+        self.me, self.world = rank(group), world_size(group)
+        self.commit: SaveCommit | None = None
+        self.writer: FileSystemWriter | None = None
+        self.metadata: Any = None  # rank 0's, written at the commit
 
-    def global_plan(gathered):
-        global_plans, metadata = planner.create_global_plan([plan for plan, _ in gathered])
-        mine["metadata"] = metadata  # rank 0 writes it at the commit
-        return [(plan, _joined([groups for _, groups in gathered])) for plan in writer.prepare_global_plan(global_plans)]
+    def local_plan(self) -> tuple[SavePlan, dict[str, list[str]]]:
+        """What this rank holds (no collective)."""
+        self.planner.set_up_planner(saved_state(self.state), is_coordinator=self.me == 0)
+        return self.planner.create_local_plan(), _group_params(self.planner.state_dict, self.state)
 
-    mine: dict[str, Any] = {}
-    try:
-        plan, groups = coordinate(f"planning the save of {path}", local_plan, global_plan)
-        planner.state_dict.update(groups)  # written by whichever rank DCP picked: the same on all
-    except CheckpointError:
-        if me == 0:
-            shutil.rmtree(commit.staging, ignore_errors=True)  # every rank has left the planning
-        raise
-    staged = 0
-    try:
-        final_plan = planner.finish_plan(plan)
-        if async_checkpoint:
-            owned = step_storages(optimizers)  # written only by step(): copied in the background
-            staged = planner.stage(lambda tensor: storage_key(tensor) in owned)
-    except Exception as error:
-        commit.report_failed("".join(traceback.format_exception(error)))
-        raise CheckpointError(f"rank {me} failed preparing to write {path}") from error
+    def plan(self, local: Callable[[], tuple[SavePlan, dict[str, list[str]]]]) -> None:
+        """The save id and the global plan (collectives on ``group``); ``local`` gives (or raises
+        instead of) this rank's local plan."""
+        planner = self.planner
+        self.commit = SaveCommit(self.path, broadcast(uuid.uuid4().hex, self.group), self.me, self.world, self.timeout)
+        self.writer = writer = FileSystemWriter(self.commit.staging)
 
-    def write_and_commit() -> None:
+        def prepared():
+            plan, groups = local()
+            writer.set_up_storage_writer(self.me == 0, rank=self.me, use_collectives=True)
+            self.commit.prepare()
+            return writer.prepare_local_plan(plan), groups
+
+        def global_plan(gathered):
+            global_plans, self.metadata = planner.create_global_plan([plan for plan, _ in gathered])
+            return [(plan, _joined([groups for _, groups in gathered])) for plan in writer.prepare_global_plan(global_plans)]
+
         try:
-            written = writer.write_data(final_plan, planner)
+            plan, groups = coordinate(f"planning the save of {self.path}", prepared, global_plan, self.group)
+        except CheckpointError:
+            if self.me == 0:
+                shutil.rmtree(self.commit.staging, ignore_errors=True)  # every rank has left the planning
+            raise
+        try:
+            planner.finish_plan(plan)
+            planner.update_values(groups)  # written by whichever rank DCP picked: the same on all
+        except Exception as error:
+            raise self.failed(error, "preparing to write") from error
+
+    def failed(self, error: BaseException, doing: str) -> CheckpointError:
+        """Tell rank 0 this rank failed (it aborts the save); the error to raise here."""
+        if self.commit is not None:
+            self.commit.report_failed("".join(traceback.format_exception(error)))
+        return CheckpointError(f"rank {self.me} failed {doing} {self.path}: {error!r}")
+
+    def write_and_commit(self) -> None:
+        try:
+            written = self.writer.write_data(self.planner.plan, self.planner)
             written.wait()
             results = written.value()
         except Exception as error:
-            commit.report_failed("".join(traceback.format_exception(error)))
-            raise CheckpointError(f"rank {me} failed writing its files of {path}: {error!r}") from error
-        commit.report_done(results)
-        if me == 0:
-            everyone = commit.collect()
-            commit.commit(lambda: writer.finish(mine["metadata"], everyone))
-            if on_commit is not None:
-                on_commit()
+            raise self.failed(error, "writing its files of") from error
+        self.commit.report_done(results)
+        if self.me == 0:
+            everyone = self.commit.collect()
+            self.commit.commit(lambda: self.writer.finish(self.metadata, everyone))
+            if self.on_commit is not None:
+                self.on_commit()
         else:
-            commit.wait_committed()
+            self.commit.wait_committed()
 
-    if not async_checkpoint:
-        write_and_commit()
-        return SaveHandle(path)
-    gate = StagingGate(path, optimizers) if planner.deferred else None
 
-    def stage_write_and_commit() -> None:
-        if gate is not None:
-            failure = None
-            try:
-                planner.stage_deferred()
-            except BaseException as error:  # noqa: BLE001 - the gate must open whatever happens
-                failure = error
-                commit.report_failed("".join(traceback.format_exception(error)))
-                raise CheckpointError(f"rank {me} failed copying the tensors it writes of {path}: {error!r}") from error
-            finally:
+def start_save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoint: bool, timeout: float,
+               on_commit: Callable[[], None] | None = None, buffers: StagingBuffers | None = None,
+               group: dist.ProcessGroup | None = None) -> SaveHandle:
+    """:func:`save`, with ``on_commit`` run by rank 0 right after the commit (retention)."""
+    if group is not None and is_distributed() and dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(f"process_group has {dist.get_world_size(group)} ranks, the world {dist.get_world_size()}: "
+                         "a checkpoint is saved by every rank; pass a group of all of them "
+                         "(dist.new_group(backend='gloo'))")
+    _wait_for_previous_saves()
+    optimizers = optimizers_of(state) if isinstance(state, dict) else []
+    remove_finished_gates(optimizers)
+    job = _Save(Path(path), state, PieceSavePlanner(buffers if async_checkpoint else None), group, timeout, on_commit)
+    owned = step_storages(optimizers) if async_checkpoint else set()
+
+    def stage_early() -> None:  # buffers and plain values now; what only step() changes may wait
+        job.planner.stage(lambda tensor: storage_key(tensor) in owned)
+
+    # With a group of its own an async save plans in the background: here only the local plan (a
+    # superset of what this rank will write) and the copy of what may change outside step().
+    plan_later = async_checkpoint and (group is not None or not is_distributed())
+    if not plan_later:
+        job.plan(job.local_plan)
+        if not async_checkpoint:
+            job.write_and_commit()
+            return SaveHandle(job.path)
+        try:
+            stage_early()
+        except Exception as error:
+            raise job.failed(error, "preparing to write") from error
+        gate = StagingGate(job.path, optimizers) if job.planner.deferred else None
+        return _start_thread(job, gate, None)
+
+    local, early_error = None, None
+    try:
+        local = job.local_plan()
+        stage_early()
+    except Exception as error:  # sent to every rank by the background planning, raised here too
+        early_error = error
+    gate = StagingGate(job.path, optimizers) if job.planner.deferred and early_error is None else None
+
+    def local_or_raise():
+        if early_error is not None:
+            raise early_error
+        return local
+
+    handle = _start_thread(job, gate, local_or_raise)
+    if early_error is not None:  # the thread still plans, to fail the save on every rank: raised here instead
+        handle._thread.observed = True
+        raise CheckpointError(f"rank {job.me} failed preparing to write {job.path}: {early_error!r}") from early_error
+    return handle
+
+
+def _start_thread(job: _Save, gate: StagingGate | None, local: Callable | None) -> SaveHandle:
+    """The background half: plan (when ``local`` is given), copy what :func:`start_save` left live
+    (then open the gate), write, commit."""
+
+    def run() -> None:
+        failure = None
+        try:
+            if local is not None:
+                job.plan(local)
+            if gate is not None:
+                job.planner.stage_deferred()
+        except BaseException as error:  # noqa: BLE001 - the gate must open whatever happens
+            failure = error
+            if isinstance(error, CheckpointError):
+                raise
+            raise job.failed(error, "copying the tensors it writes of") from error
+        finally:
+            if gate is not None:
                 gate.finish(failure)
-        write_and_commit()
+        job.write_and_commit()
 
-    thread = _SaveThread(stage_write_and_commit, path, gate)
+    thread = _SaveThread(run, job.path, gate)
     try:
         thread.start()
     except BaseException as error:
-        commit.report_failed("".join(traceback.format_exception(error)))
+        job.failed(error, "starting to write")
         if gate is not None:  # no thread will open it: the next step() raises instead of waiting forever
             gate.finish(error)
         raise
-    return SaveHandle(path, thread, staged)
+    return SaveHandle(job.path, thread, job.planner)

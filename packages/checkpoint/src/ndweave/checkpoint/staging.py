@@ -96,8 +96,8 @@ class StagingGate:
             raise self._failure()
 
     def _failure(self) -> CheckpointError:
-        error = CheckpointError(f"the asynchronous save of {self.path} failed copying the tensors it writes: "
-                                f"{self._error!r}")
+        error = CheckpointError(f"the asynchronous save of {self.path} failed before it finished copying the "
+                                f"tensors it writes: {self._error!r}")
         error.__cause__ = self._error
         return error
 

@@ -16,7 +16,7 @@ from ndweave.dmodule.deferred_init import MaterializeStats, deferred_init, is_de
 from ndweave.dmodule.dmodule import DModule, GradSyncEntry
 from ndweave.dmodule.factory import FactoryMode
 from ndweave.dmodule.hooks import log_redistributions
-from ndweave.dmodule.plan import PlacementSpec
+from ndweave.dmodule.plan import PlacementSpec, PlanKeyError
 from ndweave.dmodule.plans import get_plan, list_plans, load_plan, save_plan
 
 __version__ = "0.2.0"
@@ -27,6 +27,7 @@ __all__ = [
     "GradSyncEntry",
     "MaterializeStats",
     "PlacementSpec",
+    "PlanKeyError",
     "deferred_init",
     "get_plan",
     "is_deferred",

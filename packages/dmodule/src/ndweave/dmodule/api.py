@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from ndweave.dmodule import deferred_init as _deferred
 from ndweave.dmodule.dmodule import DModuleState, make_dmodule
+from ndweave.dmodule.factory import FactoryArg, install_factory
 from ndweave.dmodule.hooks import install_forward_hooks, install_local_output_hook
 from ndweave.dmodule.plan import (
     IO_LEAVES,
@@ -33,6 +34,7 @@ from ndweave.dmodule.plan import (
     names_removed_module,
     no_match_error,
     normalize_plan,
+    plan_specs,
     split_key,
 )
 from ndweave.mesh import DEVICE_MESH, ParallelMesh, resolve_mesh
@@ -49,7 +51,7 @@ def parallelize_module(
     param_sharding_plan: Mapping[str, Any] | None = None,
     fwd_resharding_plan: Mapping[str, Any] | None = None,
     is_model_sharded: bool = False,
-    factory: bool = False,
+    factory: FactoryArg = False,
     patches: Mapping[str, Any] | None = None,
     use_local_output: bool = True,
 ) -> nn.Module:
@@ -64,7 +66,9 @@ def parallelize_module(
     - ``is_model_sharded``: the module's tensors already are this rank's local shards.
     - Buffers the plan does not name become ``Replicate`` DTensors, except non-persistent ones
       (caches such as RoPE tables), which stay plain tensors on the mesh's device.
-    - ``factory``: tensors created inside forward meet DTensors as ``Replicate`` DTensors.
+    - ``factory``: tensors the forward creates (``torch.zeros``, ``arange``, ...) are DTensors:
+      ``True`` (``Replicate``, in the root's forward), or veScale's per-class form
+      ``{ModuleClass: True | False | {torch.zeros: [placements], ...}}`` (the innermost class wins).
     - ``use_local_output``: the root module's outputs that are fully replicated DTensors (anywhere in
       a tuple, list, dict, dataclass or HF ``ModelOutput``) come back as plain tensors, so
       ``loss_fn(model(x), y)`` works with a plain target, as under torch's tensor parallel. Sharded
@@ -85,16 +89,19 @@ def parallelize_module(
     plan = normalize_plan(sharding_plan, param_sharding_plan, fwd_resharding_plan, patches)
     _distribute_tensors(module, mesh, plan.parameter, is_model_sharded)
     _apply_patches(module, mesh, plan.patch)
-    state = DModuleState(mesh=mesh, factory=factory)
-    state.hook_handles = _install_forward_plan(module, mesh, plan.forward)
+    factory_mode, factory_handles = install_factory(module, mesh, factory)
+    state = DModuleState(mesh=mesh, factory_mode=factory_mode)
+    state.hook_handles = _install_forward_plan(module, mesh, plan.forward) + factory_handles
     if use_local_output:
         state.hook_handles.append(install_local_output_hook(module))
     return make_dmodule(module, state)
 
 
 def _resolve(device_mesh: Any) -> DeviceMesh:
-    if isinstance(device_mesh, DeviceMesh):
-        return device_mesh  # taken whole, any ndim: nD tensor parallel over all its dims
+    # a torch DeviceMesh is taken whole (any ndim: nD tensor parallel over all its dims); a
+    # ParallelMesh, a DeviceMesh too, is narrowed to its "TP" dim
+    if isinstance(device_mesh, DeviceMesh) and not isinstance(device_mesh, ParallelMesh):
+        return device_mesh
     try:
         return resolve_mesh(device_mesh, "TP")
     except KeyError:
@@ -310,9 +317,8 @@ def _install_forward_plan(root: nn.Module, mesh: DeviceMesh, fwd_plan: dict[str,
 
 
 def _check_forward_value(key: str, value: Any, mesh: DeviceMesh) -> None:
-    specs = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
-    for spec in specs:
-        if spec is not None and len(spec.placements) != mesh.ndim:
+    for spec in plan_specs(value):
+        if len(spec.placements) != mesh.ndim:
             raise ValueError(
                 f"forward plan {key!r}: {len(spec.placements)} placements {list(spec.placements)} for a "
                 f"{mesh.ndim}-D mesh {mesh}; give one placement per mesh dim"

@@ -7,6 +7,7 @@ instance, and ``isinstance(m, DModule)`` and ``isinstance(m, OriginalClass)`` bo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ndweave.dmodule.factory import FactoryMode
 from ndweave.dmodule.plan import mesh_str
 from ndweave.mesh.contracts import reduce_partial_grads
 
@@ -23,11 +25,26 @@ __all__ = ["DModule", "DModuleState", "GradSyncEntry"]
 
 @dataclass(frozen=True)
 class GradSyncEntry:
-    """One gradient ``finish_grad_sync`` reduces (``pending``) or reduced last time (``synced``)."""
+    """One gradient ``finish_grad_sync`` reduces (``pending``) or reduced last time (``synced``).
+    Unpacks as veScale's ``(fqn, grad)`` pair: ``for fqn, grad in model.list_grad_sync()``."""
 
     fqn: str
+    """The parameter's name."""
     placements: tuple
+    """The gradient's placements when it was listed (``Partial`` on the dims to reduce)."""
     status: str
+    """``"pending"`` or ``"synced"``."""
+    grad: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """The parameter's gradient when it was listed."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.fqn, self.grad))
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> Any:
+        return (self.fqn, self.grad)[index]
 
 
 @dataclass
@@ -35,7 +52,8 @@ class DModuleState:
     """What ``parallelize_module`` leaves on the root module (``module._dmodule``)."""
 
     mesh: DeviceMesh
-    factory: bool = False
+    factory_mode: FactoryMode | None = None
+    """The ``FactoryMode`` the root's calls run under (``factory=``), or ``None``."""
     hook_handles: list = field(default_factory=list)
     last_synced: list[GradSyncEntry] = field(default_factory=list)
 
@@ -72,11 +90,14 @@ class DModule:
     def list_grad_sync(self) -> list[GradSyncEntry]:
         """Gradients ``finish_grad_sync`` will reduce now (status ``"pending"``), or, when none are
         pending, the ones it reduced last time (status ``"synced"``)."""
-        pending = [
-            GradSyncEntry(n, tuple(p.grad.placements), "pending")
-            for n, p in self.named_parameters() if _is_partial(p.grad)
-        ]
-        return pending or list(self._dmodule.last_synced)
+        params = dict(self.named_parameters())
+        pending = [GradSyncEntry(n, tuple(p.grad.placements), "pending", p.grad)
+                   for n, p in params.items() if _is_partial(p.grad)]
+        if pending:
+            return pending
+        # the names only are kept between calls (holding the grads would keep them alive)
+        return [GradSyncEntry(e.fqn, e.placements, e.status, getattr(params.get(e.fqn), "grad", None))
+                for e in self._dmodule.last_synced]
 
     def dump_plan(self, *, print_out: bool = False) -> str:
         """A table of every parameter and buffer: FQN, placements, global and local shape, local bytes."""
@@ -106,12 +127,10 @@ def _is_partial(g: torch.Tensor | None) -> bool:
 
 
 class FactoryDModule(DModule):
-    """A DModule built with ``factory=True``: its forward runs under :class:`FactoryMode`."""
+    """A DModule built with ``factory=``: its calls run under its ``FactoryMode``."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from ndweave.dmodule.factory import FactoryMode
-
-        with FactoryMode():
+        with self._dmodule.factory_mode:
             return super().__call__(*args, **kwargs)
 
 
@@ -123,11 +142,12 @@ def make_dmodule(module: nn.Module, state: DModuleState) -> nn.Module:
     cls = type(module)
     if issubclass(cls, DModule):  # parallelized before: start from the user's class again
         cls = next(c for c in cls.__mro__ if not issubclass(c, DModule))
-    mixin = FactoryDModule if state.factory else DModule
-    dcls = _CLASSES.get((cls, state.factory))
+    factory = state.factory_mode is not None
+    dcls = _CLASSES.get((cls, factory))
     if dcls is None:
+        mixin = FactoryDModule if factory else DModule
         dcls = type(f"DModule{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
-        _CLASSES[(cls, state.factory)] = dcls
+        _CLASSES[(cls, factory)] = dcls
     module.__class__ = dcls
     module._dmodule = state
     return module

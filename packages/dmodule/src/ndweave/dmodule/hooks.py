@@ -1,5 +1,8 @@
 """Forward resharding: hooks that lay out a module's inputs, outputs and weights per the plan.
 
+Input plans reach their arguments through slots bound to the forward signature (``signature.py``).
+Plan values nest like the values they lay out: a list by position (tuple, list), a dict by name
+(dict, dataclass, HF ``ModelOutput``).
 Inputs arriving as plain tensors are taken to be already laid out per the plan (``from_local``);
 DTensor inputs are redistributed. Outputs are redistributed, and handed back as local tensors when
 the spec says ``to_local``. A weight named in the forward plan is redistributed before ``forward``
@@ -10,10 +13,10 @@ carries its gradient back to the parameter's own layout.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
-import inspect
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +24,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ndweave.dmodule.plan import PlacementSpec
+from ndweave.dmodule.plan import PlacementSpec, PlanKeyError, suggest
+from ndweave.dmodule.signature import InputSlot, apply_input_slots, bind_input_plan
 from ndweave.mesh.torch_compat import tree_map
 
 __all__ = ["install_forward_hooks", "install_local_output_hook", "local_outputs", "log_redistributions"]
@@ -81,29 +85,58 @@ def _finish_output(x: Any, mesh: DeviceMesh, spec: PlacementSpec | None, where: 
     return x
 
 
+def _lay_tree(x: Any, tree: Any, where: str, lay: Callable[[Any, PlacementSpec, str], Any]) -> Any:
+    """``x`` with ``lay`` applied at every spec of the plan value ``tree``, following its nesting:
+    a list by position (tuple/list), a dict by name (dict, dataclass, HF ``ModelOutput``)."""
+    if tree is None or x is None:
+        return x
+    if isinstance(tree, PlacementSpec):
+        return lay(x, tree, where)
+    if isinstance(tree, list):
+        if not isinstance(x, (tuple, list)):
+            raise TypeError(f"{where}: the plan lists {len(tree)} entries by position, but got a {type(x).__name__}; "
+                            "plan a dict, dataclass or ModelOutput by name ({'field': [...]})")
+        if len(tree) > len(x):
+            raise ValueError(f"{where}: the plan lists {len(tree)} entries, but got {len(x)}; drop the extra entries")
+        done = [_lay_tree(v, t, f"{where}[{i}]", lay) for i, (v, t) in enumerate(zip(x, tree))]
+        done += x[len(done):]
+        return type(x)(*done) if hasattr(x, "_fields") else type(x)(done)  # a namedtuple takes fields
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):  # HF ModelOutput too: by field name
+        fields = [f.name for f in dataclasses.fields(x)]
+        _check_names(tree, fields, where, type(x).__name__)
+        changes = {k: _lay_tree(getattr(x, k), t, f"{where}[{k}]", lay) for k, t in tree.items()}
+        return dataclasses.replace(x, **changes)
+    if isinstance(x, Mapping):
+        _check_names(tree, list(x), where, type(x).__name__)
+        out = copy.copy(x)
+        out.update({k: _lay_tree(x[k], t, f"{where}[{k}]", lay) for k, t in tree.items()})
+        return out
+    raise TypeError(f"{where}: the plan names {sorted(tree)}, but got a {type(x).__name__}; "
+                    "plan a tensor, tuple or list by position ([[...], ...])")
+
+
+def _check_names(tree: dict, names: list[str], where: str, what: str) -> None:
+    for k in tree:
+        if k not in names:
+            raise PlanKeyError(f"{where}: the plan names {k!r}, which this {what} does not have"
+                               f"{suggest(str(k), names)} (it has {names})")
+
+
 class _ForwardPlan:
     """The forward plan of one module, applied by its pre- and post-forward hooks."""
 
     def __init__(self, module: nn.Module, fqn: str, mesh: DeviceMesh) -> None:
         self.fqn = fqn
         self.mesh = mesh
-        self.inputs: list[PlacementSpec | None] | dict[str, PlacementSpec | None] | None = None
-        self.outputs: list[PlacementSpec | None] | None = None
+        self.inputs: list[InputSlot] | None = None
+        self.outputs: list | dict | None = None
         self.weights: dict[str, PlacementSpec] = {}
-        self.arg_names: list[str] = []
-        self.module = module
 
-    def bind_names(self) -> None:
-        if isinstance(self.inputs, dict):
-            sig = inspect.signature(self.module.forward)
-            self.arg_names = [n for n, p in sig.parameters.items()
-                              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            unknown = set(self.inputs) - set(sig.parameters)
-            if unknown:
-                raise ValueError(
-                    f"forward plan {self.fqn or '<root>'}.input names {sorted(unknown)}, which "
-                    f"{type(self.module).__name__}.forward{sig} does not take"
-                )
+    def _input(self, x: Any, spec: PlacementSpec, where: str) -> Any:
+        return _layout(x, self.mesh, spec, where)
+
+    def _output(self, x: Any, spec: PlacementSpec, where: str) -> Any:
+        return _finish_output(x, self.mesh, spec, where)
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for name, spec in self.weights.items():
@@ -113,31 +146,21 @@ class _ForwardPlan:
             module.__dict__[name] = _layout(param, self.mesh, spec, f"{self.fqn}.{name}")
         if self.inputs is None:
             return args, kwargs
-        if isinstance(self.inputs, dict):
-            args = list(args)
-            for name, spec in self.inputs.items():
-                if name in kwargs:
-                    kwargs[name] = _layout(kwargs[name], self.mesh, spec, f"{self.fqn}.input[{name}]")
-                elif name in self.arg_names and self.arg_names.index(name) < len(args):
-                    i = self.arg_names.index(name)
-                    args[i] = _layout(args[i], self.mesh, spec, f"{self.fqn}.input[{name}]")
-            return tuple(args), kwargs
-        laid = [_layout(a, self.mesh, s, f"{self.fqn}.input[{i}]") for i, (a, s) in enumerate(zip(args, self.inputs))]
-        return tuple(laid) + tuple(args[len(laid):]), kwargs
+        return apply_input_slots(self.inputs, args, kwargs,
+                                 lambda x, tree, label: _lay_tree(x, tree, f"{self.fqn}.input[{label}]", self._input))
 
     def post_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         for name in self.weights:
             module.__dict__.pop(name, None)
         if self.outputs is None:
             return output
-        if isinstance(output, torch.Tensor):
-            return _finish_output(output, self.mesh, self.outputs[0], f"{self.fqn}.output[0]")
-        if isinstance(output, (tuple, list)):
-            done = [_finish_output(o, self.mesh, s, f"{self.fqn}.output[{i}]")
-                    for i, (o, s) in enumerate(zip(output, self.outputs))]
-            rest = list(output[len(done):])
-            return type(output)(done + rest) if isinstance(output, list) else tuple(done + rest)
-        raise TypeError(f"{self.fqn}.output plan given, but the module returned a {type(output).__name__}")
+        where = f"{self.fqn}.output"
+        if isinstance(output, torch.Tensor) and isinstance(self.outputs, list):
+            return _lay_tree(output, self.outputs[0], f"{where}[0]", self._output)
+        if output is None or isinstance(output, torch.Tensor):
+            raise TypeError(f"{where} plan names fields {sorted(self.outputs)}, but the module returned a "
+                            f"{type(output).__name__}; plan it by position: [[...]]")
+        return _lay_tree(output, self.outputs, where, self._output)
 
 
 def install_forward_hooks(module: nn.Module, fqn: str, mesh: DeviceMesh, entries: dict[str, Any]) -> list:
@@ -145,12 +168,11 @@ def install_forward_hooks(module: nn.Module, fqn: str, mesh: DeviceMesh, entries
     plan = _ForwardPlan(module, fqn, mesh)
     for leaf, value in entries.items():
         if leaf == "input":
-            plan.inputs = value
+            plan.inputs = bind_input_plan(module, fqn, value)
         elif leaf == "output":
             plan.outputs = value
         else:
             plan.weights[leaf] = value
-    plan.bind_names()
     handles = []
     if plan.inputs is not None or plan.weights:
         handles.append(module.register_forward_pre_hook(plan.pre_hook, with_kwargs=True))

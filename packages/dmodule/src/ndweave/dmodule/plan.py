@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -24,10 +24,27 @@ from ndweave.mesh.contracts import removed_modules
 from ndweave.mesh.torch_compat import StridedShard, chunk_sizes, is_shard_like
 
 __all__ = [
-    "PlacementSpec", "Plan", "normalize_plan", "match_modules", "names_removed_module", "check_placements", "IO_LEAVES",
+    "PlacementSpec", "Plan", "PlanKeyError", "normalize_plan", "match_modules", "names_removed_module",
+    "check_placements", "IO_LEAVES", "plan_tree", "plan_specs", "suggest",
 ]
 
 IO_LEAVES = ("input", "output")
+_SECTIONS = ("parameter", "forward", "patch")
+
+
+class PlanKeyError(KeyError, ValueError):
+    """A plan names something that is not there: a section, a module, a forward argument, an output
+    field, a module class. A ``KeyError`` as veScale raises (and users' ``except KeyError`` expects),
+    and a ``ValueError`` as ndweave raised before, so both kinds of handler keep working."""
+
+    def __str__(self) -> str:  # KeyError's str() is the repr of its argument: quoted and escaped
+        return Exception.__str__(self)
+
+
+def suggest(name: str, candidates: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the nearest candidate, or ``""``."""
+    near = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {near[0]!r}?" if near else ""
 
 
 @dataclass(frozen=True)
@@ -86,9 +103,12 @@ def normalize_plan(sharding_plan: Mapping | None, param_sharding_plan: Mapping |
                    fwd_resharding_plan: Mapping | None, patches: Mapping | None) -> Plan:
     """Merge the three ways of passing a plan into one :class:`Plan`; later sources win per key."""
     sharding_plan = dict(sharding_plan or {})
-    unknown = set(sharding_plan) - {"parameter", "forward", "patch"}
-    if unknown:
-        raise ValueError(f"sharding_plan has unknown sections {sorted(unknown)}; expected 'parameter', 'forward', 'patch'")
+    for section in sharding_plan:
+        if section not in _SECTIONS:
+            raise PlanKeyError(
+                f"sharding_plan has an unknown section {section!r}{suggest(str(section), _SECTIONS)} "
+                f"(the sections are {list(_SECTIONS)})"
+            )
     parameter = {**(sharding_plan.get("parameter") or {}), **(param_sharding_plan or {})}
     forward = {**(sharding_plan.get("forward") or {}), **(fwd_resharding_plan or {})}
     patch: dict[str, list[Patch]] = {}
@@ -107,13 +127,37 @@ def _normalize_forward_value(key: str, value: Any) -> Any:
     _, leaf = split_key(key)
     if leaf not in IO_LEAVES:
         return as_spec(value)  # a weight redistributed before forward
-    if isinstance(value, Mapping):
-        return {name: as_spec(v) for name, v in value.items()}
-    if isinstance(value, PlacementSpec) or (isinstance(value, Sequence) and value and isinstance(value[0], Placement)):
+    tree = plan_tree(value)
+    if not isinstance(tree, (list, dict)):
         raise TypeError(
-            f"forward plan {key!r}: give one placements list per {leaf}, e.g. [[Replicate()]], not {value!r}"
+            f"forward plan {key!r}: give one placements list per {leaf}, e.g. [[Replicate()]], or a dict by "
+            f"name, e.g. {{'x': [Replicate()]}}, not {value!r}"
         )
-    return [as_spec(v) for v in value]
+    return tree
+
+
+def plan_tree(value: Any) -> Any:
+    """A forward plan value, normalized: ``None``, a :class:`PlacementSpec` (a list of placements),
+    a dict of plan values (by argument or field name) or a list of them (by position); nested
+    values follow the nesting of the inputs/outputs they lay out."""
+    if value is None or isinstance(value, (PlacementSpec, Placement)):
+        return as_spec(value)
+    if isinstance(value, Mapping):
+        return {name: plan_tree(v) for name, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if value and all(isinstance(p, Placement) for p in value):
+            return as_spec(value)
+        return [plan_tree(v) for v in value]
+    raise TypeError(f"expected a list of placements, a PlacementSpec, None, or a list/dict of them, got {value!r}")
+
+
+def plan_specs(tree: Any) -> Iterator[PlacementSpec]:
+    """Every :class:`PlacementSpec` in a normalized plan value."""
+    if isinstance(tree, PlacementSpec):
+        yield tree
+    elif isinstance(tree, (list, dict)):
+        for v in tree.values() if isinstance(tree, dict) else tree:
+            yield from plan_specs(v)
 
 
 def split_key(key: str) -> tuple[str, str]:
@@ -148,12 +192,12 @@ def names_removed_module(root: nn.Module, key: str) -> bool:
     return any(pattern.fullmatch(fqn) for fqn in removed)
 
 
-def no_match_error(section: str, key: str, candidates: Iterable[str]) -> ValueError:
+def no_match_error(section: str, key: str, candidates: Iterable[str]) -> PlanKeyError:
     candidates = sorted(set(candidates))
     plain = key.replace("\\", "")
     near = difflib.get_close_matches(plain, candidates, n=5, cutoff=0.4)
     hint = f"; nearest: {near}" if near else f"; some candidates: {candidates[:8]}"
-    return ValueError(f"{section} plan key {key!r} matches nothing in the module{hint}")
+    return PlanKeyError(f"{section} plan key {key!r} matches nothing in the module{hint}")
 
 
 def check_placements(spec: PlacementSpec, tensor: torch.Tensor, mesh: DeviceMesh, what: str) -> tuple[Placement, ...]:

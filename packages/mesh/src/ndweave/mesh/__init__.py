@@ -11,7 +11,9 @@ from ndweave.mesh.parallel_mesh import (
     init_device_mesh,
 )
 from ndweave.mesh.resolve import resolve_mesh
+from ndweave.mesh.spec import init_mesh_from_spec, parse_spec, resolve_spec
 
 __version__ = "0.2.0"
 
-__all__ = ["DEFAULT_DIM_NAMES", "DEVICE_MESH", "ParallelMesh", "init_device_mesh", "resolve_mesh", "__version__"]
+__all__ = ["DEFAULT_DIM_NAMES", "DEVICE_MESH", "ParallelMesh", "init_device_mesh", "init_mesh_from_spec", "parse_spec",
+           "resolve_mesh", "resolve_spec", "__version__"]

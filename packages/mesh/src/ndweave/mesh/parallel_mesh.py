@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from typing import Union
 
 import numpy as np
@@ -21,8 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
-from ndweave.mesh import layout
-from ndweave.mesh.torch_compat import adopt_mesh_state, drop_mesh_state, flatten_mesh
+from ndweave.mesh import elastic, layout
+from ndweave.mesh.torch_compat import adopt_mesh_state, drop_mesh_state, flatten_mesh, set_group_timeout
 from ndweave.mesh.vescale import VeScaleAliases
 
 __all__ = ["ParallelMesh", "DEVICE_MESH", "init_device_mesh", "DEFAULT_DIM_NAMES", "Dim"]
@@ -78,12 +79,16 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
         *,
         mesh_dim_names: Sequence[str] | None = None,
         check_uniqueness: bool = False,
+        timeout: timedelta | float | None = None,
     ) -> DeviceMesh:
         """Build the mesh (and the default process group if none exists); return the torch mesh.
 
         ``mesh_dim_names`` default to the last ``len(mesh_shape)`` of ``("PP", "DP", "TP")`` and must
         be given for more than three dims. With ``check_uniqueness=True`` a second initialization is
-        an error instead of a silent replacement.
+        an error instead of a silent replacement. ``timeout`` (seconds or a ``timedelta``; ``None``:
+        torch's default, 30 min for gloo) bounds every collective of the mesh's dim groups, and of the
+        default group when this call creates it (see ``ndweave.mesh.elastic``); a default group made
+        before keeps its own.
         """
         if check_uniqueness and self._mesh is not None:
             raise RuntimeError(
@@ -92,8 +97,9 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
             )
         shape = tuple(int(n) for n in mesh_shape)
         names = _check_names(shape, mesh_dim_names)
-        if not dist.is_initialized():
-            dist.init_process_group(backend=_default_backend(device_type))
+        created = not dist.is_initialized()
+        if created:
+            elastic.init_process_group(_default_backend(device_type), timeout)
         world = dist.get_world_size()
         if math.prod(shape) != world:
             raise ValueError(
@@ -101,6 +107,9 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
                 f"choose a shape whose product is {world}."
             )
         self._adopt(_torch_init_device_mesh(device_type, shape, mesh_dim_names=names))
+        for group in {self._mesh[n].get_group() for n in names} if timeout is not None else ():
+            if created or group != dist.group.WORLD:  # a default group made elsewhere keeps its timeout
+                set_group_timeout(group, elastic.as_timedelta(timeout))
         return self._mesh
 
     @classmethod
@@ -403,9 +412,10 @@ DEVICE_MESH = ParallelMesh()
 
 
 def init_device_mesh(
-    device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Sequence[str] | None = None
+    device_type: str, mesh_shape: Sequence[int], *, mesh_dim_names: Sequence[str] | None = None,
+    timeout: timedelta | float | None = None,
 ) -> ParallelMesh:
     """A new, explicit :class:`ParallelMesh` (the default :data:`DEVICE_MESH` is left alone)."""
     mesh = ParallelMesh()
-    mesh.init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names)
+    mesh.init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, timeout=timeout)
     return mesh

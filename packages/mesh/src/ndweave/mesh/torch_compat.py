@@ -14,6 +14,7 @@ The tests pin each against the installed torch (2.13 in CI); the floor in the pa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import torch
 from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
@@ -24,6 +25,7 @@ from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
 )
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -40,6 +42,7 @@ __all__ = [
     "TorchDispatchMode",
     "chunk_sizes",
     "custom_chunk",
+    "default_store",
     "drop_mesh_state",
     "dtensor_over",
     "fake_store",
@@ -52,6 +55,7 @@ __all__ = [
     "local_tensor",
     "mesh_without_groups",
     "queue_backward_callback",
+    "set_group_timeout",
     "split_indices",
     "split_tensor",
     "tree_flatten",
@@ -120,6 +124,17 @@ def flatten_state_dict(state_dict: dict) -> tuple[dict, dict]:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict as dcp_flatten
 
     return dcp_flatten(state_dict)
+
+
+def set_group_timeout(group: torch.distributed.ProcessGroup, timeout: timedelta) -> None:
+    """Give an existing process group another collective timeout (``_set_pg_timeout``): torch's
+    ``DeviceMesh`` creates its dim groups with the backend's default timeout, not the default group's."""
+    _set_pg_timeout(timeout, group)
+
+
+def default_store() -> torch.distributed.Store:
+    """The store the default process group was created on (``_get_default_store``)."""
+    return _get_default_store()
 
 
 def fake_store() -> torch.distributed.Store:

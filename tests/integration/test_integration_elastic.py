@@ -1,0 +1,81 @@
+"""Fault tolerance of the main job under torch's own launcher (``torchrun``, CPU/gloo), against the
+same run on one process in float64, strict:
+
+* a rank SIGKILLed inside a checkpoint save of a 4-rank run with ``--max-restarts 1``: torchrun
+  restarts the workers, the job resumes on its own from the checkpoint before (the one being written
+  is never used), redoes the steps since, and finishes;
+* grow and shrink: a 2-rank run killed mid-training (no restarts left) continues on 4 ranks, then on
+  2 again, each time from the newest checkpoint, ``--mesh pp=2,dp=-1`` resolving DP for the world.
+
+Each part's loss curve (the whole history the final checkpoint keeps: steps of every attempt) and the
+final parameters equal the uninterrupted single-process run's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from integration_models import ROOT, load_example
+from ndweave.checkpoint import CheckpointManager
+from ndweave.mesh.testing import assert_close
+
+job = load_example("gpt/train")
+STEPS = 6
+TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16", "--global-batch", "8",
+        "--micro-batches", "2", "--warmup", "2", "--lr", "1e-2", "--min-lr", "1e-3", "--clip", "0.5",
+        "--dtype", "float64", "--plot", "", "--steps", str(STEPS), "--checkpoint-every", "2",
+        "--mesh", "pp=2,dp=-1"]
+
+
+def _torchrun(nproc: int, checkpoints, *flags: str, restarts: int = 0) -> tuple[int, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(p) for p in sorted((ROOT / "packages").glob("*/src"))]
+                                         + [os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               f"--max-restarts={restarts}", str(ROOT / "examples" / "gpt" / "train.py"), *TINY,
+               "--checkpoint-dir", str(checkpoints), *flags]
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    return done.returncode, done.stdout
+
+
+def _check_against_one_process(checkpoints) -> None:
+    """The newest checkpoint's loss history (every step since the run began) and model, loaded on
+    this process, against the uninterrupted single-process run."""
+    args = job.parse_args([*TINY, "--quiet"])
+    reference = job.train_single_device(args)
+    model = job.build_model(args)
+    state = {"model": model, "loss_history": torch.zeros(STEPS, dtype=torch.float64)}
+    assert CheckpointManager(checkpoints).load_latest(state, strict=False) == STEPS
+    assert_close(state["loss_history"], torch.tensor([reference.losses[s] for s in range(1, STEPS + 1)],
+                                                     dtype=torch.float64), name="loss history")
+    for name, p in model.named_parameters():
+        assert_close(p.detach(), reference.params[name], name=name)
+
+
+@pytest.mark.parity
+def test_a_rank_killed_in_a_checkpoint_save_restarts_from_the_one_before(tmp_path):
+    code, out = _torchrun(4, tmp_path, "--kill-rank", "1", "--kill-at-step", "4", "--kill-in-save", restarts=1)
+    assert code == 0, out[-4000:]
+    assert "rank 1 SIGKILLs itself at step 4 inside its checkpoint save" in out, out[-4000:]
+    assert "resumed from step 2 of" in out and "(torchrun restart 1, 4 ranks)" in out, out[-4000:]
+    assert "done: mesh PP=2 x DP=2 x TP=1, steps 3..6" in out, out[-4000:]
+    _check_against_one_process(tmp_path)
+
+
+@pytest.mark.parity
+def test_a_killed_run_continues_on_more_ranks_then_on_fewer(tmp_path):
+    code, out = _torchrun(2, tmp_path, "--kill-rank", "1", "--kill-at-step", "4")
+    assert code != 0 and "rank 1 SIGKILLs itself at step 4 as it begins" in out, out[-4000:]
+    assert CheckpointManager(tmp_path).steps() == [2]
+
+    code, out = _torchrun(4, tmp_path, "--resume", "--stop-at", "4")  # grow 2 -> 4
+    assert code == 0 and "resumed from step 2" in out and "mesh PP=2 x DP=2 x TP=1, steps 3..4" in out, out[-4000:]
+
+    code, out = _torchrun(2, tmp_path, "--resume")  # shrink 4 -> 2
+    assert code == 0 and "resumed from step 4" in out and "mesh PP=2 x DP=1 x TP=1, steps 5..6" in out, out[-4000:]
+    _check_against_one_process(tmp_path)
