@@ -27,8 +27,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 class FaultInjection:
-    """Put it in the checkpointed state (its ``state_dict`` is called inside every save, on every
-    rank, and holds nothing); call :meth:`before_step` at the top of each step."""
+    """Put it in the checkpointed state when ``--kill-rank`` is given (its ``state_dict`` is called
+    inside every save, on every rank, and holds nothing); call :meth:`before_step` at the top of
+    each step."""
 
     def __init__(self, args: argparse.Namespace, rank: int) -> None:
         armed = args.kill_rank == rank and restart_count() == 0

@@ -232,7 +232,9 @@ def train(args: argparse.Namespace) -> RunResult:
     history = torch.full((args.steps,), float("nan"), dtype=torch.float64)
     fault = faults.FaultInjection(args, rank)
     state = {"model": chunks, "optimizer": optimizer, "scheduler": scheduler, "data": position, "step": 0,
-             "rng": torch.get_rng_state(), "loss_history": history, "fault_injection": fault}
+             "rng": torch.get_rng_state(), "loss_history": history}
+    if args.kill_rank is not None:  # its state_dict() runs inside every save: where --kill-in-save strikes
+        state["fault_injection"] = fault
     manager = CheckpointManager(args.checkpoint_dir, keep_last=2)
     start = 0
     if resume_mode(args):
@@ -325,8 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank {dist.get_rank()}: lost {what} within --timeout {args.timeout:g}s; exiting so that torchrun "
               "can restart the job", file=sys.stderr)
         return 1
+    rank = dist.get_rank()
+    dist.barrier()  # no collective in flight on any rank: destroying the group earlier can break a peer's
+    dist.destroy_process_group()
     ok = True
-    if dist.get_rank() == 0:
+    if rank == 0:  # single-process work from here on, so the others need not wait (nor time out)
         report.finish(result, args)
         if args.compare_single_device:
             ok = report.compare(result, args, lambda k, last: train_single_device(args, k, last))
@@ -334,7 +339,6 @@ def main(argv: list[str] | None = None) -> int:
             model = build_model(argparse.Namespace(**{**vars(args), "device": "cpu"}))
             model.load_state_dict(result.params)
             report.sample(model, args)
-    dist.destroy_process_group()  # the others need not wait for rank 0's comparison: no barrier, no timeout
     return 0 if ok else 1
 
 

@@ -58,6 +58,7 @@ def _check_against_one_process(checkpoints) -> None:
 
 
 @pytest.mark.parity
+@pytest.mark.heavy
 def test_a_rank_killed_in_a_checkpoint_save_restarts_from_the_one_before(tmp_path):
     code, out = _torchrun(4, tmp_path, "--kill-rank", "1", "--kill-at-step", "4", "--kill-in-save", restarts=1)
     assert code == 0, out[-4000:]
@@ -68,6 +69,7 @@ def test_a_rank_killed_in_a_checkpoint_save_restarts_from_the_one_before(tmp_pat
 
 
 @pytest.mark.parity
+@pytest.mark.heavy
 def test_a_killed_run_continues_on_more_ranks_then_on_fewer(tmp_path):
     code, out = _torchrun(2, tmp_path, "--kill-rank", "1", "--kill-at-step", "4")
     assert code != 0 and "rank 1 SIGKILLs itself at step 4 as it begins" in out, out[-4000:]
