@@ -6,6 +6,6 @@
 
 from ndweave.ddp.distributed_data_parallel import DDP, DEFAULT_BUCKET_SIZE, DistributedDataParallel
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = ["DDP", "DEFAULT_BUCKET_SIZE", "DistributedDataParallel", "__version__"]

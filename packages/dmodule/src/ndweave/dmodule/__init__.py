@@ -19,7 +19,7 @@ from ndweave.dmodule.hooks import log_redistributions
 from ndweave.dmodule.plan import PlacementSpec, PlanKeyError
 from ndweave.dmodule.plans import get_plan, list_plans, load_plan, save_plan
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "DModule",

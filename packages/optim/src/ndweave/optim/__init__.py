@@ -19,7 +19,7 @@ from ndweave.optim.distributed_optimizer import DistributedOptimizer
 from ndweave.optim.inner import ELEMENTWISE_OPTIMIZERS, NON_ELEMENTWISE_OPTIMIZERS
 from ndweave.optim.loss_scale import DynamicLossScaler
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 __all__ = [
     "BasicOptimizer",
