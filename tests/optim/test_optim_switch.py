@@ -9,9 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ndweave.ddp import DDP
 from ndweave.mesh import DEVICE_MESH
-from ndweave.mesh.testing import STRICT_DTYPE, assert_close, distributed
+from ndweave.mesh.testing import STRICT_DTYPE, ReferenceDataParallel, assert_close, distributed
 from ndweave.optim import DistributedOptimizer
 
 CLIP = 0.05
@@ -37,8 +36,8 @@ def _train(model, optimizer, steps, rank=0, size=1, clip=None):
         optimizer.step()
 
 
-def _wrapped(model):
-    ddp = DDP(model, DEVICE_MESH, use_distributed_optimizer=True)
+def _wrapped(model):  # the mesh's reference wrapper: optim is tested with only itself and mesh installed
+    ddp = ReferenceDataParallel(model, DEVICE_MESH.device_mesh, use_distributed_optimizer=True)
     return ddp, DistributedOptimizer(torch.optim.Adam, [ddp], optimizer_kwargs={"lr": 0.01}, clip_grad=CLIP,
                                      grad_scaler=None, fp16=False, bf16=False, params_dtype=STRICT_DTYPE)
 
@@ -78,7 +77,7 @@ def test_ranks_owning_only_padding_clip_save_and_resume():
 @distributed(world_size=2)
 def test_vescale_arguments_map_or_say_why_not():
     DEVICE_MESH.init_device_mesh("cpu", (2,), mesh_dim_names=("DP",))
-    ddp = DDP(_tiny(), DEVICE_MESH, use_distributed_optimizer=True)
+    ddp = ReferenceDataParallel(_tiny(), DEVICE_MESH.device_mesh, use_distributed_optimizer=True)
     with pytest.raises(ValueError, match=r"bf16=True.*model.to\(torch.bfloat16\)"):
         DistributedOptimizer(torch.optim.Adam, [ddp], optimizer_kwargs={"lr": 0.1}, bf16=True)
     with pytest.raises(ValueError, match="not both"):
