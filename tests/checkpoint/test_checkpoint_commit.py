@@ -190,3 +190,22 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
     model = mlp(seed=1)
     load(tmp_path / "good", {"model": model})
     assert_same(_params(model), _params(mlp(seed=0)))
+
+
+def _load_mismatched_on_one_rank(folder: str) -> str:
+    save(f"{folder}/one", {"model": mlp(seed=0), "step": 3})
+    # rank 1 alone loads into another model (a wider one with an extra layer), then rank 1 alone
+    # names an entry the checkpoint lacks: every rank raises, none waits in the load's collectives
+    state = {"model": Wider() if dist.get_rank() == 1 else mlp(seed=1)}
+    with pytest.raises(CheckpointMismatchError) as raised:
+        load(f"{folder}/one", state)
+    assert "head.weight" in str(raised.value) and "different global shape" in str(raised.value)
+    state = {"model": mlp(seed=1), **({"epoch": 0} if dist.get_rank() == 1 else {})}
+    with pytest.raises(CheckpointMismatchError, match="missing from the checkpoint"):
+        load(f"{folder}/one", state)
+    return str(raised.value)
+
+
+def test_a_mismatch_on_one_rank_only_raises_on_every_rank(tmp_path):
+    messages = run_distributed(_load_mismatched_on_one_rank, 2, str(tmp_path), timeout=60)
+    assert messages[0] == messages[1]  # the same error, naming what rank 1 got wrong

@@ -164,6 +164,8 @@ def check_parity(name: str, *, sequence_parallel: bool = False, steps: int = 2, 
             loss.backward()
         expected = expected_collectives(name, reference, sequence_parallel)
         actual = (_counts(forward_comms), _counts(backward_comms))
+        if step == 0:  # the first call's check that every rank's plain inputs have one shape (once only)
+            assert actual[0].pop("allgather_", 0) > 0, "the first forward did not check plain input shapes"
         assert actual == expected, f"step {step}: collectives (forward, backward) {actual}, Megatron's {expected}"
         pending = {e.fqn for e in model.list_grad_sync() if e.status == "pending"}
         # only replicated norm weights may wait for finish_grad_sync: a Partial gradient anywhere else

@@ -155,9 +155,11 @@ def _memory_body():
     print(report)
     assert stats.local_bytes == local
     assert stats.peak_bytes <= bound, stats
-    # the replay saves and restores the CPU RNG state around itself: one more small tensor
+    # the replay saves and restores the CPU RNG state around itself: one more small tensor; and the
+    # ranks' agreement before any collective gathers a digest per rank (the profiler sees its buffers)
     rng_state_bytes = torch.get_rng_state().numel()
-    assert measured <= bound + rng_state_bytes, (measured, bound)
+    agreement_bytes = 1024
+    assert measured <= bound + rng_state_bytes + agreement_bytes, (measured, bound)
     # eager construction would hold every full parameter at once
     assert bound < sum(full_bytes.values())
     return report

@@ -135,6 +135,7 @@ def _fused_body():
     assert stats.largest_full_param_bytes == full_qkv
     assert stats.peak_bytes <= local + full_qkv, stats
     measured = _profiled_peak_bytes(prof)
-    assert measured <= local + full_qkv + torch.get_rng_state().numel(), (measured, local, full_qkv, stats)
+    agreement_bytes = 1024  # the ranks' agreement before any collective: a digest per rank, gathered
+    assert measured <= local + full_qkv + torch.get_rng_state().numel() + agreement_bytes, (measured, local, full_qkv, stats)
     x = DTensor.from_local(torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(1)), mesh, [Replicate()])
     assert torch.equal(deferred.qkv(x).full_tensor(), eager.qkv(x).full_tensor())  # DTensor computes on it

@@ -73,6 +73,7 @@ def test_torchs_other_schedules_match_one_process():
     for schedule in ("looped_bfs", "zbv_zero_bubble", "dualpipev"):
         plan = PipelineParallelPlan(schedule_type=schedule, virtual_chunks=2, num_microbatches=4)
         assert_same_training(train_pipeline(model, plan, mesh, data), expected, f"PP=2 {schedule}")
-    if mesh["PP"].get_local_rank() == 0:  # the rank holding both copies refuses before any communication
-        with pytest.raises(NotImplementedError, match=r"two stages \[0, 3\] of this rank.*data-parallel wrappers"):
-            train_pipeline(model, plan, mesh, data, wrap=ReferenceDataParallel)
+    # the rank holding both copies refuses before any communication, and every rank raises its error
+    with pytest.raises(NotImplementedError, match=r"failed on PP rank 0: .*two stages \[0, 3\] of this rank.*"
+                                                  r"data-parallel wrappers"):
+        train_pipeline(model, plan, mesh, data, wrap=ReferenceDataParallel)

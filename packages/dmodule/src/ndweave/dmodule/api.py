@@ -14,21 +14,23 @@ Order of work (each step sees the result of the previous one):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from ndweave.dmodule import deferred_init as _deferred
+from ndweave.dmodule.agree import validate_on_every_rank
 from ndweave.dmodule.dmodule import DModuleState, make_dmodule
 from ndweave.dmodule.factory import FactoryArg, install_factory
 from ndweave.dmodule.hooks import install_forward_hooks, install_local_output_hook
 from ndweave.dmodule.plan import (
     IO_LEAVES,
     PlacementSpec,
+    Plan,
     check_placements,
     match_modules,
     names_removed_module,
@@ -38,7 +40,8 @@ from ndweave.dmodule.plan import (
     split_key,
 )
 from ndweave.mesh import DEVICE_MESH, ParallelMesh, resolve_mesh
-from ndweave.mesh.torch_compat import StridedShard, custom_chunk, is_shard_like, split_tensor
+from ndweave.dmodule.sharded import sharded_global_shapes
+from ndweave.mesh.torch_compat import StridedShard, custom_chunk, split_tensor
 
 __all__ = ["parallelize_module"]
 
@@ -85,9 +88,20 @@ def parallelize_module(
         loss.backward()
         dmlp.finish_grad_sync()
     """
+    _check_arguments(module, sharding_plan, param_sharding_plan, fwd_resharding_plan, patches,
+                     is_model_sharded, use_local_output)
     mesh = _resolve(device_mesh)
-    plan = normalize_plan(sharding_plan, param_sharding_plan, fwd_resharding_plan, patches)
-    _distribute_tensors(module, mesh, plan.parameter, is_model_sharded)
+
+    def validate() -> tuple[tuple[Plan, list[_Layout]], dict[str, Any]]:
+        plan = normalize_plan(sharding_plan, param_sharding_plan, fwd_resharding_plan, patches)
+        layouts = _choose_layouts(module, mesh, plan.parameter, is_model_sharded)
+        return (plan, layouts), _fingerprint(plan, layouts, is_model_sharded, factory, use_local_output)
+
+    # every check that needs no communication runs first, then the ranks agree on the outcome, so a
+    # mistake on one rank (a plan or model that differs by rank) raises on all instead of a hang
+    (plan, layouts), local_shapes = validate_on_every_rank(mesh, "parallelize_module", validate)
+    global_shapes = sharded_global_shapes(mesh, layouts, local_shapes) if is_model_sharded else {}
+    _distribute_tensors(module, mesh, layouts, global_shapes)
     _apply_patches(module, mesh, plan.patch)
     factory_mode, factory_handles = install_factory(module, mesh, factory)
     state = DModuleState(mesh=mesh, factory_mode=factory_mode)
@@ -95,6 +109,24 @@ def parallelize_module(
     if use_local_output:
         state.hook_handles.append(install_local_output_hook(module))
     return make_dmodule(module, state)
+
+
+def _check_arguments(module: Any, sharding_plan: Any, param_sharding_plan: Any, fwd_resharding_plan: Any,
+                     patches: Any, is_model_sharded: Any, use_local_output: Any) -> None:
+    """The argument types, each error naming the argument and the fix (plans' contents: ``plan.py``)."""
+    if isinstance(module, type):
+        raise TypeError(f"parallelize_module: module is the class {module.__name__}; pass an instance "
+                        f"({module.__name__}(...)) or deferred_init({module.__name__}, ...)")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"parallelize_module: module must be a torch.nn.Module, got {type(module).__name__}")
+    for name, value in (("sharding_plan", sharding_plan), ("param_sharding_plan", param_sharding_plan),
+                        ("fwd_resharding_plan", fwd_resharding_plan), ("patches", patches)):
+        if value is not None and not isinstance(value, Mapping):
+            raise TypeError(f"parallelize_module: {name} must be a dict (or None), got {type(value).__name__}; "
+                            "a JSON plan file is read with ndweave.dmodule.load_plan(path)")
+    for name, value in (("is_model_sharded", is_model_sharded), ("use_local_output", use_local_output)):
+        if not isinstance(value, bool):
+            raise TypeError(f"parallelize_module: {name} must be True or False, got {value!r}")
 
 
 def _resolve(device_mesh: Any) -> DeviceMesh:
@@ -117,8 +149,29 @@ def _resolve(device_mesh: Any) -> DeviceMesh:
 
 
 # ---------------------------------------------------------------------------------------- parameters
-def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str, PlacementSpec],
-                        is_model_sharded: bool) -> None:
+@dataclass
+class _Layout:
+    """One tensor (tied weights are one) and where it goes: chosen and checked before any collective."""
+
+    tensor: torch.Tensor
+    slots: list[tuple[str, nn.Module, str]]
+    """Every (fqn, module, leaf) holding it."""
+    placements: tuple
+    plain: bool
+    """An unplanned non-persistent buffer: stays a plain tensor."""
+
+    @property
+    def name(self) -> str:
+        return self.slots[0][0]
+
+    @property
+    def local_shard(self) -> bool:
+        """Under ``is_model_sharded=True``: this rank's piece, from which the global tensor is built."""
+        return not (self.plain or isinstance(self.tensor, (DTensor, _deferred.FakeTensor)))
+
+
+def _choose_layouts(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str, PlacementSpec],
+                    is_model_sharded: bool) -> list[_Layout]:
     # Every (module, leaf) slot holding each tensor: tied weights share one tensor, hence one plan.
     slots: dict[int, list[tuple[str, nn.Module, str]]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -149,44 +202,81 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str,
                 )
             chosen[id(t)] = (key, spec)
 
-    program = _deferred.take_program(root) if _deferred.is_deferred(root) else None
+    deferred = _deferred.is_deferred(root)
     replicate = PlacementSpec([Replicate()] * mesh.ndim)
-    targets: dict[int, list[Callable[[torch.Tensor], int]]] = {}  # storage key -> its tensors' installers
+    layouts = []
     for tid, t in tensors.items():
         name = slots[tid][0][0]
-        spec = chosen.get(tid, (None, replicate))[1]
         what = f"{'parameter' if isinstance(t, nn.Parameter) else 'buffer'} {name!r}"
-        placements = check_placements(spec, t, mesh, what)
+        placements = check_placements(chosen.get(tid, (None, replicate))[1], t, mesh, what)
+        if isinstance(t, _deferred.FakeTensor):
+            if not deferred:
+                raise RuntimeError(f"{what} is a fake tensor: parallelize the module deferred_init returned, not a part of it")
+            if any(isinstance(p, Partial) for p in placements):
+                raise ValueError(f"{what}: a deferred-init tensor cannot start Partial on {mesh}")
+        elif t.is_meta:
+            raise ValueError(f"{what} is on the meta device and has no values; build the module with "
+                             "deferred_init(module_fn, ...) to get values equal to eager init")
         # An unplanned non-persistent buffer is a cache the model rebuilds from its config (a RoPE
         # table) and combines with whatever its forward computes, often local tensors (local
         # attention heads): it stays a plain tensor, the whole value on every rank.
         plain = tid not in chosen and _non_persistent_buffer(slots[tid])
+        layouts.append(_Layout(t, slots[tid], placements, plain))
+    return layouts
 
-        def install(dt: torch.Tensor, tid: int = tid, t: torch.Tensor = t) -> None:
-            if isinstance(t, nn.Parameter):
-                dt = nn.Parameter(dt, requires_grad=t.requires_grad)  # one object: ties stay tied
-            for _, m, leaf in slots[tid]:
+
+def _fingerprint(plan: Plan, layouts: list[_Layout], is_model_sharded: bool, factory: Any,
+                 use_local_output: bool) -> dict[str, Any]:
+    """What every rank of the mesh must be given equal (see ``validate_on_every_rank``), as text."""
+    sharded = is_model_sharded
+    return {
+        "plan": {**{f"parameter[{k!r}]": repr(v) for k, v in plan.parameter.items()},
+                 **{f"forward[{k!r}]": repr(v) for k, v in plan.forward.items()},
+                 **{f"patch[{k!r}]": _describe(v) for k, v in plan.patch.items()}},
+        "arguments": {"is_model_sharded": sharded, "use_local_output": use_local_output,
+                      "factory": _describe(factory)},
+        # a sharded model's local shapes may differ (uneven shards): gathered and checked, not compared
+        "model": {x.name: f"{tuple(x.placements)} {x.tensor.dtype} {x.tensor.ndim if sharded else tuple(x.tensor.shape)}"
+                  for x in layouts},
+        "local": {x.name: tuple(x.tensor.shape) for x in layouts if x.local_shard} if sharded else None,
+    }
+
+
+def _describe(value: Any) -> str:
+    """``value`` as text equal on every rank: functions and classes by name (their repr holds an address)."""
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{_describe(k)}: {_describe(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_describe, value)) + "]"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', None) or ''}.{value.__qualname__}"
+    return repr(value)
+
+
+def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, layouts: list[_Layout],
+                        global_shapes: dict[str, torch.Size]) -> None:
+    program = _deferred.take_program(root) if _deferred.is_deferred(root) else None
+    targets: dict[int, list[Callable[[torch.Tensor], int]]] = {}  # storage key -> its tensors' installers
+    for x in layouts:
+        t, placements, plain = x.tensor, x.placements, x.plain
+
+        def install(dt: torch.Tensor, x: _Layout = x) -> None:
+            if isinstance(x.tensor, nn.Parameter):
+                dt = nn.Parameter(dt, requires_grad=x.tensor.requires_grad)  # one object: ties stay tied
+            for _, m, leaf in x.slots:
                 (m._parameters if leaf in m._parameters else m._buffers)[leaf] = dt
 
         if isinstance(t, _deferred.FakeTensor):
-            if program is None:
-                raise RuntimeError(f"{what} is a fake tensor: parallelize the module deferred_init returned, not a part of it")
-            if any(isinstance(p, Partial) for p in placements):
-                raise ValueError(f"{what}: a deferred-init tensor cannot start Partial on {mesh}")
             installer = _local_shard_installer(t, mesh, placements, install, plain)
             targets.setdefault(_deferred._key(t), []).append(installer)
-        elif t.is_meta:
-            raise ValueError(f"{what} is on the meta device and has no values; build the module with "
-                             "deferred_init(module_fn, ...) to get values equal to eager init")
         elif isinstance(t, DTensor):
             install(t if tuple(t.placements) == placements else t.redistribute(mesh, placements))
         elif plain:
             install(t.to(mesh.device_type))
-        elif is_model_sharded:
-            local = t.detach().contiguous().to(mesh.device_type)
-            shape = _global_shape(local, mesh, placements)
-            install(DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
-                                       stride=_contiguous_stride(shape)))
+        elif x.name in global_shapes:  # is_model_sharded
+            shape = global_shapes[x.name]
+            install(DTensor.from_local(t.detach().contiguous().to(mesh.device_type), mesh, placements,
+                                       run_check=False, shape=shape, stride=_contiguous_stride(shape)))
         else:
             install(distribute_tensor(t.detach().to(mesh.device_type), mesh, placements))
     if program is not None:
@@ -248,20 +338,6 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         stride.append(step)
         step *= max(n, 1)
     return tuple(reversed(stride))
-
-
-def _global_shape(local: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> torch.Size:
-    """The global shape of pre-sharded ``local`` (shards may be uneven: gather the sizes)."""
-    shape = list(local.shape)
-    for mesh_dim in reversed(range(mesh.ndim)):
-        p = placements[mesh_dim]
-        if is_shard_like(p):  # a strided shard also holds its share of the dim
-            group = mesh.get_group(mesh_dim)
-            mine = torch.tensor([shape[p.dim]], dtype=torch.int64, device=local.device)
-            sizes = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(sizes, mine, group=group)
-            shape[p.dim] = int(sum(s.item() for s in sizes))
-    return torch.Size(shape)
 
 
 # ---------------------------------------------------------------------------------------- patches

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ndweave.dmodule.factory import FactoryMode
+from ndweave.dmodule.mixed import MIXED_TENSORS, explain_mixed_tensors
 from ndweave.dmodule.plan import mesh_str
 from ndweave.mesh.contracts import reduce_partial_grads
 
@@ -62,6 +63,16 @@ class DModule:
     """Mixin of every module ``parallelize_module`` returns. Do not instantiate it directly."""
 
     _dmodule: DModuleState
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except RuntimeError as error:
+            # torch raises this deep inside an op; name the module and the plan entry that fixes it
+            clearer = explain_mixed_tensors(self, error) if MIXED_TENSORS in str(error) else None
+            if clearer is None:
+                raise
+            raise clearer from error
 
     @property
     def device_mesh(self) -> DeviceMesh:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ndweave.dmodule.agree import validate_on_every_rank
 from ndweave.dmodule.plan import PlacementSpec, PlanKeyError, suggest
 from ndweave.dmodule.signature import InputSlot, apply_input_slots, bind_input_plan
 from ndweave.mesh.torch_compat import tree_map
@@ -131,9 +132,26 @@ class _ForwardPlan:
         self.inputs: list[InputSlot] | None = None
         self.outputs: list | dict | None = None
         self.weights: dict[str, PlacementSpec] = {}
+        self.plain_inputs: dict[str, tuple] | None = {}
+        """Shapes of the plain inputs of the first call, checked across ranks; ``None`` once checked."""
 
     def _input(self, x: Any, spec: PlacementSpec, where: str) -> Any:
+        if self.plain_inputs is not None and isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+            self.plain_inputs[where] = (tuple(x.shape), str(x.dtype))
         return _layout(x, self.mesh, spec, where)
+
+    def _check_plain_inputs(self) -> None:
+        """On the first call only: every rank's plain inputs have one shape and dtype. ``from_local``
+        trusts them without communication; a rank-dependent shape (a batch size read per rank) would
+        give ranks different global shapes and hang their next collective. Every call would cost a
+        collective and a host sync per forward: later calls are left to the process-group timeout."""
+        seen, self.plain_inputs = self.plain_inputs, None
+        if seen:
+            validate_on_every_rank(
+                self.mesh, f"forward of {self.fqn or '<root>'!r}", lambda: (None, {"input shape": seen}),
+                hint="a plain input under an input plan is this rank's piece of one tensor, the same shape "
+                     "on every rank of the mesh (Replicate: the whole value; Shard: an even piece); pass "
+                     "equal shapes (e.g. the same batch size on every rank) or a DTensor")
 
     def _output(self, x: Any, spec: PlacementSpec, where: str) -> Any:
         return _finish_output(x, self.mesh, spec, where)
@@ -146,8 +164,11 @@ class _ForwardPlan:
             module.__dict__[name] = _layout(param, self.mesh, spec, f"{self.fqn}.{name}")
         if self.inputs is None:
             return args, kwargs
-        return apply_input_slots(self.inputs, args, kwargs,
+        laid = apply_input_slots(self.inputs, args, kwargs,
                                  lambda x, tree, label: _lay_tree(x, tree, f"{self.fqn}.input[{label}]", self._input))
+        if self.plain_inputs is not None:
+            self._check_plain_inputs()
+        return laid
 
     def post_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         for name in self.weights:

@@ -33,9 +33,10 @@ from torch.utils.checkpoint import checkpoint
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import DataParallelWrapper, finish_grad_sync
 from ndweave.mesh.torch_compat import is_view
+from ndweave.pipeline.agree import BatchShapes, agree_on_batch, agree_on_plan
 from ndweave.pipeline.construct import PipeModule, chunk_device
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
-from ndweave.pipeline.ties import HookGate, TiedGradSync
+from ndweave.pipeline.ties import HookGate, TiedGradSync, check_shared_params
 from ndweave.pipeline.timeline import ScheduleTimeline, TimelineRecorder
 
 __all__ = ["PipeEngine"]
@@ -72,17 +73,31 @@ class PipeEngine:
             raise TypeError(f"PipeEngine runs a PipeModule from construct_pipeline_stage; got {type(module).__name__}")
         if loss_fn is None:
             raise ValueError("PipeEngine needs loss_fn(output, target) for the last stage")
+        if not callable(loss_fn):
+            raise TypeError(f"PipeEngine: loss_fn must be a callable loss_fn(output, target), got {loss_fn!r}")
+        if plan is not None and not isinstance(plan, PipelineParallelPlan):
+            raise TypeError(f"PipeEngine: plan must be a PipelineParallelPlan (or None: the module's), got {type(plan).__name__}")
         pp_mesh = resolve_mesh(mesh, "PP")
-        resolved = resolve_plan(plan or module.resolved_plan.plan, pp_mesh.size())
-        if resolved.num_stages != module.num_stages or resolved.stages_of(pp_mesh.get_local_rank()) != list(module.stage_indices):
-            raise ValueError("the plan and mesh give other stages than the module was built with; pass the same plan and mesh")
+        pp_ranks = pp_mesh.mesh.flatten().tolist()
+
+        def local_checks() -> ResolvedPlan:
+            resolved = resolve_plan(plan or module.resolved_plan.plan, pp_mesh.size())
+            if resolved.num_stages != module.num_stages or resolved.stages_of(pp_mesh.get_local_rank()) != list(module.stage_indices):
+                raise ValueError("the plan and mesh give other stages than the module was built with; pass the same plan and mesh")
+            check_shared_params(module.chunks, module.stage_indices, module.shared_params,
+                                lambda stage: pp_ranks[resolved.stage_rank(stage)])
+            return resolved
+
+        # before any stage talks to another: a PP rank built from another plan would wait forever, and
+        # an error one rank's checks raise is raised on every rank
+        resolved = agree_on_plan(plan or module.resolved_plan.plan, pp_mesh.get_group(), local_checks)
         self.module = module
         self.loss_fn = loss_fn
         self.resolved = resolved
         self.pp_mesh = pp_mesh
         self.recorder = TimelineRecorder()
+        self._first_batch: BatchShapes | None = None
         self._gate = HookGate()
-        pp_ranks = pp_mesh.mesh.flatten().tolist()
         self._rank_of_stage = lambda stage: pp_ranks[resolved.stage_rank(stage)]
         group = pp_mesh.get_group()
         self._ties = TiedGradSync(module.chunks, module.stage_indices, module.shared_params, self._rank_of_stage,
@@ -107,8 +122,16 @@ class PipeEngine:
         """Forward and backward of one mini-batch; returns the mean micro-batch loss (float64, detached)."""
         first = 0 in self.module.stage_indices
         last = self.resolved.num_stages - 1 in self.module.stage_indices
-        self._check_batch("inputs", inputs, needed=first)
-        self._check_batch("targets", targets, needed=last)
+        try:
+            self._check_batch("inputs", inputs, needed=first)
+            self._check_batch("targets", targets, needed=last)
+            error = None
+        except ValueError as local:
+            error = str(local)
+        # every PP rank sees every rank's check (one small gather per step), so all raise or none does
+        shapes = agree_on_batch(error, inputs if first else None, targets if last else None,
+                                self.pp_mesh.get_group(), self._first_batch)
+        self._first_batch = self._first_batch or shapes
         losses: list[torch.Tensor] = []
         self._ties.begin()
         try:
@@ -131,8 +154,9 @@ class PipeEngine:
     def _check_batch(self, name: str, batch, *, needed: bool) -> None:
         if not needed:
             return
-        if not isinstance(batch, torch.Tensor):
-            raise ValueError(f"this rank holds the {'first' if name == 'inputs' else 'last'} stage and needs {name}; got {batch!r}")
+        if not isinstance(batch, torch.Tensor) or batch.ndim == 0:
+            raise ValueError(f"it holds the {'first' if name == 'inputs' else 'last'} stage and needs {name}, a tensor "
+                             f"with the samples along dim 0; got {batch!r}")
         m = self.resolved.num_microbatches
         if batch.shape[0] % m:
             raise ValueError(

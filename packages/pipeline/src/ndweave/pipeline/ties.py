@@ -81,6 +81,16 @@ def _union(groups: list[list[str]]) -> list[list[str]]:
     return out
 
 
+def check_shared_params(chunks: Sequence[nn.Module], stage_indices: Sequence[int], shared: Sequence[SharedParam],
+                        rank_of_stage) -> None:
+    """Refuse shared weights this rank cannot hold; local, so the engine runs it before any communication."""
+    for sp in shared:
+        here = [s for s in sp.stages if s in stage_indices]
+        if len(here) > 1:
+            ranks = sorted({rank_of_stage(s) for s in sp.stages})
+            _check_one_tensor_per_rank(sp, [chunks[list(stage_indices).index(s)] for s in here], here, ranks)
+
+
 def _check_one_tensor_per_rank(sp: SharedParam, chunks: list[nn.Module], stages: list[int], ranks: list[int]) -> None:
     """Copies in several stages of one rank (V-shaped schedules) work when they are one tensor, which
     autograd sums, and nothing else takes part: refuse the rest."""
@@ -146,8 +156,6 @@ class TiedGradSync:
         for sp in shared:
             here = [s for s in sp.stages if s in stage_indices]
             ranks = sorted({rank_of_stage(s) for s in sp.stages})
-            if len(here) > 1:
-                _check_one_tensor_per_rank(sp, [chunks[list(stage_indices).index(s)] for s in here], here, ranks)
             if not here or len(ranks) == 1:
                 continue  # not ours, or every copy is this one tensor on this rank (autograd sums it)
             index = list(stage_indices).index(here[0])

@@ -62,31 +62,60 @@ def _encode(value: Any, where: str) -> Any:
     raise TypeError(f"{where}: {value!r} ({type(value).__name__}) has no JSON encoding")
 
 
-def _decode(value: Any, where: str) -> Any:
-    if value == "Replicate":
-        return Replicate()
-    if isinstance(value, list):
-        return [_decode(v, where) for v in value]
-    if isinstance(value, dict):
-        if len(value) == 1:
-            (tag, arg), = value.items()
-            if tag == "Shard":
-                return Shard(int(arg))
-            if tag == "Partial":
-                return Partial(arg)
-            if tag == "StridedShard":
-                return StridedShard(int(arg[0]), split_factor=int(arg[1]))
-            if tag == "PlacementSpec":
-                from ndweave.dmodule import PlacementSpec
+_FORMS = ('"Replicate", {"Shard": dim}, {"Partial": "sum"}, {"StridedShard": [dim, split_factor]}, '
+          '{"PlacementSpec": {"placements": [...], ...}}, null (leave it alone), or a list / dict of these')
 
-                grad = arg.get("grad_placements")
-                return PlacementSpec(
-                    _decode(arg["placements"], where),
-                    async_op=bool(arg.get("async_op", False)),
-                    grad_placements=None if grad is None else _decode(grad, where),
-                    to_local=bool(arg.get("to_local", False)),
-                )
-        return {k: _decode(v, where) for k, v in value.items()}
+
+_TAGS = ("Shard", "Partial", "StridedShard", "PlacementSpec")
+
+
+def _decode(value: Any, where: str) -> Any:
+    if value is None or value == "Replicate":
+        return None if value is None else Replicate()
+    if isinstance(value, list):
+        return [_decode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if len(value) == 1 and next(iter(value)) in _TAGS:
+            (tag, arg), = value.items()
+            try:
+                return _decode_tagged(tag, arg, where)
+            except (TypeError, ValueError, KeyError, IndexError) as error:
+                raise ValueError(f"{where}: {json.dumps(value)} is not a valid placement ({error}); valid forms: "
+                                 f"{_FORMS}") from None
+        return {k: _decode(v, f"{where}[{k!r}]") for k, v in value.items()}
+    raise ValueError(f"{where}: {json.dumps(value)} is not a placement; valid forms: {_FORMS}")
+
+
+def _decode_tagged(tag: str, arg: Any, where: str) -> Any:
+    """A one-key object naming a placement or spec by its tag."""
+    if tag == "Shard":
+        return Shard(_integer(arg))
+    if tag == "Partial":
+        if not isinstance(arg, str):
+            raise TypeError("Partial takes a reduce op name such as \"sum\"")
+        return Partial(arg)
+    if tag == "StridedShard":
+        dim, split_factor = arg
+        return StridedShard(_integer(dim), split_factor=_integer(split_factor))
+    if tag == "PlacementSpec":
+        from ndweave.dmodule import PlacementSpec
+
+        unknown = set(arg) - {"placements", "async_op", "grad_placements", "to_local"}
+        if unknown:
+            raise KeyError(f"unknown PlacementSpec options {sorted(unknown)}")
+        grad = arg.get("grad_placements")
+        return PlacementSpec(
+            _decode(arg["placements"], where),
+            async_op=bool(arg.get("async_op", False)),
+            grad_placements=None if grad is None else _decode(grad, where),
+            to_local=bool(arg.get("to_local", False)),
+        )
+    raise KeyError(tag)
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{json.dumps(value)} is not an integer")
     return value
 
 
@@ -125,10 +154,17 @@ def decode_plan(data: dict[str, Any]) -> dict[str, Any]:
     plan: dict[str, Any] = {}
     for section in ("parameter", "forward"):
         if section in data:
+            if not isinstance(data[section], dict):
+                raise ValueError(f"section {section!r} is {json.dumps(data[section])}; it maps plan keys to values")
             plan[section] = {key: _decode(value, f"{section}[{key!r}]") for key, value in data[section].items()}
     if "patch" in data:
-        plan["patch"] = {key: [patches] if isinstance(patches, str) else list(patches)
-                         for key, patches in data["patch"].items()}
+        plan["patch"] = {}
+        for key, patches in data["patch"].items():
+            patches = [patches] if isinstance(patches, str) else patches
+            if not isinstance(patches, list) or not all(isinstance(p, str) for p in patches):
+                raise ValueError(f"patch[{key!r}]: {json.dumps(patches)} is not a patch name or a list of them "
+                                 "(names in ndweave.dmodule.plans.BUILTIN_PATCHES)")
+            plan["patch"][key] = patches
     return plan
 
 
@@ -155,12 +191,35 @@ def save_plan(plan: dict[str, Any], path: str | os.PathLike | IO[str]) -> None:
 
 
 def load_plan(path_or_file: str | os.PathLike | IO[str]) -> dict[str, Any]:
-    """Read a plan written by :func:`save_plan` (or by hand in the same encoding)."""
+    """Read a plan written by :func:`save_plan` (or by hand in the same encoding).
+
+    Errors name the file and the line: invalid JSON where the parser stopped, a value that is not a
+    placement at its entry's line, with the valid forms."""
     if hasattr(path_or_file, "read"):
-        data = json.loads(path_or_file.read())
+        text, name = path_or_file.read(), getattr(path_or_file, "name", "<file>")
     else:
         with open(path_or_file) as f:
-            data = json.load(f)
+            text, name = f.read(), os.fspath(path_or_file)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"plan file {name}, line {error.lineno} column {error.colno}: not valid JSON "
+                         f"({error.msg})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"a JSON plan is an object with sections {list(_SECTIONS)}, got {type(data).__name__}")
-    return decode_plan(data)
+        raise ValueError(f"plan file {name}: a JSON plan is an object with sections {list(_SECTIONS)}, "
+                         f"got {type(data).__name__}")
+    try:
+        return decode_plan(data)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"plan file {name}{_line_of(text, data, str(error))}: {error}") from None
+
+
+def _line_of(text: str, data: dict[str, Any], message: str) -> str:
+    """``", line N"`` for the plan entry the error names (``section['key']...``), or ``""``."""
+    for section in _SECTIONS:
+        for key in data.get(section) or {}:
+            if message.startswith(f"{section}[{key!r}]"):
+                for number, line in enumerate(text.splitlines(), 1):
+                    if line.lstrip().startswith(json.dumps(key)):
+                        return f", line {number}"
+    return ""

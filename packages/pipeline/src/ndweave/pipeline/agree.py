@@ -1,0 +1,95 @@
+"""Agreement across the PP ranks before a schedule runs: every rank raises the same error, none waits.
+
+torch's schedules trust every rank to hold the same plan and batch: a rank built with another
+micro-batch count waits forever for a message that never comes, and a batch whose shape differs from
+the first step's (when torch inferred the activation shapes) is received into buffers of the old size
+(gloo aborts the process, or a smaller one is read silently). Each rank sends what it holds (its plan,
+its batch's shapes, or the error its own checks raised) to every PP rank with one
+``all_gather_object``; every rank then reaches the same verdict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BatchShapes", "agree_on_batch", "agree_on_plan"]
+
+T = TypeVar("T")
+
+
+def _everyone(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    if group is None or dist.get_world_size(group) == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def agree_on_plan(plan: Any, group: dist.ProcessGroup | None, local_checks: Callable[[], T]) -> T:
+    """Run ``local_checks()`` (no communication), then agree with every PP rank: raise on every rank
+    the first failing rank's error (its type, the rank named), or a ``ValueError`` naming the rank and
+    the plan field that differs. Returns what ``local_checks`` returned."""
+    fields = {f.name: repr(getattr(plan, f.name)) for f in dataclasses.fields(plan)}
+    try:
+        result, error = local_checks(), None
+    except (ValueError, TypeError, NotImplementedError, RuntimeError) as raised:
+        result, error = None, raised
+    everyone = _everyone((fields, None if error is None else (type(error), str(error))), group)
+    failed = [(rank, e) for rank, (_, e) in enumerate(everyone) if e is not None]
+    if failed:
+        rank, (cls, message) = failed[0]
+        raise cls(f"PipeEngine failed on PP rank {rank}: {message}") from error
+    for rank, (other, _) in enumerate(everyone[1:], 1):
+        for name, value in everyone[0][0].items():
+            if other[name] != value:
+                raise ValueError(
+                    f"PipeEngine: PP rank {rank} was given a plan with {name}={other[name]}, PP rank 0 {name}={value}; "
+                    "every PP rank must build the engine from the same PipelineParallelPlan (a schedule over "
+                    "different plans waits forever)"
+                )
+    return result
+
+
+@dataclasses.dataclass
+class BatchShapes:
+    """The shapes of the first step's batch: torch's stages fix their activation buffers from them."""
+
+    inputs: tuple[int, ...]
+    targets: tuple[int, ...]
+
+
+def agree_on_batch(error: str | None, inputs: torch.Tensor | None, targets: torch.Tensor | None,
+                   group: dist.ProcessGroup | None, first_step: BatchShapes | None) -> BatchShapes:
+    """Every PP rank's batch check, on every PP rank: this rank's ``error`` (from its local checks), the
+    first stage's inputs shape and the last stage's targets shape. Raises the same ``ValueError`` on
+    every rank if any rank's check failed, the targets hold other samples than the inputs, or a shape
+    differs from the first step's; returns this step's shapes."""
+    def shape(t: Any) -> tuple[int, ...] | None:
+        return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+
+    everyone = _everyone((error, shape(inputs), shape(targets)), group)
+    failed = [(rank, e) for rank, (e, _, _) in enumerate(everyone) if e is not None]
+    if failed:
+        raise ValueError(f"PipeEngine step refused on PP rank {failed[0][0]}: {failed[0][1]}")
+    inputs_shape = next(s for _, s, _ in everyone if s is not None)
+    targets_shape = next(s for _, _, s in everyone if s is not None)
+    if targets_shape[0] % inputs_shape[0]:
+        raise ValueError(
+            f"PipeEngine: targets of shape {targets_shape} (last stage) do not belong to inputs of shape "
+            f"{inputs_shape} (first stage): the targets' dim 0 must hold the inputs' samples (or a multiple: "
+            "targets flattened per sample); give every PP rank the same mini-batch"
+        )
+    now = BatchShapes(inputs_shape, targets_shape)
+    if first_step is not None and now != first_step:
+        raise ValueError(
+            f"PipeEngine: this step's batch has inputs {now.inputs}, targets {now.targets}, but the first step's "
+            f"had inputs {first_step.inputs}, targets {first_step.targets}; the stages' activation shapes are "
+            "fixed at the first step: keep one batch shape (a DataLoader with drop_last=True) or build a new "
+            "PipeEngine for another shape"
+        )
+    return now
