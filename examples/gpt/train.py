@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +45,7 @@ from ndweave.mesh.elastic import lost_ranks, restart_count  # noqa: E402
 from ndweave.optim import DistributedOptimizer  # noqa: E402
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage  # noqa: E402
 
-__all__ = ["RunResult", "build_mesh", "build_model", "build_optimizer", "gather_params", "loss_fn", "lr_schedule",
+__all__ = ["RunResult", "build_mesh", "build_model", "build_optimizer", "check_args", "gather_params", "loss_fn", "lr_schedule",
            "main", "parallelize", "parse_args", "resume_mode", "train", "train_single_device"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float64}
@@ -86,7 +87,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", default="gpt_loss.png", help="loss-curve PNG ('' for none)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or report (tests)")
     faults.add_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Values argparse's types let through that the job cannot run: one error naming the flag (on
+    every rank alike, before any process group exists)."""
+    at_least = {"n_layer": 1, "n_embd": 1, "n_head": 1, "block_size": 1, "steps": 1, "global_batch": 1,
+                "micro_batches": 1, "virtual_chunks": 1, "warmup": 0, "checkpoint_every": 0, "sample": 0,
+                "lr": 0, "min_lr": 0, "weight_decay": 0, "clip": 0}
+    for name, low in at_least.items():
+        if getattr(args, name) < low or (name == "lr" and args.lr == 0):
+            bound = "positive" if name == "lr" else f"at least {low}"
+            parser.error(f"--{name.replace('_', '-')} must be {bound}, got {getattr(args, name)}")
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.n_embd % args.n_head:
+        parser.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head} (the head size)")
+    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
+        parser.error(f"--stop-at must be between 1 and --steps {args.steps}, got {args.stop_at}")
+    if args.device != "cpu":
+        module = getattr(torch, args.device.split(":")[0], None)
+        if module is None or not hasattr(module, "is_available") or not module.is_available():
+            parser.error(f"--device {args.device}: no such device is available here; use --device cpu")
 
 
 def relaunch_under_torchrun(args: argparse.Namespace, argv: list[str]) -> None:
@@ -221,6 +246,9 @@ def train(args: argparse.Namespace) -> RunResult:
     """The job on this rank (the default process group may exist already, as in the test harness)."""
     mesh = build_mesh(args)
     rank, dp_rank, dp_size = dist.get_rank(), mesh["DP"].get_local_rank(), mesh["DP"].size()
+    if args.global_batch % (dp_size * args.micro_batches):  # the same verdict on every rank
+        raise SystemExit(f"error: --global-batch {args.global_batch} must split into DP={dp_size} ranks x "
+                         f"--micro-batches {args.micro_batches}: use a multiple of {dp_size * args.micro_batches}")
     model = build_model(args)
     show = rank == 0 and not args.quiet
     if show:
@@ -310,6 +338,7 @@ def train_single_device(args: argparse.Namespace, micro_batches: int = 1, last: 
     return RunResult(losses, final)
 
 
+@record  # under torchrun: the failing rank's traceback in torchrun's summary, naming the root cause
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)

@@ -126,3 +126,17 @@ def test_two_torchrun_nodes_on_loopback(tmp_path):
     summary = [line for out in outputs for line in out.splitlines() if line.startswith("done: ")]
     assert len(summary) == 1 and "PP=2 x DP=2 x TP=1" in summary[0], outputs
     assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--global-batch", "0"], "--global-batch must be at least 1"),
+    (["--n-embd", "30", "--n-head", "4"], "--n-embd 30 must be a multiple of --n-head 4"),
+    (["--stop-at", "9", "--steps", "5"], "--stop-at must be between 1 and --steps 5"),
+    (["--timeout", "0"], "--timeout must be a positive number"),
+    (["--device", "no_such_device"], "--device no_such_device: no such device"),
+])
+def test_flags_the_job_cannot_run_are_named(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        job.parse_args(flags)
+    assert message in capsys.readouterr().err
