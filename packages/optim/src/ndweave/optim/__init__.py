@@ -14,6 +14,7 @@ from ndweave.mesh.contracts.optimizer_state import (
     merge_state_dicts,
     to_torch_state_dict,
 )
+from ndweave.optim.base import NonFiniteGradError
 from ndweave.optim.basic_optimizer import BasicOptimizer
 from ndweave.optim.distributed_optimizer import DistributedOptimizer
 from ndweave.optim.inner import ELEMENTWISE_OPTIMIZERS, NON_ELEMENTWISE_OPTIMIZERS
@@ -28,6 +29,7 @@ __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "MASTER_KEY",
     "NON_ELEMENTWISE_OPTIMIZERS",
+    "NonFiniteGradError",
     "from_torch_state_dict",
     "merge_state_dicts",
     "to_torch_state_dict",

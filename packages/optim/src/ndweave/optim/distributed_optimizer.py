@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -101,6 +101,8 @@ class DistributedOptimizer(WrappedOptimizer):
             bf16/fp16 models).
         loss_scaler: fp16 loss scaling (see :mod:`ndweave.optim.loss_scale`).
         grad_norm_group: group the grad norm is summed over (default: the whole world).
+        on_nonfinite: ``"raise"`` (default), ``"skip"`` or ``"unchecked"``: what ``step()`` does on an
+            inf/nan global grad norm, on every rank alike (:data:`ndweave.optim.base.ON_NONFINITE`).
         grad_scaler: veScale's (Megatron's) name for ``loss_scaler``; pass one or the other.
         fp16, bf16, params_dtype: veScale's dtype flags. The dtypes come from the params here, so
             these only check: a flag the models' params contradict raises.
@@ -127,6 +129,7 @@ class DistributedOptimizer(WrappedOptimizer):
         assume_elementwise: bool = False,
         loss_scaler: Any = None,
         grad_norm_group: dist.ProcessGroup | None = None,
+        on_nonfinite: Literal["raise", "skip", "unchecked"] = "raise",
         grad_scaler: Any = None,
         fp16: bool | None = None,
         bf16: bool | None = None,
@@ -166,7 +169,15 @@ class DistributedOptimizer(WrappedOptimizer):
         if not any(groups):  # a rank owning only padding still needs a valid torch optimizer
             groups[0].append(torch.nn.Parameter(torch.zeros(0, device=self.buckets[0].grad_data.device)))
         inner = spec.build(groups)
-        self._init_wrapper(inner, models, clip_grad=clip_grad, loss_scaler=loss_scaler, grad_norm_group=grad_norm_group)
+        # Whether a backward ran since the last zero_grad(): without one torch's optimizers leave every
+        # param untouched (all grads None), but the buckets' zeroed grad ranges would still be stepped
+        # (weight decay, momentum). A one-element list, so the hooks hold no reference to the optimizer.
+        self._grads_seen = [any(bp.param.grad is not None for b in self.buckets for bp in b.params)]
+        for bucket in self.buckets:
+            for bp in bucket.params:
+                bp.param.register_post_accumulate_grad_hook(_mark_seen(self._grads_seen))
+        self._init_wrapper(inner, models, clip_grad=clip_grad, loss_scaler=loss_scaler, grad_norm_group=grad_norm_group,
+                           on_nonfinite=on_nonfinite)
         self._gatherer = ParamGatherer(self.buckets, models, overlap=overlap_param_gather)
 
     @staticmethod
@@ -208,6 +219,9 @@ class DistributedOptimizer(WrappedOptimizer):
         self._gatherer.wait()
         finish_grad_sync(self.models)
         for shard in self._shards:
+            if not self._grads_seen[0]:  # no backward since zero_grad(): no grads, as in torch
+                shard.master.grad = None
+                continue
             grad = shard.grad_range()
             shard.master.grad = grad if grad.dtype == shard.master.dtype else grad.to(shard.master.dtype)
 
@@ -234,6 +248,8 @@ class DistributedOptimizer(WrappedOptimizer):
         with ``set_to_none=False`` zeroed in place (torch's meaning)."""
         for model in self.models:
             model.zero_grad_buffer()
+        if set_to_none:
+            self._grads_seen[0] = False
         for shard in self._shards:
             if set_to_none:
                 shard.master.grad = None
@@ -344,6 +360,13 @@ def _check_dtype_flags(dtypes: set[torch.dtype], **flags: Any) -> None:
                 f"DistributedOptimizer({flag}={value}) but the models' params are {sorted(map(str, dtypes))}: the "
                 f"dtype comes from the params here; convert the model (model.to({dtype})) before wrapping, or drop {flag}="
             )
+
+
+def _mark_seen(seen: list[bool]):
+    def hook(param: torch.Tensor) -> None:
+        seen[0] = True
+
+    return hook
 
 
 def _to_cpu(value: Any) -> Any:
