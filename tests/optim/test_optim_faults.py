@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ndweave.mesh.testing import distributed
-from ndweave.optim import BasicOptimizer, DistributedOptimizer, NonFiniteGradError
+from ndweave.mesh.testing import ReferenceDataParallel, distributed
+from ndweave.optim import BasicOptimizer, DistributedOptimizer, NonFiniteGradError, StateDictMismatchError
 
 from optim_common import assert_params_match, dp_setup, local_batch, loss_fn, make_model, train, train_reference
 
@@ -89,3 +89,41 @@ def test_unchecked_steps_through_nonfinite_grads_as_torch_does():
     _poisoned_step(ddp, opt, dist.get_rank())
     assert not opt.last_step_skipped and opt._step_norm is None
     assert torch.isnan(ddp.module[0].weight).any()
+
+
+def _other_model_state(rank: int):
+    """The state dict of an AdamW over another model: Linear(8,16) - Tanh - Linear(16,4), so '2.weight'
+    has another shape and '4.weight', '4.bias' are missing."""
+    torch.manual_seed(1)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
+    ddp = ReferenceDataParallel(other, dist.group.WORLD, bucket_size=64, alignment=1, use_distributed_optimizer=True)
+    opt = DistributedOptimizer(torch.optim.AdamW, [ddp], optimizer_kwargs={"lr": 1e-2})
+    x, y = local_batch(0, rank, 2)
+    loss_fn(ddp(x), y[:, :4]).backward()
+    opt.step()
+    return opt.state_dict()
+
+
+@distributed(world_size=2)
+def test_loading_another_models_state_raises_on_every_rank_naming_each_mismatch():
+    rank = dist.get_rank()
+    _, ddp = dp_setup()
+    opt = DistributedOptimizer(torch.optim.AdamW, [ddp], optimizer_kwargs={"lr": 1e-2})
+    train(ddp, opt, 1, rank, 2)
+    own, other = opt.state_dict(), _other_model_state(rank)
+    before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    with pytest.raises(StateDictMismatchError) as caught:
+        opt.load_state_dict(other)
+    message = str(caught.value)
+    assert "no state for this optimizer's parameters ['4.weight', '4.bias']" in message and "strict=False" in message
+    assert "'2.weight': global shape [4, 16] in the state, [16, 16] in the model" in message
+    with pytest.raises(StateDictMismatchError, match="global shape") as caught:  # shapes are checked anyway
+        opt.load_state_dict(other, strict=False)
+    assert "no state for" not in str(caught.value)
+    # only rank 1 loads the wrong one: rank 0 raises too (instead of waiting in the all-gather)
+    with pytest.raises(StateDictMismatchError, match="rank 1: .*'2.weight'"):
+        opt.load_state_dict(other if rank == 1 else own)
+    for n, p in ddp.module.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    opt.load_state_dict(own)  # the right one still loads
+    train(ddp, opt, 1, rank, 2, first_step=1)

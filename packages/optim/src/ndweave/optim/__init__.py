@@ -19,6 +19,7 @@ from ndweave.optim.basic_optimizer import BasicOptimizer
 from ndweave.optim.distributed_optimizer import DistributedOptimizer
 from ndweave.optim.inner import ELEMENTWISE_OPTIMIZERS, NON_ELEMENTWISE_OPTIMIZERS
 from ndweave.optim.loss_scale import DynamicLossScaler
+from ndweave.optim.state_check import StateDictMismatchError
 
 __version__ = "0.2.1"
 
@@ -30,6 +31,7 @@ __all__ = [
     "MASTER_KEY",
     "NON_ELEMENTWISE_OPTIMIZERS",
     "NonFiniteGradError",
+    "StateDictMismatchError",
     "from_torch_state_dict",
     "merge_state_dicts",
     "to_torch_state_dict",

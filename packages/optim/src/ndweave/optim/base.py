@@ -102,13 +102,14 @@ class WrappedOptimizer(torch.optim.Optimizer):
                 state_dict = result
         return state_dict
 
-    def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
-        """Load ``state_dict`` (see the subclass), with torch's load-state-dict hooks run around it."""
+    def load_state_dict(self, state_dict: Any, **options: Any) -> None:  # type: ignore[override]
+        """Load ``state_dict`` (see the subclass, and its ``options``), with torch's load-state-dict
+        hooks run around it."""
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._load_state_dict(state_dict)
+        self._load_state_dict(state_dict, **options)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

@@ -45,6 +45,7 @@ from ndweave.optim.base import WrappedOptimizer
 from ndweave.optim.grad_norm import counts_replica
 from ndweave.optim.inner import check_elementwise, resolve_optimizer
 from ndweave.optim.param_gather import ParamGatherer
+from ndweave.optim.state_check import raise_on_every_rank, state_dict_mismatches
 
 __all__ = ["DistributedOptimizer"]
 
@@ -147,6 +148,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self.grad_to_fp32 = grad_to_fp32
         self._shards: list[_Shard] = []
         self._group_fqns: list[list[str]] = [[] for _ in spec.groups]
+        self._global_shapes: dict[str, tuple[int, ...]] = {}  # of every FQN in a group: what a load checks
         groups: list[list[torch.Tensor]] = [[] for _ in spec.groups]
         names: dict[str, int] = {}
         for bucket in self.buckets:
@@ -160,6 +162,7 @@ class DistributedOptimizer(WrappedOptimizer):
                 if index is None:  # not in the user's optimizer: never updated, still gathered
                     continue
                 self._group_fqns[index].append(bp.name)
+                self._global_shapes[bp.name] = tuple(bp.param.shape)
                 start, end = max(lo, bp.offset), min(hi, bp.offset + bp.numel)
                 if start >= end:
                     continue
@@ -311,19 +314,25 @@ class DistributedOptimizer(WrappedOptimizer):
         dist.all_gather_object(everyone, local, group=group)
         return merge_state_dicts(everyone)
 
-    def _load_state_dict(self, state_dict: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
+    def _load_state_dict(self, state_dict: dict[str, Any] | Sequence[dict[str, Any]], strict: bool = True) -> None:
         """``load_state_dict()``: load this rank's own ``state_dict()``, the sharded state dicts of
         *every* rank of a run with any other layout (a list: e.g. written at DP=4 x TP=1, loaded at
         DP=2 x TP=2), or a full state.
 
-        Sets master weights, state and group hyperparameters, then writes the masters into the model
-        and all-gathers (a collective)."""
-        if not isinstance(state_dict, dict):
+        First every rank checks the state against this optimizer (number of param groups, an entry
+        for every param it holds a shard of, global shapes; ``strict=False`` lets params without an
+        entry keep their state) and the ranks agree, so a mismatch raises
+        :class:`~ndweave.optim.StateDictMismatchError` on every rank (one ``all_gather_object`` over
+        ``grad_norm_group``). Then sets master weights, state and group hyperparameters, writes the
+        masters into the model and all-gathers (a collective)."""
+        if isinstance(state_dict, (list, tuple)) and state_dict:
             state_dict = union_state_dicts(state_dict)
+        needed = list(dict.fromkeys(shard.name for shard in self._shards))
+        problems = state_dict_mismatches(state_dict, len(self.inner.param_groups), self._global_shapes, needed,
+                                         strict=strict)
+        raise_on_every_rank(problems, self.grad_norm_group, f"{type(self).__name__}.load_state_dict")
         self._gatherer.wait()
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.inner.param_groups):
-            raise ValueError(f"the state has {len(groups)} param groups, the optimizer {len(self.inner.param_groups)}")
         for mine, theirs in zip(self.inner.param_groups, groups):
             mine.update({k: v for k, v in theirs.items() if k != "params"})
         with torch.no_grad():
