@@ -1,5 +1,6 @@
 """ParallelMesh logic at sizes no test machine can run, over torch's fake process group."""
 
+import numpy as np
 import pytest
 
 from ndweave.mesh import DEVICE_MESH, ParallelMesh, init_device_mesh
@@ -85,3 +86,19 @@ def test_bad_inputs_say_what_to_do():
             mesh.flatten(("DP", "TP"), "TP")
     with pytest.raises(RuntimeError, match="not initialized"):
         ParallelMesh().get_strategy_coordinate()
+
+
+def test_float_sizes_and_a_string_of_names_are_refused_not_reinterpreted():
+    """(2.0, 2.5) used to be truncated to (2, 2), and "DT" split into ("D", "T")."""
+    with fake_world(4):
+        for shape in ((2.0, 2.5), (2, 2.0), (True, 4), "22", 4):
+            with pytest.raises(TypeError, match=r"mesh_shape .*must be|each size must be an int"):
+                init_device_mesh("cpu", shape)
+        with pytest.raises(TypeError, match=r"\(2.0, 2.5\) holds 2.0: each size must be an int"):
+            init_device_mesh("cpu", (2.0, 2.5))
+        with pytest.raises(TypeError, match=r"mesh_dim_names='DT' is one string.*\('D', 'T'\) or \('DP', 'TP'\)"):
+            init_device_mesh("cpu", (2, 2), mesh_dim_names="DT")
+        with pytest.raises(TypeError, match=r"\('DP',\)"):
+            init_device_mesh("cpu", (4,), mesh_dim_names="DP")
+        mesh = init_device_mesh("cpu", np.array([2, 2]), mesh_dim_names=["D", "T"])
+        assert mesh.shape == (2, 2) and mesh.mesh_dim_names == ("D", "T")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,8 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         finish_grad_sync_in_backward: bool = True,
     ) -> None:
         _check_not_wrapped(module)
+        _check_bucket_size(bucket_size)
+        _check_materialized(module)
         super().__init__()
         self.module = module
         self.data_parallel_mesh = _resolve_data_mesh(data_mesh_or_group, dim)
@@ -306,6 +309,29 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
 
 DDP = DistributedDataParallel
+
+
+def _check_bucket_size(bucket_size: Any) -> None:
+    # checked up front: 0 or a negative size used to mean "a bucket per param", a string failed deep inside
+    if bucket_size is None or (isinstance(bucket_size, int) and not isinstance(bucket_size, bool) and bucket_size > 0):
+        return
+    raise ValueError(
+        f"bucket_size must be a positive int number of elements per bucket (default {DEFAULT_BUCKET_SIZE}), or None "
+        f"for one bucket per dtype; got {bucket_size!r}. It counts elements, not bytes: 32 MB of fp32 grads is "
+        "bucket_size=8_000_000"
+    )
+
+
+def _check_materialized(module: torch.nn.Module) -> None:
+    # meta params have no storage: DDP would broadcast and bucket nothing, then fail in backward
+    meta = [name for name, p in module.named_parameters() if local_tensor(p).is_meta]
+    if meta:
+        more = f" and {len(meta) - 4} more" if len(meta) > 4 else ""
+        raise ValueError(
+            f"parameters {meta[:4]}{more} are on the meta device (no data): materialize the model before "
+            "wrapping it in DDP, e.g. module.to_empty(device=...) then initialize the weights "
+            "(reset_parameters() or your init), or build it with ndweave.dmodule.deferred_init and parallelize_module"
+        )
 
 
 def _check_not_wrapped(module: torch.nn.Module) -> None:

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
 from ndweave.mesh import elastic, layout
+from ndweave.mesh.mesh_args import check_mesh_dim_names, check_mesh_shape
 from ndweave.mesh.torch_compat import adopt_mesh_state, drop_mesh_state, flatten_mesh, set_group_timeout
 from ndweave.mesh.vescale import VeScaleAliases
 
@@ -95,8 +96,8 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
                 f"this ParallelMesh is already initialized as {self._short()}; with check_uniqueness=True "
                 "it may be initialized once. Reuse it, or call reset() first."
             )
-        shape = tuple(int(n) for n in mesh_shape)
-        names = _check_names(shape, mesh_dim_names)
+        shape = check_mesh_shape(mesh_shape)
+        names = check_mesh_dim_names(shape, mesh_dim_names, DEFAULT_DIM_NAMES)
         created = not dist.is_initialized()
         if created:
             elastic.init_process_group(_default_backend(device_type), timeout)
@@ -384,25 +385,6 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
         if dim in names:
             return (names.index(dim),)
         raise KeyError(f"mesh has no dim {dim!r}; its dims are {self._all_names()}")
-
-
-def _check_names(shape: tuple[int, ...], names: Sequence[str] | None) -> tuple[str, ...]:
-    if any(n < 1 for n in shape) or not shape:
-        raise ValueError(f"mesh_shape {shape} must be a non-empty tuple of positive sizes")
-    if names is None:
-        if len(shape) > len(DEFAULT_DIM_NAMES):
-            raise ValueError(
-                f"a {len(shape)}-D mesh needs mesh_dim_names; defaults exist only up to "
-                f"{len(DEFAULT_DIM_NAMES)} dims {DEFAULT_DIM_NAMES}"
-            )
-        return DEFAULT_DIM_NAMES[-len(shape):]
-    names = tuple(names)
-    if len(names) != len(shape):
-        raise ValueError(f"mesh_dim_names {names} has {len(names)} names but mesh_shape {shape} has {len(shape)} dims")
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ValueError(f"mesh_dim_names {names} repeat {dupes}; each dim needs its own name")
-    return names
 
 
 #: The process-wide default mesh (veScale's ``VESCALE_DEVICE_MESH``). Created empty: nothing happens

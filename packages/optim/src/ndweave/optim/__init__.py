@@ -14,10 +14,12 @@ from ndweave.mesh.contracts.optimizer_state import (
     merge_state_dicts,
     to_torch_state_dict,
 )
+from ndweave.optim.base import NonFiniteGradError
 from ndweave.optim.basic_optimizer import BasicOptimizer
 from ndweave.optim.distributed_optimizer import DistributedOptimizer
 from ndweave.optim.inner import ELEMENTWISE_OPTIMIZERS, NON_ELEMENTWISE_OPTIMIZERS
 from ndweave.optim.loss_scale import DynamicLossScaler
+from ndweave.optim.state_check import StateDictMismatchError
 
 __version__ = "0.2.1"
 
@@ -28,6 +30,8 @@ __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "MASTER_KEY",
     "NON_ELEMENTWISE_OPTIMIZERS",
+    "NonFiniteGradError",
+    "StateDictMismatchError",
     "from_torch_state_dict",
     "merge_state_dicts",
     "to_torch_state_dict",

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -12,7 +13,18 @@ import torch.distributed as dist
 from ndweave.optim.grad_norm import clip_by_norm, global_norm
 from ndweave.optim.loss_scale import unscale_and_check
 
-__all__ = ["WrappedOptimizer"]
+__all__ = ["NonFiniteGradError", "WrappedOptimizer", "ON_NONFINITE"]
+
+#: What ``step()`` does when the global grad norm is inf or nan (the same on every rank: the norm is
+#: all-reduced): ``"raise"`` :class:`NonFiniteGradError` (the default); ``"skip"`` the step with a
+#: ``RuntimeWarning`` (``last_step_skipped``; nothing zeroed or clipped); ``"unchecked"``: step as
+#: torch does (no norm computed without clipping: the opt-out of its cost). With a ``loss_scaler``
+#: its own overflow check skips first.
+ON_NONFINITE: tuple[str, ...] = ("raise", "skip", "unchecked")
+
+
+class NonFiniteGradError(FloatingPointError):
+    """The global grad norm is inf or nan (raised by ``step()`` on every rank with ``on_nonfinite="raise"``)."""
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
@@ -29,7 +41,10 @@ class WrappedOptimizer(torch.optim.Optimizer):
     inner: torch.optim.Optimizer
 
     def _init_wrapper(self, inner: torch.optim.Optimizer, models: Sequence[torch.nn.Module], *, clip_grad: float,
-                      loss_scaler: Any, grad_norm_group: dist.ProcessGroup | None) -> None:
+                      loss_scaler: Any, grad_norm_group: dist.ProcessGroup | None,
+                      on_nonfinite: Literal["raise", "skip", "unchecked"] = "raise") -> None:
+        if on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
         self.inner = inner
         self.models = list(models)
         # torch's own set-up of the hook registries and the step wrapper, minus the params (what
@@ -38,10 +53,12 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.clip_grad = float(clip_grad)
         self.loss_scaler = loss_scaler
         self.grad_norm_group = grad_norm_group
+        self.on_nonfinite = on_nonfinite
         self.last_step_skipped = False
         """``True`` when the last ``step()`` found inf/nan grads and changed nothing."""
         self._grads_ready = False
         self._found_inf = False
+        self._step_norm: torch.Tensor | None = None  # this step's global norm, once computed
 
     # ``param_groups`` and ``state`` live on the inner optimizer (lr schedulers edit them in place)
     @property
@@ -85,13 +102,14 @@ class WrappedOptimizer(torch.optim.Optimizer):
                 state_dict = result
         return state_dict
 
-    def load_state_dict(self, state_dict: Any) -> None:  # type: ignore[override]
-        """Load ``state_dict`` (see the subclass), with torch's load-state-dict hooks run around it."""
+    def load_state_dict(self, state_dict: Any, **options: Any) -> None:  # type: ignore[override]
+        """Load ``state_dict`` (see the subclass, and its ``options``), with torch's load-state-dict
+        hooks run around it."""
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._load_state_dict(state_dict)
+        self._load_state_dict(state_dict, **options)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -126,6 +144,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         if not self._grads_ready:
             self._sync_grads()
             self._found_inf = False
+            self._step_norm = None
             if self.loss_scaler is not None:
                 self._found_inf = unscale_and_check(self._local_grads(), float(self.loss_scaler.scale),
                                                     self.grad_norm_group, self._device())
@@ -139,6 +158,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._ready_grads()
         total = global_norm(self._owned_grads(), norm_type, self.grad_norm_group, device=self._device())
         clip_by_norm(self._local_grads(), max_norm, total)
+        self._step_norm = total
         return total
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -155,13 +175,35 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def _apply_step(self) -> None:
         self.inner.step()
 
+    def _nonfinite_norm(self) -> None:
+        """Raise or warn about this step's non-finite norm (``on_nonfinite``), on every rank alike."""
+        self._grads_ready = False
+        message = (f"the global grad norm is {float(self._step_norm)} (inf or nan grads on some rank); "
+                   f"{type(self).__name__}(on_nonfinite={self.on_nonfinite!r})")
+        if self.on_nonfinite == "raise":
+            raise NonFiniteGradError(f"{message} refuses to step. Pass on_nonfinite='skip' to skip such steps "
+                                     "with a warning, or use a loss_scaler for fp16")
+        warnings.warn(f"{message} skipped this step on every rank; params, state and grads are left as they are",
+                      RuntimeWarning, stacklevel=4)
+
     def _begin_step(self) -> bool:
-        """Everything before the inner step: sync, unscale, overflow check, clip. ``False``: skip."""
+        """Everything before the inner step: sync, unscale, overflow check, clip, non-finite norm
+        check. ``False``: skip (the same answer on every rank: both checks are all-reduced)."""
         finite = self._ready_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update(not finite)
+        if finite:
+            # the norm clipping needs anyway (without clip_grad, the one the user's clip_grad_norm() found
+            # if called, else one scalar all-reduce), checked before clipping so a skipped step leaves
+            # the grads as they were
+            checked = self.on_nonfinite != "unchecked"
+            if self.clip_grad > 0 or (checked and self._step_norm is None):
+                self._step_norm = global_norm(self._owned_grads(), 2.0, self.grad_norm_group, device=self._device())
+            finite = not checked or bool(torch.isfinite(self._step_norm))
+            if finite and self.clip_grad > 0:
+                clip_by_norm(self._local_grads(), self.clip_grad, self._step_norm)
+            elif not finite:
+                self._nonfinite_norm()
         self.last_step_skipped = not finite
-        if finite and self.clip_grad > 0:
-            self.clip_grad_norm(self.clip_grad)
         self._grads_ready = False
         return finite

@@ -5,7 +5,7 @@ buckets in flight, sequence-parallel ``Partial`` grads, plain models)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,8 @@ class BasicOptimizer(WrappedOptimizer):
         clip_grad: clip to this global grad norm in every ``step()`` (0: no clipping).
         loss_scaler: fp16 loss scaling (see :mod:`ndweave.optim.loss_scale`).
         grad_norm_group: group the grad norm is summed over (default: the whole world).
+        on_nonfinite: ``"raise"`` (default), ``"skip"`` or ``"unchecked"``: what ``step()`` does on an
+            inf/nan global grad norm, on every rank alike (:data:`ndweave.optim.base.ON_NONFINITE`).
 
     ``state_dict()`` is the inner torch optimizer's (DTensor state where the params are DTensors).
 
@@ -49,6 +51,7 @@ class BasicOptimizer(WrappedOptimizer):
         optimizer_kwargs: dict[str, Any] | None = None,
         loss_scaler: Any = None,
         grad_norm_group: dist.ProcessGroup | None = None,
+        on_nonfinite: Literal["raise", "skip", "unchecked"] = "raise",
     ) -> None:
         models = [models] if isinstance(models, torch.nn.Module) else list(models)
         # DP rank of each bucketed param: replicated over DP, so only DP rank 0 counts it in the norm
@@ -77,7 +80,8 @@ class BasicOptimizer(WrappedOptimizer):
                         seen.add(id(p))
                         params.append(p)
             inner = spec.build([params])
-        self._init_wrapper(inner, models, clip_grad=clip_grad, loss_scaler=loss_scaler, grad_norm_group=grad_norm_group)
+        self._init_wrapper(inner, models, clip_grad=clip_grad, loss_scaler=loss_scaler, grad_norm_group=grad_norm_group,
+                           on_nonfinite=on_nonfinite)
         self._counted: dict[tuple, bool] = {}
 
     def _params(self) -> list[torch.nn.Parameter]:

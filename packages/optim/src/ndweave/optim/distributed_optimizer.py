@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from ndweave.optim.base import WrappedOptimizer
 from ndweave.optim.grad_norm import counts_replica
 from ndweave.optim.inner import check_elementwise, resolve_optimizer
 from ndweave.optim.param_gather import ParamGatherer
+from ndweave.optim.state_check import raise_on_every_rank, state_dict_mismatches
 
 __all__ = ["DistributedOptimizer"]
 
@@ -101,6 +102,8 @@ class DistributedOptimizer(WrappedOptimizer):
             bf16/fp16 models).
         loss_scaler: fp16 loss scaling (see :mod:`ndweave.optim.loss_scale`).
         grad_norm_group: group the grad norm is summed over (default: the whole world).
+        on_nonfinite: ``"raise"`` (default), ``"skip"`` or ``"unchecked"``: what ``step()`` does on an
+            inf/nan global grad norm, on every rank alike (:data:`ndweave.optim.base.ON_NONFINITE`).
         grad_scaler: veScale's (Megatron's) name for ``loss_scaler``; pass one or the other.
         fp16, bf16, params_dtype: veScale's dtype flags. The dtypes come from the params here, so
             these only check: a flag the models' params contradict raises.
@@ -127,6 +130,7 @@ class DistributedOptimizer(WrappedOptimizer):
         assume_elementwise: bool = False,
         loss_scaler: Any = None,
         grad_norm_group: dist.ProcessGroup | None = None,
+        on_nonfinite: Literal["raise", "skip", "unchecked"] = "raise",
         grad_scaler: Any = None,
         fp16: bool | None = None,
         bf16: bool | None = None,
@@ -144,6 +148,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self.grad_to_fp32 = grad_to_fp32
         self._shards: list[_Shard] = []
         self._group_fqns: list[list[str]] = [[] for _ in spec.groups]
+        self._global_shapes: dict[str, tuple[int, ...]] = {}  # of every FQN in a group: what a load checks
         groups: list[list[torch.Tensor]] = [[] for _ in spec.groups]
         names: dict[str, int] = {}
         for bucket in self.buckets:
@@ -157,6 +162,7 @@ class DistributedOptimizer(WrappedOptimizer):
                 if index is None:  # not in the user's optimizer: never updated, still gathered
                     continue
                 self._group_fqns[index].append(bp.name)
+                self._global_shapes[bp.name] = tuple(bp.param.shape)
                 start, end = max(lo, bp.offset), min(hi, bp.offset + bp.numel)
                 if start >= end:
                     continue
@@ -166,7 +172,15 @@ class DistributedOptimizer(WrappedOptimizer):
         if not any(groups):  # a rank owning only padding still needs a valid torch optimizer
             groups[0].append(torch.nn.Parameter(torch.zeros(0, device=self.buckets[0].grad_data.device)))
         inner = spec.build(groups)
-        self._init_wrapper(inner, models, clip_grad=clip_grad, loss_scaler=loss_scaler, grad_norm_group=grad_norm_group)
+        # Whether a backward ran since the last zero_grad(): without one torch's optimizers leave every
+        # param untouched (all grads None), but the buckets' zeroed grad ranges would still be stepped
+        # (weight decay, momentum). A one-element list, so the hooks hold no reference to the optimizer.
+        self._grads_seen = [any(bp.param.grad is not None for b in self.buckets for bp in b.params)]
+        for bucket in self.buckets:
+            for bp in bucket.params:
+                bp.param.register_post_accumulate_grad_hook(_mark_seen(self._grads_seen))
+        self._init_wrapper(inner, models, clip_grad=clip_grad, loss_scaler=loss_scaler, grad_norm_group=grad_norm_group,
+                           on_nonfinite=on_nonfinite)
         self._gatherer = ParamGatherer(self.buckets, models, overlap=overlap_param_gather)
 
     @staticmethod
@@ -208,6 +222,9 @@ class DistributedOptimizer(WrappedOptimizer):
         self._gatherer.wait()
         finish_grad_sync(self.models)
         for shard in self._shards:
+            if not self._grads_seen[0]:  # no backward since zero_grad(): no grads, as in torch
+                shard.master.grad = None
+                continue
             grad = shard.grad_range()
             shard.master.grad = grad if grad.dtype == shard.master.dtype else grad.to(shard.master.dtype)
 
@@ -234,6 +251,8 @@ class DistributedOptimizer(WrappedOptimizer):
         with ``set_to_none=False`` zeroed in place (torch's meaning)."""
         for model in self.models:
             model.zero_grad_buffer()
+        if set_to_none:
+            self._grads_seen[0] = False
         for shard in self._shards:
             if set_to_none:
                 shard.master.grad = None
@@ -295,19 +314,25 @@ class DistributedOptimizer(WrappedOptimizer):
         dist.all_gather_object(everyone, local, group=group)
         return merge_state_dicts(everyone)
 
-    def _load_state_dict(self, state_dict: dict[str, Any] | Sequence[dict[str, Any]]) -> None:
+    def _load_state_dict(self, state_dict: dict[str, Any] | Sequence[dict[str, Any]], strict: bool = True) -> None:
         """``load_state_dict()``: load this rank's own ``state_dict()``, the sharded state dicts of
         *every* rank of a run with any other layout (a list: e.g. written at DP=4 x TP=1, loaded at
         DP=2 x TP=2), or a full state.
 
-        Sets master weights, state and group hyperparameters, then writes the masters into the model
-        and all-gathers (a collective)."""
-        if not isinstance(state_dict, dict):
+        First every rank checks the state against this optimizer (number of param groups, an entry
+        for every param it holds a shard of, global shapes; ``strict=False`` lets params without an
+        entry keep their state) and the ranks agree, so a mismatch raises
+        :class:`~ndweave.optim.StateDictMismatchError` on every rank (one ``all_gather_object`` over
+        ``grad_norm_group``). Then sets master weights, state and group hyperparameters, writes the
+        masters into the model and all-gathers (a collective)."""
+        if isinstance(state_dict, (list, tuple)) and state_dict:
             state_dict = union_state_dicts(state_dict)
+        needed = list(dict.fromkeys(shard.name for shard in self._shards))
+        problems = state_dict_mismatches(state_dict, len(self.inner.param_groups), self._global_shapes, needed,
+                                         strict=strict)
+        raise_on_every_rank(problems, self.grad_norm_group, f"{type(self).__name__}.load_state_dict")
         self._gatherer.wait()
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.inner.param_groups):
-            raise ValueError(f"the state has {len(groups)} param groups, the optimizer {len(self.inner.param_groups)}")
         for mine, theirs in zip(self.inner.param_groups, groups):
             mine.update({k: v for k, v in theirs.items() if k != "params"})
         with torch.no_grad():
@@ -344,6 +369,13 @@ def _check_dtype_flags(dtypes: set[torch.dtype], **flags: Any) -> None:
                 f"DistributedOptimizer({flag}={value}) but the models' params are {sorted(map(str, dtypes))}: the "
                 f"dtype comes from the params here; convert the model (model.to({dtype})) before wrapping, or drop {flag}="
             )
+
+
+def _mark_seen(seen: list[bool]):
+    def hook(param: torch.Tensor) -> None:
+        seen[0] = True
+
+    return hook
 
 
 def _to_cpu(value: Any) -> Any:

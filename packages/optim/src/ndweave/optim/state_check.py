@@ -1,0 +1,82 @@
+"""Checking a state dict against the optimizer that loads it, with one verdict on every rank.
+
+``DistributedOptimizer.load_state_dict`` ends in collectives (the parameter all-gathers). A state
+dict from another model (other FQNs, other shapes) used to load nothing and say nothing; raising on
+the ranks that notice while the others enter the all-gather would hang them. So every rank checks
+locally, then the ranks exchange their findings (one small ``all_gather_object``) and all raise the
+same error, naming each mismatch and the rank that found it, before any other collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ndweave.mesh.contracts import MASTER_KEY, StatePiece
+
+__all__ = ["StateDictMismatchError", "state_dict_mismatches", "raise_on_every_rank"]
+
+
+class StateDictMismatchError(ValueError):
+    """The state dict does not fit the optimizer (raised on every rank, naming each mismatch)."""
+
+
+def _global_shape(value: Any) -> tuple[int, ...] | None:
+    """The global shape a stored master weight describes: a piece's layout, or a full tensor's shape."""
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], StatePiece):
+        value = value[0]
+    if isinstance(value, StatePiece):
+        return tuple(value.layout.global_shape)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def state_dict_mismatches(state_dict: Mapping[str, Any], num_groups: int, shapes: Mapping[str, tuple[int, ...]],
+                          needed: Sequence[str], *, strict: bool = True) -> list[str]:
+    """What keeps ``state_dict`` from loading: the number of param groups, an entry for every FQN this
+    rank holds a shard of (``needed``; ``strict``) and the global shapes of the FQNs in ``shapes``.
+
+    FQNs of the state that this optimizer lacks are no error by themselves: a state gathered from
+    every rank of another layout (other pipeline stages included) holds more than one rank needs."""
+    if not isinstance(state_dict, Mapping) or not {"param_groups", "state"} <= set(state_dict):
+        return [f"not an optimizer state dict (a dict with 'param_groups' and 'state'): got {type(state_dict).__name__}"]
+    problems = []
+    groups, state = state_dict["param_groups"], state_dict["state"]
+    if len(groups) != num_groups:
+        problems.append(f"the state has {len(groups)} param groups, the optimizer {num_groups}")
+    absent = [n for n in needed if n not in state]
+    if strict and absent:
+        foreign = [n for n in state if n not in shapes]
+        hint = f"; the state's FQNs this optimizer lacks: {_some(foreign)}" if foreign else ""
+        problems.append(f"no state for this optimizer's parameters {_some(absent)}{hint}")
+    for fqn, entry in state.items():
+        shape = _global_shape(entry.get(MASTER_KEY)) if isinstance(entry, Mapping) else None
+        if fqn in shapes and shape is not None and shape != shapes[fqn]:
+            problems.append(f"{fqn!r}: global shape {list(shape)} in the state, {list(shapes[fqn])} in the model")
+    return problems
+
+
+def _some(names: Sequence[str], limit: int = 8) -> str:
+    """A list of names, cut after ``limit`` (with how many more)."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{list(names[:limit])}{more}"
+
+
+def raise_on_every_rank(problems: list[str], group: dist.ProcessGroup | None, what: str) -> None:
+    """Gather every rank's ``problems`` over ``group`` and raise :class:`StateDictMismatchError` on all
+    of them if any rank has one (a collective: call it on every rank)."""
+    everyone = [problems]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, problems, group=group)
+    ranks_of: dict[str, list[int]] = {}
+    for rank, ps in enumerate(everyone):
+        for p in ps:
+            ranks_of.setdefault(p, []).append(rank)
+    found = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}" for p, r in ranks_of.items()]
+    if found:
+        raise StateDictMismatchError(f"{what}:\n  " + "\n  ".join(found) + "\nLoad a state dict saved by an "
+                                     "optimizer over the same model (same FQNs and shapes), or pass strict=False "
+                                     "to load only the entries that match by name")
