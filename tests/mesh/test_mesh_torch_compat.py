@@ -85,6 +85,15 @@ def test_is_view_tells_views_from_their_base():
     assert tc.is_view(base[1:]) and tc.is_view(base.view(8)) and not tc.is_view(base) and not tc.is_view(base.clone())
 
 
+def test_current_backward_id_tells_backward_passes_apart():
+    w = torch.ones(2, requires_grad=True)
+    seen = []
+    w.register_hook(lambda grad: seen.append(tc.current_backward_id()))
+    (w * 2).sum().backward()
+    (w * 3).sum().backward()
+    assert tc.current_backward_id() == -1 and len(set(seen)) == 2 and -1 not in seen
+
+
 def test_fake_store_backs_the_fake_process_group():
     with fake_world(8, rank=3):
         assert dist.get_rank() == 3 and dist.get_world_size() == 8
@@ -96,6 +105,9 @@ def test_group_timeout_and_default_store():
     group = dist.new_group([0, 1])
     tc.set_group_timeout(group, timedelta(seconds=7))
     dist.all_reduce(torch.ones(1), group=group)
+    assert tc.group_timeout(group, "cpu") == timedelta(seconds=7)
+    named = dist.new_group([0, 1], backend="gloo", use_local_synchronization=True, group_desc="torch-compat-probe")
+    assert tc.find_group("torch-compat-probe") is named and tc.find_group("no-such-group") is None
     store = tc.default_store()
     store.set(f"torch-compat/{dist.get_rank()}", "x")
     store.wait([f"torch-compat/{1 - dist.get_rank()}"], timedelta(seconds=30))

@@ -4,8 +4,9 @@
     model = DDP(model, DEVICE_MESH["DP"])
 """
 
+from ndweave.ddp.desync import GradSyncDivergedError
 from ndweave.ddp.distributed_data_parallel import DDP, DEFAULT_BUCKET_SIZE, DistributedDataParallel
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
-__all__ = ["DDP", "DEFAULT_BUCKET_SIZE", "DistributedDataParallel", "__version__"]
+__all__ = ["DDP", "DEFAULT_BUCKET_SIZE", "DistributedDataParallel", "GradSyncDivergedError", "__version__"]

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from ndweave.ddp import sync
 from ndweave.ddp.buffer import ParamSlot, build_buckets
+from ndweave.ddp.desync import SyncCounters
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import GradBucket, GradReduction, MicroBatchControl
 from ndweave.mesh.torch_compat import dtensor_over, local_tensor, queue_backward_callback
@@ -75,6 +76,12 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             starts equal whatever its seed.
         finish_grad_sync_in_backward: call :meth:`finish_grad_sync` at the end of the backward of the
             last micro-batch (like torch's DDP), so ``.grad`` is ready when ``backward()`` returns.
+        detect_desync: before each grad sync waits, compare the DP ranks' counts of forwards,
+            backwards and syncs (one five-int ``all_gather`` on a gloo group of the DP ranks), so a rank
+            that skipped a ``backward()``, stepped once more or entered ``no_sync()`` alone raises
+            :class:`~ndweave.ddp.GradSyncDivergedError` on every rank instead of a hang or a silently
+            wrong average (see ``desync.py``). ``False``: no check (the process-group timeout bounds
+            such a hang).
     """
 
     def __init__(
@@ -92,6 +99,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         params_to_ignore: Iterable[str | torch.nn.Parameter] = (),
         broadcast_params: bool = True,
         finish_grad_sync_in_backward: bool = True,
+        detect_desync: bool = True,
     ) -> None:
         _check_not_wrapped(module)
         _check_bucket_size(bucket_size)
@@ -114,6 +122,8 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         synced = _synced_params(named, params_to_ignore)
         synced_ids = {id(p) for _, p in synced}
         self._ignored = [(n, p) for n, p in named if id(p) not in synced_ids]
+        # frozen when wrapped, so never synced: unfreezing one later would train it apart on each rank
+        self._frozen = [(n, p) for n, p in named if not p.requires_grad]
         if broadcast_params and self.data_parallel_group is not None:
             ignored_ids = {id(p) for _, p in self._ignored if p.requires_grad}
             states = [p for _, p in named if id(p) not in ignored_ids] + list(module.buffers())
@@ -138,6 +148,8 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         self._works: list[dist.Work] = []
         self._step_open = False
         self._callback_queued = False
+        self._counters = SyncCounters(self.data_parallel_group, self.data_parallel_mesh.device_type,
+                                      [f"{n}:{tuple(p.shape)}" for n, p in synced], enabled=detect_desync)
         self._hooks = []
         for slot in self._slots:
             self._hooks.append(slot.param.register_hook(self._make_pre_hook(slot)))
@@ -148,7 +160,20 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
     # ------------------------------------------------------------------ the wrapped module
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self._check_still_frozen()
+        self._counters.count_forward()
         return self.module(*args, **kwargs)
+
+    def _check_still_frozen(self) -> None:
+        thawed = [name for name, p in self._frozen if p.requires_grad]
+        if thawed:
+            raise RuntimeError(
+                f"parameters {thawed[:4]}{' and more' if len(thawed) > 4 else ''} had requires_grad=False when "
+                "DDP wrapped the model and require grad now: DDP has no buffer or hook for them, so each rank "
+                "would train them on its own grads. Set requires_grad before wrapping the model in DDP (to "
+                "hold a param still for a while, leave it trainable and exclude it from the optimizer)"
+            )
 
     def __getattr__(self, name: str):
         """Attributes the wrapper lacks are the wrapped module's (``ddp.transformer``, ``ddp.config``), as
@@ -195,9 +220,13 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
     def finish_grad_sync(self) -> None:
         """Launch what is not launched yet, wait for every bucket, reduce ``Partial`` grads over their
-        (non-DP) mesh dims, and set each synced param's ``.grad``. Harmless to call twice."""
+        (non-DP) mesh dims, and set each synced param's ``.grad``. Harmless to call twice.
+
+        First the DP ranks agree that they ran the same forwards, backwards and syncs (``detect_desync``)."""
         if not self._step_open:
+            self._counters.finish_without_backward()
             return
+        self._counters.finish_sync()
         with torch.no_grad():
             for index in range(self._next_bucket, len(self._buckets)):
                 self._launch(index)
@@ -234,6 +263,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
                 self.finish_grad_sync()
             if not self._step_open:
                 self._start_step()
+            self._counters.count_backward()
 
         return pre_hook
 
@@ -266,6 +296,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         self._step_open = True
         self._callback_queued = False  # (one queued by a backward that raised never ran)
         self._reset_counts()
+        self._counters.start_sync()
         with torch.no_grad():
             for slot in self._slots:
                 sync.start_step(slot, carry=not self.use_distributed_optimizer, ddp=self)

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
 )
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
+from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout, _world
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -41,11 +41,14 @@ __all__ = [
     "StridedShard",
     "TorchDispatchMode",
     "chunk_sizes",
+    "current_backward_id",
     "custom_chunk",
     "default_store",
     "drop_mesh_state",
     "dtensor_over",
     "fake_store",
+    "find_group",
+    "group_timeout",
     "flatten_dense_tensors",
     "flatten_mesh",
     "flatten_state_dict",
@@ -130,6 +133,31 @@ def set_group_timeout(group: torch.distributed.ProcessGroup, timeout: timedelta)
     """Give an existing process group another collective timeout (``_set_pg_timeout``): torch's
     ``DeviceMesh`` creates its dim groups with the backend's default timeout, not the default group's."""
     _set_pg_timeout(timeout, group)
+
+
+def group_timeout(group: torch.distributed.ProcessGroup, device_type: str) -> timedelta | None:
+    """The collective timeout of ``group``'s backend for ``device_type`` (its options' ``_timeout``),
+    or ``None`` where the backend does not say."""
+    try:
+        return group._get_backend(torch.device(device_type)).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def find_group(description: str) -> torch.distributed.ProcessGroup | None:
+    """The live process group created with ``group_desc=description``, looked up in torch's own
+    registry of groups (``_world.pg_names``), so that a group made once for a purpose is found again
+    without a registry of ours."""
+    for group in list(_world.pg_names):
+        if getattr(group, "group_desc", None) == description:
+            return group
+    return None
+
+
+def current_backward_id() -> int:
+    """An id of the backward pass running now (``_current_graph_task_id``; -1 outside backward):
+    hooks that fire once per tensor tell one backward pass from the next by it."""
+    return torch._C._current_graph_task_id()
 
 
 def default_store() -> torch.distributed.Store:

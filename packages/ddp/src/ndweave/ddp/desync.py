@@ -1,0 +1,151 @@
+"""Catching data-parallel ranks that stopped doing the same thing, before they wait on each other.
+
+Every DP rank must run the same forwards, backwards and grad syncs. When one does not (it skipped a
+``backward()``, called ``step()`` once more, entered ``no_sync()`` alone), the ranks' next
+collectives on the DP group no longer pair up: they wait for each other until the process-group
+timeout, or pair up wrongly and average the wrong grads, silently.
+
+So before a grad sync waits on anything, the DP ranks compare a few counters (one ``all_gather`` of
+five ints). It runs on a gloo group of the same ranks, made once per DP group, so that it cannot queue
+behind the bucket reductions in flight on the DP group itself; every rank raises the same
+:class:`GradSyncDivergedError`, naming the ranks that differ and how. The counters:
+
+* ``kind``: 1 when a grad sync finishes a backward's reductions; 2 when ``finish_grad_sync()`` is
+  called again with no backward since (an optimizer's ``step()``), checked from the second such call
+  on, since the first one after each sync is the usual optimizer call;
+* ``syncs``: grad syncs finished so far;
+* ``backwards``: backward passes in this sync (micro-batches, ``no_sync()`` ones included);
+* ``forwards``: forwards with grad enabled since the last sync (a skipped backward shows here);
+* ``model``: a fingerprint of the wrapped parameters, so two wrappers on one DP group (pipeline
+  chunks) never compare each other's counters.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ndweave.mesh.torch_compat import current_backward_id, find_group, group_timeout
+
+__all__ = ["GradSyncDivergedError", "SyncCounters"]
+
+_FIELDS = ("kind", "syncs", "backwards", "forwards", "model")
+_AFTER_BACKWARD, _WITHOUT_BACKWARD = 1, 2
+
+
+class GradSyncDivergedError(RuntimeError):
+    """The data-parallel ranks no longer run the same forwards, backwards and grad syncs (raised on
+    every DP rank, naming the ranks that differ)."""
+
+
+class SyncCounters:
+    """One wrapper's counters, and their comparison across the DP ranks of ``group``.
+
+    ``group`` ``None`` (DP size 1) or ``enabled=False``: counting only, nothing compared."""
+
+    def __init__(self, group: dist.ProcessGroup | None, device_type: str, names: Sequence[str], *,
+                 enabled: bool) -> None:
+        self.syncs = 0
+        self.backwards = 0
+        self.forwards = 0
+        self._backward_id = -1
+        self._idle_finishes = 0  # finish_grad_sync() calls with no backward since the last sync
+        self._model = zlib.crc32("\n".join(names).encode()) & 0x7FFFFFFF
+        self._check_group = _check_group(group, device_type) if enabled and group is not None else None
+        self._ranks = dist.get_process_group_ranks(group) if self._check_group is not None else []
+
+    def count_forward(self) -> None:
+        if torch.is_grad_enabled():
+            self.forwards += 1
+
+    def count_backward(self) -> None:
+        """Called from every grad hook: counts the backward passes they belong to."""
+        backward = current_backward_id()
+        if backward != self._backward_id:
+            self._backward_id = backward
+            self.backwards += 1
+
+    def start_sync(self) -> None:
+        self.backwards = 0
+        self._backward_id = -1
+
+    def finish_sync(self) -> None:
+        """A grad sync is about to wait for its reductions: agree, then count it."""
+        self._agree(_AFTER_BACKWARD, self.syncs + 1)
+        self.syncs += 1
+        self.forwards = 0
+        self.backwards = 0
+        self._idle_finishes = 0
+
+    def finish_without_backward(self) -> None:
+        """``finish_grad_sync()`` with no backward since the last sync: the first such call is the
+        usual optimizer one; from the second on a rank may be stepping alone, so agree."""
+        self._idle_finishes += 1
+        if self._idle_finishes > 1 or self.syncs == 0:
+            self._agree(_WITHOUT_BACKWARD, self.syncs)
+
+    def _agree(self, kind: int, syncs: int) -> None:
+        if self._check_group is None:
+            return
+        mine = torch.tensor([kind, syncs, self.backwards, self.forwards, self._model], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in self._ranks]
+        dist.all_gather(everyone, mine, group=self._check_group)
+        rows = [tuple(int(v) for v in t) for t in everyone]
+        if len(set(rows)) > 1:
+            raise GradSyncDivergedError(_explain(rows, self._ranks))
+
+
+def _check_group(group: dist.ProcessGroup, device_type: str) -> dist.ProcessGroup:
+    """The gloo group of ``group``'s ranks the checks run on: found again if made before (by another
+    wrapper over this DP group), else made now by the DP ranks alone, with ``group``'s timeout."""
+    description = f"ndweave.ddp sync check of {group.group_name}"
+    found = find_group(description)
+    if found is not None:
+        return found
+    return dist.new_group(dist.get_process_group_ranks(group), timeout=group_timeout(group, device_type),
+                          backend="gloo", use_local_synchronization=True, group_desc=description)
+
+
+def _explain(rows: list[tuple[int, ...]], ranks: list[int]) -> str:
+    """Which ranks differ from the most common row, how, and what usually causes it."""
+    usual = Counter(rows).most_common(1)[0][0]
+    odd = [i for i, row in enumerate(rows) if row != usual]  # (a tie: the first rank's row is the usual one)
+    lines = []
+    for i in odd:
+        row = dict(zip(_FIELDS, rows[i]))
+        ref = dict(zip(_FIELDS, usual))
+        lines.append(f"rank {ranks[i]} (DP rank {i}): " + _difference(row, ref))
+    return (
+        "the data-parallel ranks diverged before a grad sync; "
+        + "; ".join(lines)
+        + f" (the other DP ranks of {ranks}: {_describe(dict(zip(_FIELDS, usual)))}). Every DP rank must run the "
+        "same forwards, backward()s, no_sync() blocks and optimizer steps. Run forwards you do not train on "
+        "under torch.no_grad(); detect_desync=False turns this check off"
+    )
+
+
+def _describe(row: dict[str, int]) -> str:
+    if row["kind"] == _WITHOUT_BACKWARD:
+        return f"a step() with no backward since grad sync #{row['syncs']}"
+    return (f"grad sync #{row['syncs']} after {row['backwards']} backward pass(es) and {row['forwards']} "
+            "forward(s)")
+
+
+def _difference(row: dict[str, int], ref: dict[str, int]) -> str:
+    if row["model"] != ref["model"]:
+        return "checks another model's grad sync (wrappers created in another order?)"
+    if row["kind"] != ref["kind"]:
+        if row["kind"] == _WITHOUT_BACKWARD:
+            return (f"{_describe(row)}: it skipped a backward() or called step() once more than the others")
+        return f"{_describe(row)}, while the others called step() without a backward (they skipped it)"
+    if row["syncs"] != ref["syncs"]:
+        return f"{_describe(row)}: it ran {'more' if row['syncs'] > ref['syncs'] else 'fewer'} grad syncs"
+    if row["forwards"] != ref["forwards"]:
+        return (f"{row['forwards']} forward(s) with grad since the last sync against {ref['forwards']}: a forward "
+                "without backward (a skipped backward()?)")
+    return (f"{row['backwards']} backward pass(es) in this sync against {ref['backwards']}: no_sync() or "
+            "set_is_last_microbatch() on some ranks only?")

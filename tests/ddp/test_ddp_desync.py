@@ -1,0 +1,136 @@
+"""DP ranks that stop running the same forwards, backwards and syncs raise the same clear error on
+every rank, in seconds (no hang until the timeout, no silently wrong average); ranks in step pass."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ddp_cases import MLP, batch, rows
+from ndweave.ddp import DDP, GradSyncDivergedError
+from ndweave.mesh.testing import distributed
+
+# A group of its own with a short timeout: a fault test leaves a reduction without its partner, which
+# then fails in 5 s on that group rather than waiting on the pool's default group for the next test.
+TIMEOUT_S = 5
+
+
+def _setup(**kwargs):
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=TIMEOUT_S))
+    model = DDP(MLP(), group, bucket_size=100, **kwargs)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _micro_batch(step: int):
+    x, y = batch(step)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    return rows(x, rank, size), rows(y, rank, size)
+
+
+def _train_step(model, opt, step: int, *, backward: bool = True) -> None:
+    x, y = _micro_batch(step)
+    loss = F.mse_loss(model(x), y)
+    if backward:
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@distributed(world_size=2)
+def test_a_rank_that_skips_backward_is_named_on_every_rank():
+    model, opt = _setup()
+    _train_step(model, opt, 0)
+    start = time.monotonic()
+    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\): 2 forward\(s\) with grad since the last "
+                                                    r"sync against 1.*skipped backward"):
+        if dist.get_rank() == 1:  # the skipped step: its next backward pairs with rank 0's first
+            _train_step(model, opt, 1, backward=False)
+        _train_step(model, opt, 2)
+    assert time.monotonic() - start < TIMEOUT_S
+
+
+@distributed(world_size=2)
+def test_a_step_without_backward_on_one_rank_is_caught_before_the_optimizer_waits():
+    # what ndweave.optim's optimizers do in step(): finish the grad sync, then collectives of their own
+    model, opt = _setup()
+    _train_step(model, opt, 0)
+    model.finish_grad_sync()  # the optimizer's usual call after backward: no check
+    start = time.monotonic()
+    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\): a step\(\) with no backward since grad "
+                                                    r"sync #1: it skipped a backward\(\) or called step\(\) once more"):
+        if dist.get_rank() == 0:
+            x, y = _micro_batch(1)
+            F.mse_loss(model(x), y).backward()
+        else:
+            model.finish_grad_sync()  # an extra step: rank 0 is in its next backward's sync
+    assert time.monotonic() - start < TIMEOUT_S
+
+
+@distributed(world_size=2)
+def test_no_sync_on_one_rank_only_is_named():
+    model, opt = _setup()
+    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\): 2 forward\(s\)"):
+        for micro in range(2):
+            x, y = _micro_batch(micro)
+            if dist.get_rank() == 1 and micro == 0:
+                with model.no_sync():
+                    F.mse_loss(model(x), y).backward()
+            else:
+                F.mse_loss(model(x), y).backward()
+                if dist.get_rank() == 0:
+                    break  # rank 0 synced its first micro-batch: one backward per sync
+
+
+@distributed(world_size=2)
+def test_ranks_in_step_pass_the_checks():
+    """no_sync accumulation, repeated finish_grad_sync() calls, steps without backward on every rank and
+    a forward under no_grad on one rank only: every check agrees, and the grads are the same as with
+    the check off."""
+    grads = {}
+    for detect in (True, False):
+        model, opt = _setup(detect_desync=detect)
+        opt.step()  # no backward yet, on every rank
+        model.finish_grad_sync()
+        for step in range(3):
+            x, y = _micro_batch(step)
+            with model.no_sync():
+                F.mse_loss(model(x[:2]), y[:2]).backward()
+            F.mse_loss(model(x[2:]), y[2:]).backward()
+            model.finish_grad_sync()
+            model.finish_grad_sync()
+            if dist.get_rank() == 0:
+                with torch.no_grad():
+                    model(x)
+            opt.step()
+            opt.zero_grad()
+        grads[detect] = [p.detach().clone() for p in model.parameters()]
+    for with_check, without in zip(grads[True], grads[False]):
+        assert torch.equal(with_check, without)
+
+
+@distributed(world_size=2)
+def test_detect_desync_false_checks_nothing():
+    model, opt = _setup(detect_desync=False)
+    if dist.get_rank() == 1:
+        model(_micro_batch(0)[0])  # a forward without backward on one rank: caught only with the check
+    _train_step(model, opt, 1)
+
+
+@distributed(world_size=2)
+def test_a_param_frozen_at_wrap_time_and_unfrozen_later_is_refused():
+    base = MLP()
+    base.fc1.weight.requires_grad_(False)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    model = DDP(base, group)
+    x, y = _micro_batch(0)
+    F.mse_loss(model(x), y).backward()
+    base.fc1.weight.requires_grad_(True)
+    with torch.no_grad():
+        model(x)  # evaluation is harmless
+    with pytest.raises(RuntimeError, match=r"\['fc1.weight'\] had requires_grad=False when DDP wrapped the model"):
+        model(x)
