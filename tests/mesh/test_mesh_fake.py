@@ -102,3 +102,11 @@ def test_float_sizes_and_a_string_of_names_are_refused_not_reinterpreted():
             init_device_mesh("cpu", (4,), mesh_dim_names="DP")
         mesh = init_device_mesh("cpu", np.array([2, 2]), mesh_dim_names=["D", "T"])
         assert mesh.shape == (2, 2) and mesh.mesh_dim_names == ("D", "T")
+
+
+def test_a_submesh_in_another_order_names_the_order_that_works():
+    with fake_world(8):
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("PP", "DP", "TP"))
+        with pytest.raises(KeyError, match=r"keeps the mesh's dim order \('PP', 'DP', 'TP'\); ask for mesh\['PP', 'TP'\]"):
+            mesh["TP", "PP"]
+        assert mesh["PP", "TP"].mesh_dim_names == ("PP", "TP")

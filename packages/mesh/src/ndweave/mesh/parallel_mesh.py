@@ -165,6 +165,11 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
             return self._flat_meshes[names[0]]
         if names == tuple(self.mesh_dim_names):
             return self.device_mesh
+        order = [self.mesh_dim_names.index(n) for n in names if n in self.mesh_dim_names]
+        if order != sorted(order):  # torch refuses it too, without saying which order works
+            ordered = tuple(sorted(names, key=self.mesh_dim_names.index))
+            raise KeyError(f"mesh{list(names)}: a submesh keeps the mesh's dim order {self.mesh_dim_names}; "
+                           f"ask for mesh{list(ordered)}")
         return self.device_mesh[names if len(names) > 1 else names[0]]
 
     def get_submesh(self, dims: str | Sequence[str]) -> DeviceMesh:
