@@ -125,8 +125,10 @@ def test_detect_desync_false_checks_nothing():
 def test_a_param_frozen_at_wrap_time_and_unfrozen_later_is_refused():
     base = MLP()
     base.fc1.weight.requires_grad_(False)
+    base.fc2.weight.requires_grad_(False)
     group = dist.new_group(list(range(dist.get_world_size())))
-    model = DDP(base, group)
+    model = DDP(base, group, params_to_ignore=["fc2.weight"])
+    base.fc2.weight.requires_grad_(True)  # ignored by choice: the user's to handle
     x, y = _micro_batch(0)
     F.mse_loss(model(x), y).backward()
     base.fc1.weight.requires_grad_(True)

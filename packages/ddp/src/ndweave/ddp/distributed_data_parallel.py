@@ -119,11 +119,13 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
                 raise ValueError("average_in_collective=True needs ReduceOp.AVG, which gloo lacks; leave it False")
 
         named = list(module.named_parameters())
+        params_to_ignore = list(params_to_ignore)
         synced = _synced_params(named, params_to_ignore)
         synced_ids = {id(p) for _, p in synced}
         self._ignored = [(n, p) for n, p in named if id(p) not in synced_ids]
         # frozen when wrapped, so never synced: unfreezing one later would train it apart on each rank
-        self._frozen = [(n, p) for n, p in named if not p.requires_grad]
+        chosen = {x if isinstance(x, str) else id(x) for x in params_to_ignore}
+        self._frozen = [(n, p) for n, p in named if not p.requires_grad and not {n, id(p)} & chosen]
         if broadcast_params and self.data_parallel_group is not None:
             ignored_ids = {id(p) for _, p in self._ignored if p.requires_grad}
             states = [p for _, p in named if id(p) not in ignored_ids] + list(module.buffers())
