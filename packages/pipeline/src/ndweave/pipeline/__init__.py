@@ -12,7 +12,7 @@ from ndweave.pipeline.split import model_layers
 from ndweave.pipeline.ties import SharedParam
 from ndweave.pipeline.timeline import Action, ScheduleTimeline
 
-__version__ = "0.1.1"
+__version__ = "0.1.2"
 
 __all__ = [
     "Action",

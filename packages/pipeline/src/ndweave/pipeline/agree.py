@@ -4,8 +4,9 @@ torch's schedules trust every rank to hold the same plan and batch: a rank built
 micro-batch count waits forever for a message that never comes, and a batch whose shape differs from
 the first step's (when torch inferred the activation shapes) is received into buffers of the old size
 (gloo aborts the process, or a smaller one is read silently). Each rank sends what it holds (its plan,
-its batch's shapes, or the error its own checks raised) to every PP rank with one
-``all_gather_object``; every rank then reaches the same verdict.
+its batch's shapes, or the error its own checks raised) to every PP rank: the plan once with
+``all_gather_object``, the batch every step as a few ints in one ``all_gather``; every rank then
+reaches the same verdict.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 __all__ = ["BatchShapes", "agree_on_batch", "agree_on_plan"]
 
 T = TypeVar("T")
+_MAX_DIMS = 8  # of a batch tensor, in the per-step gather
 
 
 def _everyone(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
@@ -63,21 +65,47 @@ class BatchShapes:
     targets: tuple[int, ...]
 
 
+def _batch_row(error: str | None, shapes: tuple[tuple[int, ...] | None, ...]) -> list[int]:
+    """This rank's batch check as ints: [failed, then per shape its ndim (-1: none) and dims, padded]."""
+    row = [int(error is not None)]
+    for shape in shapes:
+        dims = list(shape) if shape is not None and len(shape) <= _MAX_DIMS else None  # (too many: an error)
+        row += [-1 if dims is None else len(dims)] + (dims or []) + [0] * (_MAX_DIMS - len(dims or []))
+    return row
+
+
+def _shape_of(row: list[int], index: int) -> tuple[int, ...] | None:
+    start = 1 + index * (_MAX_DIMS + 1)
+    ndim = row[start]
+    return None if ndim < 0 else tuple(row[start + 1:start + 1 + ndim])
+
+
 def agree_on_batch(error: str | None, inputs: torch.Tensor | None, targets: torch.Tensor | None,
-                   group: dist.ProcessGroup | None, first_step: BatchShapes | None) -> BatchShapes:
+                   group: dist.ProcessGroup | None, first_step: BatchShapes | None,
+                   device: torch.device | str = "cpu") -> BatchShapes:
     """Every PP rank's batch check, on every PP rank: this rank's ``error`` (from its local checks), the
     first stage's inputs shape and the last stage's targets shape. Raises the same ``ValueError`` on
     every rank if any rank's check failed, the targets hold other samples than the inputs, or a shape
-    differs from the first step's; returns this step's shapes."""
-    def shape(t: Any) -> tuple[int, ...] | None:
-        return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+    differs from the first step's; returns this step's shapes.
 
-    everyone = _everyone((error, shape(inputs), shape(targets)), group)
-    failed = [(rank, e) for rank, (e, _, _) in enumerate(everyone) if e is not None]
+    It runs every step, so it is one all-gather of a few ints on ``device`` (where ``group``
+    communicates); the error messages travel in a second gather only when some rank failed."""
+    shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (inputs, targets)]
+    if error is None and any(s is not None and len(s) > _MAX_DIMS for s in shapes):
+        error = f"a batch of more than {_MAX_DIMS} dims: {[s for s in shapes if s is not None]}"
+    mine = torch.tensor(_batch_row(error, shapes), dtype=torch.int64, device=device)
+    if group is None or dist.get_world_size(group) == 1:
+        rows = [mine.tolist()]
+    else:
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        rows = [t.tolist() for t in gathered]
+    failed = [rank for rank, row in enumerate(rows) if row[0]]
     if failed:
-        raise ValueError(f"PipeEngine step refused on PP rank {failed[0][0]}: {failed[0][1]}")
-    inputs_shape = next(s for _, s, _ in everyone if s is not None)
-    targets_shape = next(s for _, _, s in everyone if s is not None)
+        messages = _everyone(error, group)
+        raise ValueError(f"PipeEngine step refused on PP rank {failed[0]}: {messages[failed[0]]}")
+    inputs_shape = next(s for s in (_shape_of(r, 0) for r in rows) if s is not None)
+    targets_shape = next(s for s in (_shape_of(r, 1) for r in rows) if s is not None)
     if targets_shape[0] % inputs_shape[0]:
         raise ValueError(
             f"PipeEngine: targets of shape {targets_shape} (last stage) do not belong to inputs of shape "

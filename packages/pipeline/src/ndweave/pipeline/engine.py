@@ -130,7 +130,7 @@ class PipeEngine:
             error = str(local)
         # every PP rank sees every rank's check (one small gather per step), so all raise or none does
         shapes = agree_on_batch(error, inputs if first else None, targets if last else None,
-                                self.pp_mesh.get_group(), self._first_batch)
+                                self.pp_mesh.get_group(), self._first_batch, self.pp_mesh.device_type)
         self._first_batch = self._first_batch or shapes
         losses: list[torch.Tensor] = []
         self._ties.begin()
