@@ -6,6 +6,8 @@ same run on one process in float64, strict:
   is never used), redoes the steps since, and finishes;
 * grow and shrink: a 2-rank run killed mid-training (no restarts left) continues on 4 ranks, then on
   2 again, each time from the newest checkpoint, ``--mesh pp=2,dp=-1`` resolving DP for the world.
+* a rank SIGKILLed with no restart left: the launch fails within seconds, naming that rank as the
+  root cause, with no worker left running (and none aborted).
 
 Each part's loss curve (the whole history the final checkpoint keeps: steps of every attempt) and the
 final parameters equal the uninterrupted single-process run's.
@@ -14,8 +16,10 @@ final parameters equal the uninterrupted single-process run's.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -81,3 +85,28 @@ def test_a_killed_run_continues_on_more_ranks_then_on_fewer(tmp_path):
     code, out = _torchrun(2, tmp_path, "--resume")  # shrink 4 -> 2
     assert code == 0 and "resumed from step 4" in out and "mesh PP=2 x DP=1 x TP=1, steps 5..6" in out, out[-4000:]
     _check_against_one_process(tmp_path)
+
+
+@pytest.mark.heavy
+def test_a_killed_rank_without_restarts_is_named_and_no_worker_is_left(tmp_path):
+    started = time.monotonic()
+    code, out = _torchrun(4, tmp_path, "--kill-rank", "1", "--kill-at-step", "3")  # step 3: no save
+    took = time.monotonic() - started
+    # torchrun notices the death and stops the others at once (a survivor left alone waits out --timeout)
+    assert code != 0 and took < 120, (code, took, out[-4000:])
+    assert "rank 1 SIGKILLs itself at step 3 as it begins" in out, out[-4000:]
+    root = out[out.index("Root Cause (first observed failure):"):]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9 .*\(SIGKILL\)", root), out[-4000:]
+    # the survivors were stopped by torchrun (SIGTERM), none aborted (gloo on a dead peer) or failed on its own
+    others = out[out.index("Failures:"):out.index("Root Cause")]
+    assert re.findall(r"exitcode\s*: (-?\d+)", others) == ["-15"] * 3, out[-4000:]
+    workers = set(re.findall(r"\(pid: (\d+)\)", root + others))
+    assert len(workers) == 4 and not [pid for pid in workers if _is_worker(pid)], out[-4000:]
+
+
+def _is_worker(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return b"train.py" in cmdline.read()
+    except OSError:  # gone (or no /proc)
+        return False
