@@ -61,6 +61,11 @@ class ParamSlot:
     """This step's sync micro-batch delivered the grad (counted towards its bucket)."""
     published: torch.Tensor | None = None
     """The ``.grad`` last handed to the user; recognised by identity at the next step."""
+    unscaled: bool = False
+    """The region holds a local (``no_sync``) sum not yet multiplied by ``scale``."""
+    local_view: torch.Tensor | None = None
+    """The ``.grad`` handed out after a ``no_sync`` micro-batch: a view of the local sum, as torch's
+    DDP has it there; recognised by identity (a user's ``zero_grad()`` drops it)."""
     published_main: torch.Tensor | None = None
     """Cached DTensor (or plain) view of ``main_grad`` with the param's placements."""
     partial_grad: torch.Tensor | None = None

@@ -249,9 +249,10 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         for buffer in self._grad_buffers:
             buffer.zero_()
         for slot in self._slots:
-            if slot.published is not None and slot.param.grad is slot.published:
+            grad = slot.param.grad
+            if grad is not None and (grad is slot.published or grad is slot.local_view):
                 slot.param.grad = None
-            slot.published, slot.fresh, slot.ready = None, True, False
+            slot.published, slot.local_view, slot.fresh, slot.ready, slot.unscaled = None, None, True, False, False
         self._reset_counts()
         self._step_open = False
 
@@ -265,6 +266,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
                 self.finish_grad_sync()
             if not self._step_open:
                 self._start_step()
+            sync.take_local(slot)  # (after a no_sync micro-batch: the .grad view, or the user's zero_grad)
             self._counters.count_backward()
 
         return pre_hook
@@ -274,10 +276,12 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             grad = param.grad
             if grad is None:
                 return
+            local = not self.is_last_microbatch
             with torch.no_grad():
-                sync.accumulate(slot, grad, self)
+                sync.accumulate(slot, grad, self, local=local)
             param.grad = None
-            if not self.is_last_microbatch:
+            if local:
+                sync.publish_local(slot)
                 return
             if self.finish_grad_sync_in_backward and not self._callback_queued:
                 self._callback_queued = True
@@ -301,7 +305,8 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         self._counters.start_sync()
         with torch.no_grad():
             for slot in self._slots:
-                sync.start_step(slot, carry=not self.use_distributed_optimizer, ddp=self)
+                sync.start_step(slot, carry=not self.use_distributed_optimizer, ddp=self,
+                                local=not self.is_last_microbatch)
 
     def _reset_counts(self) -> None:
         self._num_ready = [0] * len(self._buckets)
@@ -320,6 +325,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
     def _launch(self, index: int) -> None:
         for slot in self._bucket_slots[index]:
+            sync.settle_local(slot)  # a no_sync sum no synced micro-batch scaled, or that the user zeroed
             if slot.fresh:  # no grad this step (unused param): its region still holds old values
                 slot.main_grad.zero_()
                 slot.fresh = False

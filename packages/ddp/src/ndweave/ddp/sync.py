@@ -28,9 +28,12 @@ __all__ = [
     "broadcast_from_first",
     "data_parallel_mesh_dim",
     "publish",
+    "publish_local",
     "reduce_partial_slots",
     "reduce_scatter",
+    "settle_local",
     "start_step",
+    "take_local",
 ]
 
 _BROADCAST_BYTES = 2**26
@@ -83,14 +86,18 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op, group) -> dist
     return reduce_scatter_flat(output, input, op=op, group=group, async_op=True)
 
 
-def start_step(slot: ParamSlot, *, carry: bool, ddp) -> None:
+def start_step(slot: ParamSlot, *, carry: bool, ddp, local: bool) -> None:
     """Before the first grad of a step: take the last step's ``.grad`` out of autograd's way.
 
     A ``.grad`` still set (torch semantics: grads add up until zeroed) is carried: its value is put in
     the buffer divided by what the sync will multiply it by, so it comes out unchanged and this step's
     reduced grads are added to it. Without one the region is stale and the first grad overwrites it.
+    ``local``: the step starts with a ``no_sync`` micro-batch, whose sums stay unscaled (see
+    :func:`accumulate`), so the carried value is divided by ``scale`` too.
     """
     slot.ready = False
+    slot.unscaled = False
+    slot.local_view = None
     param = slot.param
     old = param.grad
     if old is None:
@@ -105,12 +112,17 @@ def start_step(slot: ParamSlot, *, carry: bool, ddp) -> None:
     value = local_tensor(old)
     if value.data_ptr() != slot.main_grad.data_ptr():
         slot.main_grad.copy_(value)
-    slot.main_grad.mul_(_carry_scale(slot, ddp))
+    slot.main_grad.mul_(_carry_scale(slot, ddp) / (slot.scale if local else 1.0))
+    slot.unscaled = local
     slot.fresh = False
 
 
-def accumulate(slot: ParamSlot, grad: torch.Tensor, ddp) -> None:
-    """Add one micro-batch's ``grad`` into the slot's region of the buffer (copy if it is the first)."""
+def accumulate(slot: ParamSlot, grad: torch.Tensor, ddp, *, local: bool = False) -> None:
+    """Add one micro-batch's ``grad`` into the slot's region of the buffer (copy if it is the first).
+
+    ``local`` (a ``no_sync`` micro-batch): added unscaled, so that the region is the local sum torch's
+    DDP would have in ``.grad`` (:func:`publish_local`); the first synced micro-batch, or the launch
+    (:func:`settle_local`), multiplies the sum by ``scale`` once."""
     if isinstance(grad, DTensor):
         if slot.grad_placements is None:
             _fix_grad_placements(slot, grad, ddp)
@@ -118,15 +130,63 @@ def accumulate(slot: ParamSlot, grad: torch.Tensor, ddp) -> None:
             grad = grad.redistribute(grad.device_mesh, slot.grad_placements)
         grad = local_tensor(grad)
     main = slot.main_grad
+    if local and not slot.fresh and not slot.unscaled:
+        local = False  # a synced micro-batch came first in this step (overlap off): go on scaled
+    if not local and slot.unscaled:
+        main.mul_(slot.scale)
+        slot.unscaled = False
+    scale = 1.0 if local else slot.scale
     if not slot.fresh:
-        main.add_(grad, alpha=slot.scale)
-    elif slot.scale == 1.0:
+        main.add_(grad, alpha=scale)
+    elif scale == 1.0:
         main.copy_(grad)
     elif grad.dtype == main.dtype:
-        torch.mul(grad, slot.scale, out=main)
+        torch.mul(grad, scale, out=main)
     else:  # scale in the (wider) buffer dtype
-        main.copy_(grad).mul_(slot.scale)
+        main.copy_(grad).mul_(scale)
     slot.fresh = False
+    slot.unscaled = slot.unscaled or local
+
+
+def publish_local(slot: ParamSlot) -> None:
+    """After a ``no_sync`` micro-batch: ``.grad`` is a view of the local sum in the buffer, as torch's
+    DDP has it (a torch optimizer stepping there steps on local grads, as with torch's DDP). Where the
+    buffer is wider than the param (fp32 grads of a bf16 param) no view can be handed out and ``.grad``
+    stays ``None``, as in Megatron."""
+    param = slot.param
+    if not slot.unscaled or slot.main_grad.dtype != param.dtype:
+        return
+    view = slot.main_grad
+    if isinstance(param, DTensor):
+        view = _view_as_dtensor(slot, slot.grad_placements or param.placements)
+    param.grad = view
+    slot.local_view = view
+
+
+def take_local(slot: ParamSlot) -> None:
+    """Take back the ``.grad`` :func:`publish_local` handed out, before autograd or the sync touch the
+    region. Still there: the sum goes on in the buffer. Set to ``None`` (a ``zero_grad()``): the local
+    sum is dropped, as torch's would be. Replaced by another tensor: that tensor is the local sum."""
+    view, slot.local_view = slot.local_view, None
+    param = slot.param
+    if view is None or param.grad is view:
+        if view is not None:
+            param.grad = None
+        return
+    if param.grad is None:
+        slot.fresh, slot.unscaled = True, False
+        return
+    slot.main_grad.copy_(local_tensor(param.grad))
+    slot.fresh, slot.unscaled = False, True
+    param.grad = None
+
+
+def settle_local(slot: ParamSlot) -> None:
+    """Before the launch: a local sum no synced micro-batch scaled yet is scaled now."""
+    take_local(slot)
+    if slot.unscaled and not slot.fresh:
+        slot.main_grad.mul_(slot.scale)
+    slot.unscaled = False
 
 
 def _fix_grad_placements(slot: ParamSlot, grad: DTensor, ddp) -> None:
@@ -204,6 +264,7 @@ def publish(slot: ParamSlot) -> None:
     grad = main if main.dtype == param.dtype else main.to(param.dtype)
     param.grad = grad
     slot.published = grad
+    slot.local_view = None
 
 
 def _view_as_dtensor(slot: ParamSlot, placements) -> DTensor:
