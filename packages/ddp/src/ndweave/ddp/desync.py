@@ -18,10 +18,15 @@ behind the bucket reductions in flight on the DP group itself; every rank raises
 * ``forwards``: forwards with grad enabled since the last sync (a skipped backward shows here);
 * ``model``: a fingerprint of the wrapped parameters, so two wrappers on one DP group (pipeline
   chunks) never compare each other's counters.
+
+Before all that, at wrap time, :func:`check_same_wrap` makes sure the DP ranks wrap the same model
+with the same arguments: DDP's first collective broadcasts DP rank 0's parameters, and a rank with
+other shapes would receive them silently cut short, or be aborted by gloo.
 """
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from collections import Counter
 from collections.abc import Sequence
@@ -31,7 +36,7 @@ import torch.distributed as dist
 
 from ndweave.mesh.torch_compat import current_backward_id, find_group, group_timeout
 
-__all__ = ["GradSyncDivergedError", "SyncCounters"]
+__all__ = ["GradSyncDivergedError", "SyncCounters", "check_same_wrap"]
 
 _FIELDS = ("kind", "syncs", "backwards", "forwards", "model")
 _AFTER_BACKWARD, _WITHOUT_BACKWARD = 1, 2
@@ -97,6 +102,34 @@ class SyncCounters:
         rows = [tuple(int(v) for v in t) for t in everyone]
         if len(set(rows)) > 1:
             raise GradSyncDivergedError(_explain(rows, self._ranks))
+
+
+def check_same_wrap(group: dist.ProcessGroup | None, fingerprint: dict[str, str]) -> None:
+    """Before DDP's first collective: raise the same ``ValueError`` on every DP rank of ``group`` unless
+    all hold the same ``fingerprint`` (each parameter's and buffer's shape, dtype and whether it is
+    synced, in order, and the arguments that shape the buckets), naming the first entry that differs.
+
+    One ``all_gather_object`` of a digest; the fingerprints themselves travel only when they differ."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    size, ranks = dist.get_world_size(group), dist.get_process_group_ranks(group)
+    digests: list = [None] * size
+    dist.all_gather_object(digests, hashlib.sha256(repr(list(fingerprint.items())).encode()).hexdigest(), group=group)
+    if len(set(digests)) == 1:
+        return
+    everyone: list = [None] * size
+    dist.all_gather_object(everyone, fingerprint, group=group)
+    odd = next(i for i, d in enumerate(digests) if d != digests[0])
+    first, other = everyone[0], everyone[odd]
+    key = next((k for k in [*first, *other] if first.get(k) != other.get(k)), None)
+    what = ("the same entries in another order" if key is None else
+            f"{key}: {other.get(key, '<absent>')} there, {first.get(key, '<absent>')} on rank {ranks[0]}")
+    raise ValueError(
+        f"DDP: rank {ranks[odd]} (DP rank {odd}) wraps another model, or passes other arguments, than rank "
+        f"{ranks[0]} (DP rank 0): {what}. Every DP rank must build the same model (same config, same frozen "
+        "params) and wrap it with the same arguments: DDP broadcasts DP rank 0's parameters and pairs the ranks' "
+        "grad buckets one to one"
+    )
 
 
 def _check_group(group: dist.ProcessGroup, device_type: str) -> dist.ProcessGroup:

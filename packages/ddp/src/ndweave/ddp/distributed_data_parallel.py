@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from ndweave.ddp import sync
 from ndweave.ddp.buffer import ParamSlot, build_buckets
-from ndweave.ddp.desync import SyncCounters
+from ndweave.ddp.desync import SyncCounters, check_same_wrap
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import GradBucket, GradReduction, MicroBatchControl
 from ndweave.mesh.torch_compat import dtensor_over, local_tensor, queue_backward_callback
@@ -126,6 +126,9 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         # frozen when wrapped, so never synced: unfreezing one later would train it apart on each rank
         chosen = {x if isinstance(x, str) else id(x) for x in params_to_ignore}
         self._frozen = [(n, p) for n, p in named if not p.requires_grad and not {n, id(p)} & chosen]
+        check_same_wrap(self.data_parallel_group, _fingerprint(
+            module, synced_ids, bucket_size=bucket_size, use_distributed_optimizer=use_distributed_optimizer,
+            accumulate_allreduce_grads_in_fp32=accumulate_allreduce_grads_in_fp32, detect_desync=detect_desync))
         if broadcast_params and self.data_parallel_group is not None:
             ignored_ids = {id(p) for _, p in self._ignored if p.requires_grad}
             states = [p for _, p in named if id(p) not in ignored_ids] + list(module.buffers())
@@ -402,6 +405,18 @@ def _resolve_data_mesh(mesh_or_group, dim: str) -> DeviceMesh:
     if mesh.ndim != 1:
         raise ValueError(f"the data-parallel mesh must be 1-D; got {mesh.ndim}-D {mesh}; pass mesh[{dim!r}]")
     return mesh
+
+
+def _fingerprint(module: torch.nn.Module, synced_ids: set[int], **arguments: Any) -> dict[str, str]:
+    """What every DP rank must hold equal: its params and buffers (in order), and the arguments that
+    decide the buckets and the collectives."""
+    out = {f"argument {k}": repr(v) for k, v in arguments.items()}
+    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+        for name, t in named:
+            layout = f", placements {tuple(t.placements)}" if isinstance(t, DTensor) else ""
+            synced = ("synced" if id(t) in synced_ids else "not synced") if kind == "parameter" else "broadcast"
+            out[f"{kind} {name!r}"] = f"shape {list(t.shape)}, {t.dtype}{layout}, {synced}"
+    return out
 
 
 def _synced_params(named, params_to_ignore) -> list[tuple[str, torch.nn.Parameter]]:
