@@ -414,8 +414,8 @@ def _fingerprint(module: torch.nn.Module, synced_ids: set[int], **arguments: Any
     for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, t in named:
             layout = f", placements {tuple(t.placements)}" if isinstance(t, DTensor) else ""
-            synced = ("synced" if id(t) in synced_ids else "not synced") if kind == "parameter" else "broadcast"
-            out[f"{kind} {name!r}"] = f"shape {list(t.shape)}, {t.dtype}{layout}, {synced}"
+            synced = (", synced" if id(t) in synced_ids else ", not synced") if kind == "parameter" else ""
+            out[f"{kind} {name!r}"] = f"shape {list(t.shape)}, {t.dtype}{layout}{synced}"
     return out
 
 

@@ -145,7 +145,7 @@ def accumulate(slot: ParamSlot, grad: torch.Tensor, ddp, *, local: bool = False)
     else:  # scale in the (wider) buffer dtype
         main.copy_(grad).mul_(scale)
     slot.fresh = False
-    slot.unscaled = slot.unscaled or local
+    slot.unscaled = local
 
 
 def publish_local(slot: ParamSlot) -> None:
@@ -156,11 +156,11 @@ def publish_local(slot: ParamSlot) -> None:
     param = slot.param
     if not slot.unscaled or slot.main_grad.dtype != param.dtype:
         return
-    view = slot.main_grad
-    if isinstance(param, DTensor):
-        view = _view_as_dtensor(slot, slot.grad_placements or param.placements)
-    param.grad = view
-    slot.local_view = view
+    if slot.local_main is None:
+        slot.local_main = slot.main_grad
+        if isinstance(param, DTensor):
+            slot.local_main = _view_as_dtensor(slot, slot.grad_placements or param.placements)
+    param.grad = slot.local_view = slot.local_main
 
 
 def take_local(slot: ParamSlot) -> None:
@@ -168,17 +168,16 @@ def take_local(slot: ParamSlot) -> None:
     region. Still there: the sum goes on in the buffer. Set to ``None`` (a ``zero_grad()``): the local
     sum is dropped, as torch's would be. Replaced by another tensor: that tensor is the local sum."""
     view, slot.local_view = slot.local_view, None
-    param = slot.param
-    if view is None or param.grad is view:
-        if view is not None:
-            param.grad = None
+    if view is None:
         return
-    if param.grad is None:
+    grad, slot.param.grad = slot.param.grad, None
+    if grad is view:
+        return
+    if grad is None:
         slot.fresh, slot.unscaled = True, False
         return
-    slot.main_grad.copy_(local_tensor(param.grad))
+    slot.main_grad.copy_(local_tensor(grad))
     slot.fresh, slot.unscaled = False, True
-    param.grad = None
 
 
 def settle_local(slot: ParamSlot) -> None:
