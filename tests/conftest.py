@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from mesh_releases import imported_mesh_names, released
+
 ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {"mesh"}
 
@@ -27,6 +29,26 @@ def _check_package(name: str) -> None:
     for path in (src / name).rglob("*.py"):
         for sibling in pattern.findall(path.read_text()):
             assert sibling in ALLOWED | {name}, f"{path.relative_to(ROOT)} imports ndweave.{sibling}; share it via ndweave.mesh"
+    if name != "mesh":
+        _check_mesh_floor(name, pyproject["project"]["dependencies"], src / name)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def _check_mesh_floor(name: str, dependencies: list[str], package_src: Path) -> None:
+    """The package's ``ndweave-mesh>=X`` floor offers every mesh name it imports (an older mesh that
+    satisfies the floor would break at import)."""
+    floor = next(re.search(r">=\s*([\d.]+)", d)[1] for d in dependencies if d.startswith("ndweave-mesh"))
+    for used, where in sorted(imported_mesh_names(package_src).items()):
+        since = released(used)
+        assert since is not None, (
+            f"{where} imports {used}, which no released ndweave-mesh has: bump mesh's __version__ (and pyproject), "
+            "run `python tests/mesh_releases.py`, and raise ndweave-" + name + "'s ndweave-mesh floor to it")
+        assert _version(since) <= _version(floor), (
+            f"{where} imports {used}, new in ndweave-mesh {since}, but ndweave-{name} requires only "
+            f"ndweave-mesh>={floor}: raise the floor in packages/{name}/pyproject.toml")
 
 
 @pytest.fixture

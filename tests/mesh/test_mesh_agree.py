@@ -1,0 +1,75 @@
+"""ndweave.mesh.agree: a check that fails or differs on one rank raises the same error on every rank,
+over a whole nD mesh, a process group, or the default group; never a hang."""
+
+import pytest
+import torch.distributed as dist
+
+from ndweave.mesh import init_device_mesh
+from ndweave.mesh.agree import RankMismatchError, agree_or_raise, gather, raise_on_every_rank
+from ndweave.mesh.testing import distributed
+
+
+def _over(kind: str):
+    if kind == "mesh":
+        return init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
+    return dist.group.WORLD if kind == "group" else None
+
+
+def _outcome(fn):
+    """What the call raised on this rank, as (type name, message), or ("ok", its result)."""
+    try:
+        return "ok", fn()
+    except Exception as error:  # noqa: BLE001 - compared across ranks by the test
+        return type(error).__name__, str(error)
+
+
+@pytest.mark.parametrize("kind", ["mesh", "group", "default"])
+@distributed(world_size=4, timeout=60)
+def test_agreement_passes_through_results_and_gathers_local_values(kind):
+    over, rank = _over(kind), dist.get_rank()
+    assert gather(over, rank * 10) == {0: 0, 1: 10, 2: 20, 3: 30}
+    result, local = agree_or_raise(over, "the check", lambda: (rank, {"plan": "same", "local": rank + 100}))
+    assert result == rank and local == {r: r + 100 for r in range(4)}
+
+
+@pytest.mark.parametrize("kind", ["mesh", "group", "default"])
+@distributed(world_size=4, timeout=60)
+def test_a_rank_whose_check_fails_raises_its_error_on_every_rank(kind):
+    over, rank = _over(kind), dist.get_rank()
+
+    def check():
+        if rank in (2, 3):
+            raise TypeError(f"bad input on {rank}")
+        return None, {}
+
+    outcomes = gather(None, _outcome(lambda: agree_or_raise(over, "the check", check)))
+    assert set(outcomes.values()) == {("TypeError", "the check failed on rank 2 (and ranks [3]): bad input on 2")}
+
+
+@distributed(world_size=4, timeout=60)
+def test_a_rank_given_another_value_is_named_with_the_entry_and_the_hint():
+    rank = dist.get_rank()
+    plan = {"fc1.weight": "Shard(0)", "fc2.weight": "Shard(1)" if rank != 3 else "Shard(0)"}
+    outcomes = gather(None, _outcome(lambda: agree_or_raise(_over("mesh"), "parallelize_module",
+                                                            lambda: (None, {"plan": plan}), hint="pass the same plan")))
+    assert set(outcomes.values()) == {("RankMismatchError", "parallelize_module: rank 3 was given another plan than "
+                                       "rank 0: 'fc2.weight' is Shard(1) on rank 0 but Shard(0) on rank 3; pass the same plan")}
+    # equal values whose repr differs (dicts built in another order) agree
+    order = ["a", "b"] if rank % 2 else ["b", "a"]
+    agree_or_raise(None, "x", lambda: (None, {"d": {k: 1 for k in order}}))
+
+
+@distributed(world_size=2, timeout=60)
+def test_every_rank_problems_are_raised_together_on_every_rank():
+    problems = [f"only rank {dist.get_rank()} sees this"] + ["both see this"]
+    outcome = _outcome(lambda: raise_on_every_rank(None, "loading", problems, ValueError, "fix it"))
+    assert outcome == ("ValueError", "loading:\n  rank 0: only rank 0 sees this\n  ranks 0, 1: both see this\n"
+                                     "  rank 1: only rank 1 sees this\nfix it")
+    raise_on_every_rank(None, "loading", [])  # nothing found: nothing raised
+
+
+def test_without_a_process_group_the_calls_are_local():
+    assert gather(None, 5) == {0: 5}
+    assert agree_or_raise(None, "x", lambda: (1, {"local": 2})) == (1, {0: 2})
+    with pytest.raises(RankMismatchError, match="loading:\n  rank 0: p"):
+        raise_on_every_rank(None, "loading", ["p"])
