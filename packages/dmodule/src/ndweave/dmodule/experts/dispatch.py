@@ -1,0 +1,120 @@
+"""Token dispatch for expert parallelism: send each token to the rank holding its expert, bring the
+expert's output back, and combine, with autograd through both all-to-alls.
+
+Each expert-parallel (EP) rank holds ``num_experts / EP`` whole experts, rank ``p`` experts
+``[p * E/EP, (p + 1) * E/EP)``, and routes its own tokens. :func:`dispatch` sorts this rank's
+(token, expert) assignments by expert, exchanges the counts (one small ``all_to_all_single``), then
+the rows (one ``all_to_all_single`` with uneven splits), and groups what arrives by local expert:
+the local experts then run on contiguous rows, as one process runs each expert on its tokens.
+:func:`combine` reverses the moves and sums each token's expert outputs, weighted by its router
+weights. Nothing is dropped (no capacity factor), so the result equals one process's.
+
+Plain local tensors only (no DTensor): the moves are data-dependent, which DTensor cannot express.
+
+    received, local_ids, routing = dispatch(x, top_k_index, num_experts, ep_group)
+    y = run_local_experts(received, local_ids)           # rows grouped by local expert
+    out = combine(y, top_k_weights, routing)             # (tokens, hidden), this rank's tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Routing", "combine", "dispatch"]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where :func:`dispatch` moved this rank's tokens: what :func:`combine` needs to bring them back."""
+
+    order: torch.Tensor
+    """The (token, k) assignments of this rank, flattened, in the order they were sent (by expert)."""
+    send_splits: list[int]
+    """Rows sent to each EP rank (the experts it holds)."""
+    receive_splits: list[int]
+    """Rows received from each EP rank."""
+    grouped: torch.Tensor
+    """The received rows' order once grouped by local expert (a permutation of the received rows)."""
+    tokens_per_expert: list[int]
+    """Rows each local expert runs on, in local expert order."""
+    top_k: int
+    """Assignments per token."""
+    group: dist.ProcessGroup | None
+    """The EP group the rows moved over."""
+
+
+def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
+             group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor, Routing]:
+    """Send row ``x[t]`` to the rank of each expert in ``expert_ids[t]`` (``(tokens, k)`` ints).
+
+    Returns the rows this rank's experts must run (grouped by local expert), each row's local expert
+    index (``0 .. num_experts / EP - 1``, ascending) and the :class:`Routing` for :func:`combine`. A
+    collective over ``group`` (default: the world): every EP rank calls it, with its own tokens."""
+    ep = dist.get_world_size(group) if dist.is_initialized() else 1
+    if num_experts % ep:
+        raise ValueError(f"expert parallel: {num_experts} experts do not divide over {ep} EP ranks; pick an EP "
+                         f"size that divides {num_experts}")
+    local_experts = num_experts // ep
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # stable: within an expert, tokens keep their order
+    counts = torch.bincount(flat, minlength=num_experts)  # rows this rank sends to each expert
+    # rows each rank sends to each of this rank's experts: (EP, local experts)
+    received_counts = _exchange(counts, group).view(ep, local_experts)
+    send_splits = counts.view(ep, local_experts).sum(1).tolist()
+    receive_splits = received_counts.sum(1).tolist()
+    rows = x.reshape(-1, x.shape[-1]).repeat_interleave(expert_ids.shape[-1], dim=0)[order]
+    received = _all_to_all(rows, receive_splits, send_splits, group)
+    # received: per source rank, its rows for local expert 0, 1, ...; regroup by local expert
+    local_ids = torch.repeat_interleave(torch.arange(local_experts, device=x.device).repeat(ep),
+                                        received_counts.reshape(-1))
+    grouped = torch.argsort(local_ids, stable=True)
+    routing = Routing(order, send_splits, receive_splits, grouped, received_counts.sum(0).tolist(),
+                      expert_ids.shape[-1], group)
+    return received[grouped], local_ids[grouped], routing
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Bring the experts' outputs ``y`` (rows as :func:`dispatch` returned them) back to their tokens
+    and sum each token's ``top_k`` outputs weighted by ``weights`` (``(tokens, k)``): ``(tokens, hidden)``."""
+    back = torch.empty_like(y).index_copy(0, routing.grouped, y)  # ungroup (autograd: a gather back)
+    sent = _all_to_all(back, routing.send_splits, routing.receive_splits, routing.group)
+    per_assignment = torch.empty_like(sent).index_copy(0, routing.order, sent)
+    per_token = per_assignment.view(-1, routing.top_k, y.shape[-1])
+    return (per_token * weights.unsqueeze(-1)).sum(1).to(y.dtype)
+
+
+def _exchange(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's counts for this rank's experts (no autograd: integers)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts, group=group)
+    return out
+
+
+def _all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return rows
+    return _AllToAll.apply(rows, output_splits, input_splits, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; its backward is the reverse move. (torch's public
+    autograd version, ``torch.distributed.nn.functional.all_to_all_single``, is deprecated in favour of
+    a private one.)"""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.splits, ctx.group = (input_splits, output_splits), group
+        out = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _AllToAll.apply(grad, *ctx.splits, ctx.group), None, None, None
