@@ -141,7 +141,7 @@ def test_module_must_be_a_module_instance():
      "\"Replicate\", {\"Shard\": dim}"),
     ('{\n  "forward": {\n    "fc1.input": [[{"Shard": "x"}]]\n  }\n}',
      "line 3: forward['fc1.input'][0][0]: {\"Shard\": \"x\"} is not a valid placement (\"x\" is not an integer)"),
-    ('{\n  "patch": {\n    "fc1": [3]\n  }\n}', "line 3: patch['fc1']: [3] is not a patch name or a list of them"),
+    ('{\n  "patch": {\n    "fc1": [3]\n  }\n}', "line 3: patch['fc1']: [3] is not a patch name, a {\"name\": ..., \"args\": {...}} entry"),
     ('{"paramter": {}}', "plan file plan.json: a sharding plan has the sections"),
 ])
 def test_malformed_plan_file_names_file_line_and_valid_forms(text, message):
