@@ -80,6 +80,7 @@ def as_spec(value: Any, where: str = "a plan value") -> PlacementSpec | None:
         return PlacementSpec([value])
     if isinstance(value, Sequence) and not isinstance(value, str) and all(isinstance(p, Placement) for p in value):
         return PlacementSpec(value)
+    _refuse_strings(value, where, nesting=1)
     raise TypeError(f"{where}: expected a list of placements or a PlacementSpec, got {value!r}")
 
 
@@ -124,6 +125,7 @@ def _normalize_forward_value(key: str, value: Any) -> Any:
     where = f"forward plan {key!r}"
     if leaf not in IO_LEAVES:
         return as_spec(value, where)  # a weight redistributed before forward
+    _refuse_strings(value, where, nesting=2)  # one placements list per input / output
     tree = plan_tree(value, where)
     if not isinstance(tree, (list, dict)):
         raise TypeError(
@@ -141,12 +143,38 @@ def plan_tree(value: Any, where: str = "a plan value") -> Any:
         return as_spec(value, where)
     if isinstance(value, Mapping):
         return {name: plan_tree(v, f"{where}[{name!r}]") for name, v in value.items()}
+    _refuse_strings(value, where, nesting=1)
     if isinstance(value, Sequence) and not isinstance(value, str):
         if value and all(isinstance(p, Placement) for p in value):
             return as_spec(value, where)
         return [plan_tree(v, f"{where}[{i}]") for i, v in enumerate(value)]
     raise TypeError(f"{where}: expected a list of placements, a PlacementSpec, None, or a list/dict of them, "
                     f"got {value!r}")
+
+
+def _refuse_strings(value: Any, where: str, nesting: int) -> None:
+    """Placements written as strings (``"Shard(0)"``, or JSON's ``"Replicate"`` in a Python plan) are
+    refused with the fix spelled out: the placement objects, nested as this place of the plan takes
+    them (``nesting`` lists deep)."""
+    if isinstance(value, str):
+        items, what = [value], "is a string, not a placement"
+    elif (isinstance(value, (list, tuple)) and any(isinstance(v, str) for v in value)
+          and all(isinstance(v, (str, Placement)) for v in value)):
+        items, what = value, "holds strings, not placements"
+    else:
+        return
+    written = ", ".join(_placement_text(v) if isinstance(v, str) else repr(v) for v in items)
+    raise TypeError(
+        f"{where}: {value!r} {what}; write {'[' * nesting}{written}{']' * nesting} "
+        "(from torch.distributed.tensor import Shard, Replicate, Partial); a JSON plan file spells them "
+        "\"Replicate\", {\"Shard\": 0}, ... and is read with ndweave.dmodule.load_plan"
+    )
+
+
+def _placement_text(text: str) -> str:
+    """``"Replicate"`` (JSON's spelling) -> ``"Replicate()"``; ``"Shard(0)"`` as written."""
+    text = text.strip()
+    return f"{text}()" if text in ("Replicate", "Partial") else text
 
 
 def plan_specs(tree: Any) -> Iterator[PlacementSpec]:
