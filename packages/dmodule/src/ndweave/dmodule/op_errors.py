@@ -75,13 +75,10 @@ def _explain_sharding_failure(root: nn.Module, error: RuntimeError) -> RuntimeEr
         (arg, x), (width, attribute) = next(iter(tensors.items())), expected
         got = tuple(x.shape[-len(width):])
         if got != width:
-            def dims(w: tuple[int, ...]) -> str:
-                return str(w[0]) if len(w) == 1 else str(w)
-
             return RuntimeError(
                 f"{name} takes inputs whose last {'dim is' if len(width) == 1 else f'{len(width)} dims are'} "
-                f"{dims(width)} ({attribute}), but got {arg!r} of shape {_shape(x)}; pass inputs of width "
-                f"{dims(width)}, or build the module for width {dims(got)} (DTensor: {torch_says})"
+                f"{_dims(width)} ({attribute}), but got {arg!r} of shape {_shape(x)}; pass inputs of width "
+                f"{_dims(width)}, or build the module for width {_dims(got)} (DTensor: {torch_says})"
             )
     params = ", ".join(f"{n} {_shape(p)}" for n, p in module.named_parameters(recurse=False)) or "none"
     inputs = ", ".join(f"{n!r} {_shape(v)}" for n, v in tensors.items()) or "no tensors"
@@ -101,6 +98,10 @@ def _expected_trailing_shape(module: nn.Module) -> tuple[tuple[int, ...], str] |
     if isinstance(shape, (tuple, list)) and shape and all(isinstance(n, int) for n in shape):
         return tuple(shape), f"normalized_shape={tuple(shape)}"
     return None
+
+
+def _dims(sizes: tuple[int, ...]) -> str:
+    return str(sizes[0]) if len(sizes) == 1 else str(sizes)
 
 
 def _shape(t: torch.Tensor) -> str:
