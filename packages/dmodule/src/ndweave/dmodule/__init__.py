@@ -17,10 +17,11 @@ from ndweave.dmodule.deferred_init import MaterializeStats, deferred_init, is_de
 from ndweave.dmodule.dmodule import DModule, GradSyncEntry
 from ndweave.dmodule.factory import FactoryMode
 from ndweave.dmodule.hooks import log_redistributions
-from ndweave.dmodule.plan import PlacementSpec, PlanKeyError
+from ndweave.dmodule.patches import register_patch
 from ndweave.dmodule.plans import get_plan, list_plans, load_plan, save_plan
+from ndweave.dmodule.spec import PlacementSpec, PlanKeyError
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "DModule",
@@ -37,6 +38,7 @@ __all__ = [
     "load_plan",
     "log_redistributions",
     "parallelize_module",
+    "register_patch",
     "save_plan",
     "__version__",
 ]

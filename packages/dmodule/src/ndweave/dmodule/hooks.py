@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ndweave.dmodule.agree import validate_on_every_rank
-from ndweave.dmodule.plan import PlacementSpec, PlanKeyError, suggest
+from ndweave.dmodule.spec import PlacementSpec, PlanKeyError, suggest
 from ndweave.dmodule.signature import InputSlot, apply_input_slots, bind_input_plan
 from ndweave.mesh.torch_compat import tree_map
 
