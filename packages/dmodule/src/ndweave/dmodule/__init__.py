@@ -11,7 +11,7 @@
 See README.md for plans, patches, deferred init and debugging.
 """
 
-from ndweave.dmodule.agree import RankMismatchError
+from ndweave.mesh.agree import RankMismatchError
 from ndweave.dmodule.api import parallelize_module
 from ndweave.dmodule.deferred_init import MaterializeStats, deferred_init, is_deferred
 from ndweave.dmodule.dmodule import DModule, GradSyncEntry

@@ -22,7 +22,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from ndweave.dmodule.agree import validate_on_every_rank
 from ndweave.dmodule.deferred_init import is_deferred, replay, storage_key, take_program
 from ndweave.dmodule.dmodule import DModuleState, make_dmodule
 from ndweave.dmodule.factory import FactoryArg, install_factory
@@ -32,6 +31,7 @@ from ndweave.dmodule.plan import check_placements, match_modules, names_removed_
 from ndweave.dmodule.sharded import sharded_global_shapes
 from ndweave.dmodule.spec import IO_LEAVES, PlacementSpec, Plan, normalize_plan, plan_specs, split_key
 from ndweave.mesh import DEVICE_MESH, ParallelMesh, resolve_mesh
+from ndweave.mesh.agree import agree_or_raise
 from ndweave.mesh.torch_compat import FakeTensor, StridedShard, custom_chunk, split_tensor
 
 __all__ = ["parallelize_module"]
@@ -91,7 +91,7 @@ def parallelize_module(
 
     # every check that needs no communication runs first, then the ranks agree on the outcome, so a
     # mistake on one rank (a plan or model that differs by rank) raises on all instead of a hang
-    (plan, layouts, targets), local_shapes = validate_on_every_rank(mesh, "parallelize_module", validate)
+    (plan, layouts, targets), local_shapes = agree_or_raise(mesh, "parallelize_module", validate)
     global_shapes = sharded_global_shapes(mesh, layouts, local_shapes) if is_model_sharded else {}
     _distribute_tensors(module, mesh, layouts, global_shapes)
     for fqn, m, patch in targets:
@@ -220,7 +220,7 @@ def _choose_layouts(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str, Pla
 
 def _fingerprint(plan: Plan, layouts: list[_Layout], is_model_sharded: bool, factory: Any,
                  use_local_output: bool) -> dict[str, Any]:
-    """What every rank of the mesh must be given equal (see ``validate_on_every_rank``), as text."""
+    """What every rank of the mesh must be given equal (see ``ndweave.mesh.agree.agree_or_raise``), as text."""
     sharded = is_model_sharded
     return {
         "plan": {**{f"parameter[{k!r}]": repr(v) for k, v in plan.parameter.items()},
