@@ -33,6 +33,14 @@ def _global_shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
+def _sharded_value(entry: Mapping[str, Any]) -> Any:
+    """The entry's master weights, or without them (``state_dict(format="dcp")`` of an fp32 model) its
+    first piece: what tells the global shape."""
+    if MASTER_KEY in entry:
+        return entry[MASTER_KEY]
+    return next((v for v in entry.values() if _global_shape(v) is not None and not isinstance(v, torch.Tensor)), None)
+
+
 def state_dict_mismatches(state_dict: Mapping[str, Any], num_groups: int, shapes: Mapping[str, tuple[int, ...]],
                           needed: Sequence[str], *, strict: bool = True) -> list[str]:
     """What keeps ``state_dict`` from loading: the number of param groups, an entry for every FQN this
@@ -52,7 +60,7 @@ def state_dict_mismatches(state_dict: Mapping[str, Any], num_groups: int, shapes
         hint = f"; the state's FQNs this optimizer lacks: {_some(foreign)}" if foreign else ""
         problems.append(f"no state for this optimizer's parameters {_some(absent)}{hint}")
     for fqn, entry in state.items():
-        shape = _global_shape(entry.get(MASTER_KEY)) if isinstance(entry, Mapping) else None
+        shape = _global_shape(_sharded_value(entry)) if isinstance(entry, Mapping) else None
         if fqn in shapes and shape is not None and shape != shapes[fqn]:
             problems.append(f"{fqn!r}: global shape {list(shape)} in the state, {list(shapes[fqn])} in the model")
     return problems
