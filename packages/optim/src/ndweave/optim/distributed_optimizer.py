@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from ndweave.mesh.agree import raise_on_every_rank
 from ndweave.mesh.contracts import (
     MASTER_KEY,
     DataParallelWrapper,
@@ -46,7 +47,7 @@ from ndweave.optim.dcp_state import GuardedPiece, dcp_state_dict, pieces_of_dten
 from ndweave.optim.grad_norm import counts_replica
 from ndweave.optim.inner import check_elementwise, resolve_optimizer
 from ndweave.optim.param_gather import ParamGatherer
-from ndweave.optim.state_check import raise_on_every_rank, state_dict_mismatches
+from ndweave.optim.state_check import LOAD_FIX, StateDictMismatchError, state_dict_mismatches
 
 __all__ = ["DistributedOptimizer"]
 
@@ -366,7 +367,8 @@ class DistributedOptimizer(WrappedOptimizer):
         needed = list(dict.fromkeys(shard.name for shard in self._shards))
         problems = state_dict_mismatches(state_dict, len(self.inner.param_groups), self._global_shapes, needed,
                                          strict=strict)
-        raise_on_every_rank(problems, self.grad_norm_group, f"{type(self).__name__}.load_state_dict")
+        raise_on_every_rank(self.grad_norm_group, f"{type(self).__name__}.load_state_dict", problems,
+                            StateDictMismatchError, LOAD_FIX)
         self._gatherer.wait()
         groups = state_dict["param_groups"]
         for mine, theirs in zip(self.inner.param_groups, groups):

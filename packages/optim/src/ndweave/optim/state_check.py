@@ -3,7 +3,7 @@
 ``DistributedOptimizer.load_state_dict`` ends in collectives (the parameter all-gathers). A state
 dict from another model (other FQNs, other shapes) used to load nothing and say nothing; raising on
 the ranks that notice while the others enter the all-gather would hang them. So every rank checks
-locally, then the ranks exchange their findings (one small ``all_gather_object``) and all raise the
+locally, then the ranks exchange their findings (``ndweave.mesh.agree.raise_on_every_rank``) and all raise the
 same error, naming each mismatch and the rank that found it, before any other collective.
 """
 
@@ -13,15 +13,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ndweave.mesh.contracts import MASTER_KEY, StatePiece
 
-__all__ = ["StateDictMismatchError", "state_dict_mismatches", "raise_on_every_rank"]
+__all__ = ["LOAD_FIX", "StateDictMismatchError", "state_dict_mismatches"]
 
 
 class StateDictMismatchError(ValueError):
     """The state dict does not fit the optimizer (raised on every rank, naming each mismatch)."""
+
+
+#: What to do about a :class:`StateDictMismatchError`, said after the mismatches.
+LOAD_FIX = ("Load a state dict saved by an optimizer over the same model (same FQNs and shapes), or pass strict=False "
+            "to load only the entries that match by name")
 
 
 def _global_shape(value: Any) -> tuple[int, ...] | None:
@@ -70,21 +74,3 @@ def _some(names: Sequence[str], limit: int = 8) -> str:
     """A list of names, cut after ``limit`` (with how many more)."""
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return f"{list(names[:limit])}{more}"
-
-
-def raise_on_every_rank(problems: list[str], group: dist.ProcessGroup | None, what: str) -> None:
-    """Gather every rank's ``problems`` over ``group`` and raise :class:`StateDictMismatchError` on all
-    of them if any rank has one (a collective: call it on every rank)."""
-    everyone = [problems]
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, problems, group=group)
-    ranks_of: dict[str, list[int]] = {}
-    for rank, ps in enumerate(everyone):
-        for p in ps:
-            ranks_of.setdefault(p, []).append(rank)
-    found = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}" for p, r in ranks_of.items()]
-    if found:
-        raise StateDictMismatchError(f"{what}:\n  " + "\n  ".join(found) + "\nLoad a state dict saved by an "
-                                     "optimizer over the same model (same FQNs and shapes), or pass strict=False "
-                                     "to load only the entries that match by name")
