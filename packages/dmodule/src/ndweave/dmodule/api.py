@@ -13,6 +13,8 @@ Order of work (each step sees the result of the previous one):
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -361,13 +363,17 @@ def _apply_patches(root: nn.Module, mesh: DeviceMesh, patch_plan: dict[str, list
 def _resolve_patch(patch: Any) -> Callable[[nn.Module, DeviceMesh, str], None]:
     if callable(patch):
         return patch
+    if isinstance(patch, Mapping) and isinstance(patch.get("name"), str) and set(patch) <= {"name", "args"}:
+        # a named patch with JSON arguments: {"name": "fused_colwise", "args": {"pieces": 3}}
+        return functools.partial(_resolve_patch(patch["name"]), **(patch.get("args") or {}))
     if isinstance(patch, str):
         from ndweave.dmodule.plans import BUILTIN_PATCHES  # lazily: the zoo imports this package
 
         if patch not in BUILTIN_PATCHES:
             raise KeyError(f"unknown patch {patch!r}; built-in patches: {sorted(BUILTIN_PATCHES)}")
         return BUILTIN_PATCHES[patch]
-    raise TypeError(f"a patch is a callable (module, device_mesh, fqn) or a built-in patch name, not {patch!r}")
+    raise TypeError(f"a patch is a callable (module, device_mesh, fqn), a built-in patch name or "
+                    f"{{\"name\": <built-in name>, \"args\": {{...}}}}, not {patch!r}")
 
 
 # ---------------------------------------------------------------------------------------- forward

@@ -66,9 +66,11 @@ def vocab_parallel_embedding(module: nn.Module, device_mesh: DeviceMesh, fqn: st
 
 
 def _builtin_patches() -> dict[str, Callable[[nn.Module, DeviceMesh, str], None]]:
+    from ndweave.dmodule.infer.patches import AUTO_PATCHES
     from ndweave.dmodule.plans import hf_gpt2, hf_llama, nanogpt
 
     return {
+        **AUTO_PATCHES,
         "vocab_parallel_embedding": vocab_parallel_embedding,
         "nanogpt_attention_heads": nanogpt.check_attention_heads,
         "hf_llama_attention_heads": hf_llama.check_attention_heads,

@@ -131,9 +131,9 @@ def encode_plan(plan: dict[str, Any]) -> dict[str, Any]:
     if "patch" in plan:
         out["patch"] = {}
         for key, patches in plan["patch"].items():
-            patches = [patches] if isinstance(patches, str) or callable(patches) else list(patches)
+            patches = [patches] if isinstance(patches, (str, dict)) or callable(patches) else list(patches)
             for p in patches:
-                if not isinstance(p, str):
+                if not isinstance(p, (str, dict)):
                     raise TypeError(
                         f"patch[{key!r}]: {p!r} is a callable; JSON plans name their patches: register it in "
                         "ndweave.dmodule.plans.BUILTIN_PATCHES and use its name"
@@ -160,12 +160,17 @@ def decode_plan(data: dict[str, Any]) -> dict[str, Any]:
     if "patch" in data:
         plan["patch"] = {}
         for key, patches in data["patch"].items():
-            patches = [patches] if isinstance(patches, str) else patches
-            if not isinstance(patches, list) or not all(isinstance(p, str) for p in patches):
+            patches = [patches] if isinstance(patches, (str, dict)) else patches
+            if not isinstance(patches, list) or not all(isinstance(p, str) or _named(p) for p in patches):
                 raise ValueError(f"patch[{key!r}]: {json.dumps(patches)} is not a patch name or a list of them "
                                  "(names in ndweave.dmodule.plans.BUILTIN_PATCHES)")
             plan["patch"][key] = patches
     return plan
+
+
+def _named(entry: Any) -> bool:
+    """A ``{"name": <patch name>, "args": {...}}`` patch entry."""
+    return isinstance(entry, dict) and isinstance(entry.get("name"), str) and set(entry) <= {"name", "args"}
 
 
 def _format(data: dict[str, Any]) -> str:
