@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+
+from ndweave.mesh.torch_compat import tree_flatten
 
 __all__ = ["ModuleCall", "Op", "Ref", "Trace", "Value", "meta_copy", "record", "trace"]
 
@@ -343,6 +344,7 @@ class _Recorder(TorchFunctionMode):
 
 
 _NO_GUESS = object()
+_FUNCTIONAL = (F.__name__, F.linear.__module__)  # F.* written in Python, and those torch binds from C
 _DATA_DEPENDENT = {"item", "__bool__", "tolist", "nonzero", "where"}
 
 
@@ -378,7 +380,7 @@ def _name(func: Callable) -> str:
     if owner == "_VariableFunctionsClass":
         return f"torch.{base}"
     module = getattr(func, "__module__", None) or ""
-    if module in ("torch.nn.functional", "torch._C._nn"):
+    if module in _FUNCTIONAL:
         return f"F.{base}"
     if module == "torch":
         return f"torch.{base}"
