@@ -94,8 +94,7 @@ def guess_inputs(model: nn.Module) -> tuple[tuple, dict]:
     ``nn.Linear``. Anything else needs ``example_inputs=`` (any device: only shapes are used)."""
     first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
     if isinstance(first, nn.Embedding):
-        seq = min([_SEQ] + [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)])
-        return (torch.zeros(_BATCH, seq, dtype=torch.long, device="meta"),), {}
+        return (torch.zeros(_BATCH, _SEQ, dtype=torch.long, device="meta"),), {}
     if isinstance(first, nn.Linear):
         return (torch.zeros(_BATCH, _SEQ, first.in_features, dtype=first.weight.dtype, device="meta"),), {}
     raise ValueError(f"auto plan: cannot guess the inputs of {type(model).__name__} (its first module with "

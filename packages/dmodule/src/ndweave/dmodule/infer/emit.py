@@ -117,7 +117,7 @@ def _emit_column_input(entries: Entries, column: Linear, b: Boundaries, sequence
     receiver = b.receiver(chain, finals)
     contained = receiver is not None and all(is_within(m, receiver.module) for m in finals)
     if producer is not None and (sequence_parallel or not contained):
-        if sequence_parallel:
+        if sequence_parallel and _free(entries, producer, [[Replicate()]]):
             entries.add("forward", producer, "output", [[Replicate()]],
                         "all-gathered on the sequence before the column-wise linears (SP)")
         return
@@ -126,11 +126,19 @@ def _emit_column_input(entries: Entries, column: Linear, b: Boundaries, sequence
     if receiver is None:
         return
     if producer is not None:
+        if not _free(entries, producer, [_local([Replicate()])]):
+            return  # its output is laid out already (an embedding feeding the columns directly)
         entries.add("forward", producer, "output", [_local([Replicate()])],
                     "handed on plain, so the columns' partial input gradient is all-reduced where "
                     f"{receiver.module or '<root>'} takes it back")
     entries.add("forward", receiver.module, "input", input_value(receiver, [Replicate()]),
                 "the column-wise linears' input, replicated (its gradient all-reduced here, once)")
+
+
+def _free(entries: Entries, module: str, value: Any) -> bool:
+    """Whether ``module``'s output has no other layout in the plan than ``value``."""
+    entry = entries.get("forward", module, "output")
+    return entry is None or entry.value == value
 
 
 def emit_embeddings(entries: Entries, embeddings: list[Embedding], b: Boundaries, model: nn.Module, *,

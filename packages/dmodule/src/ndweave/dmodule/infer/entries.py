@@ -50,6 +50,9 @@ class Entries:
     aliases: dict[str, list[str]] = field(default_factory=dict)
     """Parameter FQN -> every FQN of it (tied weights): an entry for one is written for each."""
 
+    def get(self, section: str, module: str, leaf: str) -> Entry | None:
+        return next((e for e in self.items if (e.section, e.module, e.leaf) == (section, module, leaf)), None)
+
     def param(self, fqn: str, placements: list, why: str) -> None:
         for name in self.aliases.get(fqn, [fqn]):
             module, _, leaf = name.rpartition(".")

@@ -92,6 +92,8 @@ class Boundaries:
         compute with it."""
         out: list[int] = []
         for op in self.consumers.get(vid, []):
+            if op.outputs == (vid,):  # an in-place op or a cast to the same dtype: the value itself
+                continue
             if len(op.outputs) == 1 and self._passes(op, op.outputs[0]):
                 out += self.final_consumers(op.outputs[0])
             else:

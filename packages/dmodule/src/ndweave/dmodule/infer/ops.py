@@ -1,10 +1,12 @@
 """Where a sharded tensor dim goes through one recorded op (the rules the planner walks with).
 
-A value of a tensor-parallel region is sharded along one tensor dim (features after a column-wise
-linear, heads after the model splits them). ``follow(op, sharded, shapes)`` answers, for one op of the
-trace, which dim of each output is sharded, or raises :class:`Unsupported` naming why the op would
-not give each rank its own piece of the result (a reduction over the sharded dim, a reshape that
-mixes it with another dim, a replicated tensor of full size meeting it, ...). Ops split into:
+A value of a tensor-parallel region is cut along one tensor dim (features after a column-wise
+linear, heads after the model splits them): a :class:`Cut`, which also covers a dim merged with
+others (``(B, H, T, D) -> (B * H, T, D)``: each rank holds its heads of every batch element).
+``follow(op, cuts, shapes)`` answers, for one op of the trace, the cut of each output, or raises
+:class:`Unsupported` naming why the op would not give each rank its own piece of the result (a
+reduction over the cut dim, a reshape that mixes it with another dim, a replicated tensor of full
+size meeting it, ...). Ops split into:
 
 - per element (activations, arithmetic, dropout, casts): every tensor input either sharded along the
   same (broadcast-aligned) dim or of size 1 there;
@@ -28,11 +30,35 @@ from typing import Any, Callable
 
 from ndweave.mesh.trace import Op, Ref
 
-__all__ = ["ELEMENTWISE", "Pieces", "Unsupported", "base_name", "follow", "reshape_dim"]
+__all__ = ["Cut", "ELEMENTWISE", "Pieces", "Unsupported", "base_name", "follow", "reshape_cut"]
 
 
 class Unsupported(Exception):
     """An op the planner cannot run on per-rank pieces; the message says why."""
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Tensor dim ``dim`` is ``outer x size x inner`` (row-major) and ``size`` is what the ranks
+    split: each holds a contiguous ``size / tp`` block of it, for every outer and inner index. A
+    plain ``Shard(dim)`` has ``outer == 1``."""
+
+    dim: int
+    outer: int = 1
+    inner: int = 1
+
+    def size(self, shape: tuple[int, ...]) -> int:
+        """The extent the ranks split."""
+        return shape[self.dim] // (self.outer * self.inner)
+
+    def at(self, dim: int) -> "Cut":
+        return Cut(dim, self.outer, self.inner)
+
+    @staticmethod
+    def of(dim: int, outer: int, inner: int) -> "Cut":
+        """With ``outer == 1`` each rank holds one contiguous block of the dim whatever ``inner`` is
+        (heads repeated for grouped-query attention cut like the query heads): drop it."""
+        return Cut(dim, outer, inner if outer > 1 else 1)
 
 
 @dataclass(frozen=True)
@@ -45,6 +71,7 @@ class Pieces:
 
 
 Shapes = dict[int, tuple[int, ...]]
+Cuts = dict[int, Cut]
 
 # Ops computing each output element from the elements at the same (broadcast) position.
 ELEMENTWISE = frozenset("""
@@ -75,9 +102,9 @@ def base_name(name: str) -> str:
     return base
 
 
-def follow(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int] | Pieces:
-    """Sharded dim of each output of ``op`` (value id -> dim; outputs not listed are not sharded),
-    given the sharded dim of its sharded inputs (value id -> dim)."""
+def follow(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts | Pieces:
+    """The cut of each output of ``op`` (value id -> cut; outputs not listed are not cut), given the
+    cut of each of its cut inputs."""
     base = base_name(op.name)
     if base in ELEMENTWISE:
         return _elementwise(op, sharded, shapes)
@@ -98,16 +125,16 @@ def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def _single_input(op: Op, sharded: dict[int, int]) -> tuple[int, int]:
-    """(value id, sharded dim) of the op's first argument, which must be the sharded one."""
+def _single_input(op: Op, sharded: Cuts) -> tuple[int, Cut]:
+    """(value id, cut) of the op's first argument, which must be the only cut one."""
     first = op.args[0] if op.args else None
     if not isinstance(first, Ref) or first.id not in sharded or len(sharded) != 1:
         raise Unsupported(f"{op.name}: a sharded value is not its first argument")
     return first.id, sharded[first.id]
 
 
-def _one_output(op: Op, dim: int | None) -> dict[int, int]:
-    return {} if dim is None else {op.outputs[0]: dim}
+def _one_output(op: Op, cut: Cut | None) -> Cuts:
+    return {} if cut is None else {op.outputs[0]: cut}
 
 
 def _sizes(value: Any) -> tuple[int, ...]:
@@ -118,32 +145,55 @@ def _sizes(value: Any) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------- elementwise
-def _elementwise(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
+def _elementwise(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts:
     out_shape = shapes[op.outputs[0]]
     ndim = len(out_shape)
-    aligned = {ndim - len(shapes[v]) + d for v, d in sharded.items()}
+    aligned = {c.at(ndim - len(shapes[v]) + c.dim) for v, c in sharded.items()}
     if len(aligned) != 1:
-        raise Unsupported(f"{op.name}: its inputs are sharded along different dims")
-    dim = aligned.pop()
+        raise Unsupported(f"{op.name}: its inputs are cut along different dims")
+    cut = aligned.pop()
     inputs = op.inputs[:1] if base_name(op.name) in _FIRST_ONLY else op.inputs
     for vid in dict.fromkeys(inputs):
         if vid in sharded:
             continue
         shape = shapes[vid]
-        local = dim - (ndim - len(shape))
+        local = cut.dim - (ndim - len(shape))
         if 0 <= local < len(shape) and shape[local] != 1:
             raise Unsupported(f"{op.name}: a tensor of shape {shape} that is not sharded meets a value sharded "
-                              f"along dim {dim} of {out_shape}")
-    return {out: dim for out in op.outputs if len(shapes[out]) == ndim}
+                              f"along dim {cut.dim} of {out_shape}")
+    return {out: cut for out in op.outputs if len(shapes[out]) == ndim}
 
 
 # ------------------------------------------------------------------------------------- reshapes
-def reshape_dim(in_shape: tuple[int, ...], out_shape: tuple[int, ...], dim: int) -> int:
-    """The output dim carrying input ``dim``'s shard through a reshape, where the shard stays one
-    contiguous block per rank: ``dim`` must be the outermost (non-1) dim of its group of merged or
-    split dims, and lands on the outermost (non-1) dim of the matching output group."""
+def reshape_cut(in_shape: tuple[int, ...], out_shape: tuple[int, ...], cut: Cut) -> Cut:
+    """The cut of a reshape's output: the cut extent, found in the group of input dims merged or
+    split together, must land in one output dim (an extent spread over several output dims lands on
+    the outermost, the cut then falling on its boundaries: ``N -> (H, D)`` cuts ``H``)."""
     if math.prod(in_shape) != math.prod(out_shape):
         raise Unsupported(f"reshape {in_shape} -> {out_shape} changes the number of elements")
+    size = cut.size(in_shape)
+    for gi, go in _groups(in_shape, out_shape):
+        if cut.dim not in gi:
+            continue
+        outer = math.prod(in_shape[d] for d in gi if d < cut.dim) * cut.outer
+        inner = cut.inner * math.prod(in_shape[d] for d in gi if d > cut.dim)
+        for o in go:
+            before = math.prod(out_shape[d] for d in go if d < o)
+            after = math.prod(out_shape[d] for d in go if d > o)
+            if out_shape[o] == 1 or outer % before:
+                continue
+            if inner % after == 0 and (outer // before) * size * (inner // after) == out_shape[o]:
+                return Cut.of(o, outer // before, inner // after)
+            spread = after // inner if inner and after % inner == 0 else 0
+            if before == outer and spread and size % spread == 0 and out_shape[o] == size // spread:
+                return Cut(o, 1, 1)  # the extent spreads over o and the dims after it
+        break
+    raise Unsupported(f"reshape {in_shape} -> {out_shape} mixes the sharded dim {cut.dim} with another dim")
+
+
+def _groups(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pairs of (input dims, output dims) of a reshape that hold the same elements."""
+    groups = []
     i = o = 0
     while i < len(in_shape) or o < len(out_shape):
         gi, go = [i], [o]
@@ -158,39 +208,36 @@ def reshape_dim(in_shape: tuple[int, ...], out_shape: tuple[int, ...], dim: int)
                 o += 1
                 go.append(o)
                 po *= out_shape[o]
-        if dim in gi:
-            leading = [d for d in gi if in_shape[d] != 1]
-            if leading[:1] != [dim]:
-                raise Unsupported(f"reshape {in_shape} -> {out_shape} mixes sharded dim {dim} with a dim outside it")
-            return next(d for d in go if d < len(out_shape) and out_shape[d] != 1)
+        groups.append(([d for d in gi if d < len(in_shape)], [d for d in go if d < len(out_shape)]))
         i, o = i + 1, o + 1
-    raise Unsupported(f"reshape {in_shape} -> {out_shape}: dim {dim} not found")
+    return groups
 
 
-def _reshape(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
-    vid, dim = _single_input(op, sharded)
-    return _one_output(op, reshape_dim(shapes[vid], shapes[op.outputs[0]], dim))
+def _reshape(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts:
+    vid, cut = _single_input(op, sharded)
+    return _one_output(op, reshape_cut(shapes[vid], shapes[op.outputs[0]], cut))
 
 
-def _transpose(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
-    vid, dim = _single_input(op, sharded)
+def _transpose(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts:
+    vid, cut = _single_input(op, sharded)
+    dim = cut.dim
     ndim = len(shapes[vid])
     if base_name(op.name) == "t":
         a, b = 0, ndim - 1
     else:
         a, b = (_norm_dim(_arg(op, i, n), ndim) for i, n in ((1, "dim0"), (2, "dim1")))
-    return _one_output(op, b if dim == a else a if dim == b else dim)
+    return _one_output(op, cut.at(b if dim == a else a if dim == b else dim))
 
 
-def _permute(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
-    vid, dim = _single_input(op, sharded)
+def _permute(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts:
+    vid, cut = _single_input(op, sharded)
     ndim = len(shapes[vid])
     order = [_norm_dim(d, ndim) for d in _sizes(op.args[1:] or (op.kwargs["dims"],))]
-    return _one_output(op, order.index(dim))
+    return _one_output(op, cut.at(order.index(cut.dim)))
 
 
-def _movedim(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
-    vid, dim = _single_input(op, sharded)
+def _movedim(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts:
+    vid, cut = _single_input(op, sharded)
     ndim = len(shapes[vid])
     src, dst = _arg(op, 1, "source"), _arg(op, 2, "destination")
     src = [src] if isinstance(src, int) else list(src)
@@ -201,49 +248,52 @@ def _movedim(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
         order[d] = s
     rest = iter(d for d in range(ndim) if d not in src)
     order = [next(rest) if o is None else o for o in order]
-    return _one_output(op, order.index(dim))
+    return _one_output(op, cut.at(order.index(cut.dim)))
 
 
-def _same_dims(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
-    """expand / repeat_interleave / contiguous-like ops that keep every dim where it is; the sharded
-    dim must keep its size or grow by whole repeats of each element (``repeat_interleave``)."""
-    vid, dim = _single_input(op, sharded)
+def _same_dims(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts:
+    """expand / ``*_like`` factories and other ops keeping every dim where it is (new leading dims
+    allowed); the cut dim must keep its size."""
+    vid, cut = _single_input(op, sharded)
     out = shapes[op.outputs[0]]
     offset = len(out) - len(shapes[vid])
-    if base_name(op.name) == "expand" and shapes[vid][dim] != out[dim + offset]:
-        raise Unsupported(f"{op.name} grows the sharded dim")
-    return _one_output(op, dim + offset)
+    if offset < 0 or shapes[vid][cut.dim] != out[cut.dim + offset]:
+        raise Unsupported(f"{op.name} changes the sharded dim")
+    return _one_output(op, cut.at(cut.dim + offset))
 
 
-def _repeat_interleave(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
-    vid, dim = _single_input(op, sharded)
+def _repeat_interleave(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts:
+    vid, cut = _single_input(op, sharded)
     along = _arg(op, 2, "dim")
-    if along is None or not isinstance(_arg(op, 1, "repeats"), int):
+    if along is None or not isinstance(_arg(op, 1, "repeats"), int) or cut.outer != 1:
         raise Unsupported(f"{op.name} without an int count and a dim")
-    return _one_output(op, dim)  # each element repeated in place: a rank's block stays its own
+    if _norm_dim(along, len(shapes[vid])) != cut.dim:
+        return _one_output(op, cut)
+    # each element repeated in place: a rank's contiguous block stays its own
+    return _one_output(op, cut)
 
 
-def _unsqueeze(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
-    vid, dim = _single_input(op, sharded)
+def _unsqueeze(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts:
+    vid, cut = _single_input(op, sharded)
     new = _norm_dim(_arg(op, 1, "dim"), len(shapes[vid]) + 1)
-    return _one_output(op, dim + 1 if new <= dim else dim)
+    return _one_output(op, cut.at(cut.dim + 1 if new <= cut.dim else cut.dim))
 
 
-def _squeeze(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
-    vid, dim = _single_input(op, sharded)
-    return _one_output(op, reshape_dim(shapes[vid], shapes[op.outputs[0]], dim))
-
-
-def _flatten(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
-    return _reshape(op, sharded, shapes)
+def _as_complex(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts:
+    """view_as_complex drops a last dim of 2, view_as_real adds one: other dims stay."""
+    vid, cut = _single_input(op, sharded)
+    if cut.dim >= len(shapes[op.outputs[0]]):
+        raise Unsupported(f"{op.name} of the sharded dim")
+    return _one_output(op, cut)
 
 
 # ------------------------------------------------------------------------------------- indexing
-def _getitem(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int] | Pieces:
+def _getitem(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts | Pieces:
     first = op.args[0]
     if not isinstance(first, Ref) or first.id not in sharded or len(sharded) != 1:
         raise Unsupported("a sharded tensor used as an index")
-    shape, dim = shapes[first.id], sharded[first.id]
+    shape, cut = shapes[first.id], sharded[first.id]
+    dim = cut.dim
     index = op.args[1] if isinstance(op.args[1], tuple) else (op.args[1],)
     if any(isinstance(i, (Ref, list)) for i in index):
         raise Unsupported("advanced (tensor) indexing of a sharded value")
@@ -265,19 +315,20 @@ def _getitem(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int] 
                 raise Unsupported("a strided slice of the sharded dim")
             if (start, stop) != (0, shape[dim]):
                 return Pieces(out_dim, ((start, stop),))
-            return _one_output(op, out_dim)
+            return _one_output(op, cut.at(out_dim))
         in_dim += 1
         out_dim += 0 if isinstance(item, int) else 1
     raise Unsupported("index parsing")
 
 
-def _split(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int] | Pieces:
-    vid, dim = _single_input(op, sharded)
+def _split(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts | Pieces:
+    vid, cut = _single_input(op, sharded)
+    dim = cut.dim
     shape = shapes[vid]
     along = _norm_dim(_arg(op, 2, "dim", 0), len(shape))
     base = base_name(op.name)
     if along != dim:
-        return {out: dim for out in op.outputs}
+        return {out: cut for out in op.outputs}
     if base == "unbind":
         raise Unsupported("unbind along the sharded dim")
     sizes = [shapes[out][dim] for out in op.outputs]
@@ -285,37 +336,40 @@ def _split(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int] | 
     return Pieces(dim, tuple((s, s + n) for s, n in zip(starts, sizes)))
 
 
-def _unbind(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
-    vid, dim = _single_input(op, sharded)
+def _unbind(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts:
+    vid, cut = _single_input(op, sharded)
     along = _norm_dim(_arg(op, 1, "dim", 0), len(shapes[vid]))
-    if along == dim:
+    if along == cut.dim:
         raise Unsupported("unbind along the sharded dim")
-    return {out: dim - (along < dim) for out in op.outputs}
+    return {out: cut.at(cut.dim - (along < cut.dim)) for out in op.outputs}
 
 
-def _cat(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
+def _cat(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts:
     tensors = [r.id for r in op.args[0] if isinstance(r, Ref)] if op.args else []
     tensors = [v for v in tensors if math.prod(shapes[v]) > 0]  # torch.cat skips empty (0,) tensors
     ndim = len(shapes[op.outputs[0]])
     stack = base_name(op.name) == "stack"
     along = _norm_dim(_arg(op, 1, "dim", 0), ndim)
-    dims = {sharded.get(v) for v in tensors}
-    if len(dims) != 1 or None in dims:
+    cuts = {sharded.get(v) for v in tensors}
+    if len(cuts) != 1 or None in cuts:
         raise Unsupported(f"{op.name} of sharded and unsharded values")
-    dim = dims.pop()
+    cut = cuts.pop()
     if stack:
-        return _one_output(op, dim + 1 if along <= dim else dim)
-    if along == dim:
+        return _one_output(op, cut.at(cut.dim + 1 if along <= cut.dim else cut.dim))
+    if along == cut.dim:
         raise Unsupported(f"{op.name} along the sharded dim")
-    return _one_output(op, dim)
+    return _one_output(op, cut)
 
 
 # --------------------------------------------------------------------------------- over a dim
-def _over_dims(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
+def _over_dims(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts:
     """softmax / mean / sum / amax / norms ...: fine over dims other than the sharded one."""
-    vid, dim = _single_input(op, sharded)
-    shape = shapes[vid]
     base = base_name(op.name)
+    if base in ("max", "min") and len(op.inputs) == 2:  # torch.max(a, b): per element
+        return _elementwise(op, sharded, shapes)
+    vid, cut = _single_input(op, sharded)
+    dim = cut.dim
+    shape = shapes[vid]
     if base in ("layer_norm", "rms_norm"):
         normalized = _arg(op, 1, "normalized_shape")
         dims = list(range(len(shape) - len(normalized), len(shape)))
@@ -331,68 +385,67 @@ def _over_dims(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int
     out_shape = shapes[op.outputs[0]]
     kept = len(out_shape) == len(shape)
     out_dim = dim if kept else dim - sum(1 for d in dims if d < dim)
-    return {out: out_dim for out in op.outputs if len(shapes[out]) == len(out_shape)}
+    return {out: cut.at(out_dim) for out in op.outputs if len(shapes[out]) == len(out_shape)}
 
 
 # ----------------------------------------------------------------------------------- attention
-def _matmul(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
+def _matmul(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts:
     a, b = (r.id if isinstance(r, Ref) else None for r in op.args[:2])
     if a is None or b is None:
         raise Unsupported(f"{op.name} with a non-tensor operand")
     out_ndim = len(shapes[op.outputs[0]])
-    batch = out_ndim - 2
-    dims = set()
+    cuts = set()
     for vid in (a, b):
         shape = shapes[vid]
         if vid in sharded:
-            aligned = sharded[vid] + out_ndim - len(shape)
-            if sharded[vid] >= len(shape) - 2 or aligned >= batch:
+            cut = sharded[vid]
+            aligned = cut.dim + out_ndim - len(shape)
+            if cut.dim >= len(shape) - 2 or aligned >= out_ndim - 2:
                 raise Unsupported(f"{op.name} contracts or keeps the sharded dim as a matrix dim")
-            dims.add(aligned)
-    if len(dims) != 1:
+            cuts.add(cut.at(aligned))
+    if len(cuts) != 1:
         raise Unsupported(f"{op.name} of values sharded along different dims")
-    dim = dims.pop()
+    cut = cuts.pop()
     for vid in (a, b):
         shape = shapes[vid]
-        local = dim - (out_ndim - len(shape))
+        local = cut.dim - (out_ndim - len(shape))
         if vid not in sharded and 0 <= local < len(shape) - 2 and shape[local] != 1:
             raise Unsupported(f"{op.name}: an operand that is not sharded has {shape[local]} along the sharded dim")
-    return _one_output(op, dim)
+    return _one_output(op, cut)
 
 
-def _sdpa(op: Op, sharded: dict[int, int], shapes: Shapes) -> dict[int, int]:
+def _sdpa(op: Op, sharded: Cuts, shapes: Shapes) -> Cuts:
     qkv = [_arg(op, i, n) for i, n in ((0, "query"), (1, "key"), (2, "value"))]
-    dims = set()
     for r in qkv:
         if not isinstance(r, Ref) or r.id not in sharded:
             raise Unsupported("attention over query, key and value not all sharded")
-        shape = shapes[r.id]
-        if sharded[r.id] != len(shape) - 3:
+        cut, shape = sharded[r.id], shapes[r.id]
+        if cut.dim != len(shape) - 3 or cut.outer != 1:
             raise Unsupported("attention with a sharded dim other than the heads")
-        dims.add(sharded[r.id] - len(shape))
     mask = _arg(op, 3, "attn_mask")
     if isinstance(mask, Ref):
         shape = shapes[mask.id]
         if mask.id in sharded:
-            if sharded[mask.id] - len(shape) not in dims:
+            if sharded[mask.id].dim - len(shape) != -3:
                 raise Unsupported("an attention mask sharded along another dim")
         elif len(shape) >= 3 and shape[-3] != 1:
             raise Unsupported("an attention mask with a full heads dim")
     out = shapes[op.outputs[0]]
-    return _one_output(op, len(out) - 3)
+    return _one_output(op, Cut(len(out) - 3))
 
 
-_Rule = Callable[[Op, dict[int, int], Shapes], "dict[int, int] | Pieces"]
+_Rule = Callable[[Op, Cuts, Shapes], "Cuts | Pieces"]
 _RULES: dict[str, _Rule] = {
-    **dict.fromkeys(("view", "reshape", "_unsafe_view", "view_as", "reshape_as", "unflatten"), _reshape),
-    "flatten": _flatten,
+    **dict.fromkeys(("view", "reshape", "_unsafe_view", "view_as", "reshape_as", "unflatten", "flatten",
+                     "squeeze"), _reshape),
     **dict.fromkeys(("transpose", "swapaxes", "swapdims", "t"), _transpose),
     "permute": _permute,
     "movedim": _movedim,
-    **dict.fromkeys(("expand", "expand_as"), _same_dims),
+    **dict.fromkeys(("expand", "expand_as", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
+                     "randn_like"), _same_dims),
+    **dict.fromkeys(("view_as_complex", "view_as_real"), _as_complex),
     "repeat_interleave": _repeat_interleave,
     "unsqueeze": _unsqueeze,
-    "squeeze": _squeeze,
     "getitem": _getitem,
     **dict.fromkeys(("split", "chunk", "split_with_sizes", "tensor_split"), _split),
     "unbind": _unbind,

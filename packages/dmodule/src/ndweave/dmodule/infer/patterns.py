@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ndweave.dmodule.infer.linears import Linear, find_linears
-from ndweave.dmodule.infer.ops import ELEMENTWISE, Pieces, Unsupported, base_name, follow
+from ndweave.dmodule.infer.ops import ELEMENTWISE, Cut, Pieces, Unsupported, base_name, follow
 from ndweave.mesh.trace import Trace
 
 __all__ = ["Block", "Failure", "find_blocks"]
@@ -50,8 +50,8 @@ class Block:
     """Column op indices whose output reaches the model's outputs (gathered there)."""
     sizes: set[int] = field(default_factory=set)
     """Sizes of the sharded dim of every value in the block: the TP size must divide each."""
-    values: dict[int, int] = field(default_factory=dict)
-    """Value id -> its sharded dim, for every sharded value of the block."""
+    values: dict[int, Cut] = field(default_factory=dict)
+    """Value id -> how it is cut, for every sharded value of the block."""
     failure: str | None = None
     """Why the block cannot be sharded (the first op that failed), or ``None``."""
 
@@ -146,17 +146,18 @@ def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str]) ->
     by_weight: dict[str, int] = {}  # weight FQN -> a block using it: one parameter, one block
     uf = _Blocks()
     block_of: dict[int, int] = {}   # value id -> block
-    dim_of: dict[int, int] = {}     # value id -> sharded dim
+    cut_of: dict[int, Cut] = {}     # value id -> how it is cut
+    tainted: dict[int, int] = {}    # value id -> block, for values made from a failed op's outputs
     origin: dict[int, int] = {}     # value id -> column op whose very output (features dim) it is
 
     def fail(bid: int, why: str) -> None:
         block = uf.blocks[uf.find(bid)]
         block.failure = block.failure or why
 
-    def mark(vid: int, bid: int, dim: int) -> None:
-        block_of[vid], dim_of[vid] = bid, dim
-        uf.blocks[bid].sizes.add(shapes[vid][dim])
-        uf.blocks[bid].values[vid] = dim
+    def mark(vid: int, bid: int, cut: Cut) -> None:
+        block_of[vid], cut_of[vid] = bid, cut
+        uf.blocks[bid].sizes.add(cut.size(shapes[vid]))
+        uf.blocks[bid].values[vid] = cut
 
     # modules that are one linear each (nn.Linear, Conv1D): their own reshapes are not the model's
     per_module = Counter(lin.module for lin in linears.values())
@@ -166,10 +167,10 @@ def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str]) ->
         if lin is not None:
             if lin.weight in by_weight:  # an expert's weight multiplied once per expert: one block
                 uf.union({by_weight[lin.weight]} | ({block_of[lin.x]} if lin.x in block_of else set()))
-            if lin.x in dim_of:
+            if lin.x in cut_of:
                 bid = uf.find(block_of[lin.x])
                 by_weight.setdefault(lin.weight, bid)
-                if dim_of[lin.x] != len(shapes[lin.x]) - 1:
+                if cut_of[lin.x].dim != len(shapes[lin.x]) - 1 or cut_of[lin.x].outer != 1:
                     fail(bid, f"{op.name} in {op.module or '<root>'} multiplies a value sharded along a dim "
                               "other than its features")
                 uf.blocks[bid].rows.append(lin)
@@ -177,11 +178,14 @@ def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str]) ->
                 bid = uf.new() if lin.weight not in by_weight else uf.find(by_weight[lin.weight])
                 by_weight.setdefault(lin.weight, bid)
                 uf.blocks[bid].columns.append(lin)
-                mark(lin.y, bid, len(shapes[lin.y]) - 1)
+                mark(lin.y, bid, Cut(len(shapes[lin.y]) - 1))
                 origin[lin.y] = lin.op
             continue
-        sharded = {vid: dim_of[vid] for vid in op.inputs if vid in dim_of}
+        sharded = {vid: cut_of[vid] for vid in op.inputs if vid in cut_of}
         if not sharded:
+            # what a failed op made, and all made from it, can still reach the model's outputs
+            tainted.update(dict.fromkeys(op.outputs, next((tainted[v] for v in op.inputs if v in tainted), None)))
+            tainted.pop(None, None)
             continue
         bid = uf.union({block_of[v] for v in sharded})
         block = uf.blocks[bid]
@@ -197,9 +201,11 @@ def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str]) ->
             result = follow(op, sharded, shapes)
         except Unsupported as error:
             fail(bid, f"{op.name} in {op.module or '<root>'}: {error}")
+            tainted.update(dict.fromkeys(op.outputs, bid))
             continue
         except (IndexError, KeyError, TypeError, ValueError) as error:  # an op spelled in a way the rules miss
             fail(bid, f"{op.name} in {op.module or '<root>'}: not understood ({type(error).__name__}: {error})")
+            tainted.update(dict.fromkeys(op.outputs, bid))
             continue
         if isinstance(result, Pieces):
             source = next(iter(sharded))
@@ -209,29 +215,37 @@ def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str]) ->
                 continue
             uf.blocks[bid].pieces.setdefault(origin[source], set()).update(result.bounds)
             for out in op.outputs:
-                mark(out, bid, result.dim)
+                mark(out, bid, Cut(result.dim))
             continue
-        for out, dim in result.items():
-            mark(out, bid, dim)
+        for out, cut in result.items():
+            mark(out, bid, cut)
         source = op.inputs[0] if op.inputs else None
         if source in origin and base_name(op.name) in _KEEPS_FEATURES and len(op.outputs) == 1:
             out = op.outputs[0]
-            if dim_of.get(out) == len(shapes[out]) - 1 and shapes[out][-1] == shapes[source][-1]:
+            if cut_of.get(out) == Cut(len(shapes[out]) - 1) and shapes[out][-1] == shapes[source][-1]:
                 origin[out] = origin[source]
+    reaching: set[int] = set()  # blocks whose values reach the model's outputs
     for vid in trace.outputs:
-        if vid in dim_of:
-            bid = uf.find(block_of[vid])
-            if vid in origin:
-                uf.blocks[bid].gathered.append(origin[vid])
-            else:
-                fail(bid, "a sharded value that is not a projection's output reaches the model's outputs")
+        if vid in cut_of or vid in tainted:
+            reaching.add(uf.find(block_of[vid] if vid in cut_of else tainted[vid]))
+    for bid in reaching:
+        block = uf.blocks[bid]
+        # a block with no row-wise linear whose values reach the outputs (an LM head, also one whose
+        # logits are scaled or soft-capped after it): its outputs are gathered right at its columns,
+        # so whatever follows runs on whole tensors
+        if not any(uf.find(b) == bid and uf.blocks[b].rows for b in range(len(uf.blocks))):
+            block.failure = None
+            block.gathered += [c.op for b in range(len(uf.blocks)) if uf.find(b) == bid for c in uf.blocks[b].columns]
+        else:
+            fail(bid, "a sharded value reaches the model's outputs from a block with row-wise linears")
     blocks = uf.merged()
     for block in blocks:
         _check_pieces(block, shapes)
+        _check_modules(block, linear_modules, trace)
     return blocks
 
 
-def _separate_bias(op, sharded: dict[int, int], origin: dict[int, int], params: dict[int, str],
+def _separate_bias(op, sharded: dict[int, Cut], origin: dict[int, int], params: dict[int, str],
                    shapes: dict[int, tuple[int, ...]]) -> tuple[int, int] | None:
     """``(output, bias)`` value ids when ``op`` adds a 1-D parameter to a column's own output along its
     features (a linear written ``x @ W.T + b``): that parameter is the column's bias."""
@@ -241,6 +255,18 @@ def _separate_bias(op, sharded: dict[int, int], origin: dict[int, int], params: 
     if out in origin and other in params and shapes[other] == shapes[out][-1:]:
         return out, other
     return None
+
+
+def _check_modules(block: Block, linear_modules: set[str], trace: Trace) -> None:
+    """Plans lay activations out at module boundaries: every linear of a block must be a module of
+    its own (an ``nn.Linear``, a ``Conv1D``) holding its weight (under one of its names, if tied)."""
+    aliases = trace.aliases()
+    for lin in (*block.columns, *block.rows):
+        names = aliases.get(trace.params[lin.weight], [lin.weight])
+        if lin.module not in linear_modules or all(n.rpartition(".")[0] != lin.module for n in names):
+            block.failure = block.failure or (f"{lin.weight} is multiplied inside {lin.module or '<root>'}'s own forward "
+                                              "(experts, a fused attention): not a module of its own to lay out")
+            return
 
 
 def _check_pieces(block: Block, shapes: dict[int, tuple[int, ...]]) -> None:

@@ -155,6 +155,9 @@ def _run_local(block: Block, b: Boundaries, module: nn.Module, fqn: str, call: A
         with torch.no_grad():
             record(got, local, _inputs(call.args, b), _inputs(call.kwargs, b))
     except Exception as error:  # noqa: BLE001 (any failure of the model's code is the answer)
+        earlier = _compare(block, b, call, got, fqn, tp, partial=True)  # a wrong shape before the failure
+        if earlier is not None:
+            return earlier
         failed = got.ops[-1] if got.ops else None
         return _Problem(len(_compared(got.leaves(), block, fqn, local=True)) - 1,
                         f"one rank's forward of {fqn or '<root>'} fails ({type(error).__name__}: {str(error)[:160]})",
@@ -181,7 +184,7 @@ def _localize(local: nn.Module, fqn: str, block: Block, tp: int) -> list[Any]:
     prefix = f"{fqn}." if fqn else ""
 
     def rel(name: str) -> str:
-        return name[len(prefix):] if prefix and name.startswith(prefix) else name
+        return "" if name == fqn else name[len(prefix):] if prefix and name.startswith(prefix) else name
 
     def shrink(param_fqn: str, dim: int) -> None:
         owner, _, leaf = rel(param_fqn).rpartition(".")
@@ -242,24 +245,28 @@ def _compared(ops: list, block: Block, fqn: str, local: bool) -> list:
     return [op for op in ops if not any(is_within(op.module, m) for m in inside)]
 
 
-def _compare(block: Block, b: Boundaries, call: Any, got: Trace, fqn: str, tp: int) -> _Problem | None:
+def _compare(block: Block, b: Boundaries, call: Any, got: Trace, fqn: str, tp: int,
+             partial: bool = False) -> _Problem | None:
     """The first op whose output shape differs from the global trace's with sharded dims divided.
     Ops are paired by aligning the two sequences of op names: a call one run makes and the other
-    does not (a key/value cache the recorded call had and this run has not) is skipped."""
+    does not (a key/value cache the recorded call had and this run has not) is skipped.
+    ``partial``: ``got`` stops where one rank's forward raised."""
     want_ops = _compared([op for op in b.trace.leaves() if call.first_op <= op.index < call.end_op], block, fqn, False)
     got_ops = _compared(got.leaves(), block, fqn, True)
     matcher = difflib.SequenceMatcher(None, [op.name for op in want_ops], [op.name for op in got_ops], autojunk=False)
     for i, j, size in matcher.get_matching_blocks():
         for want, have, position in zip(want_ops[i:i + size], got_ops[j:j + size], range(j, j + size)):
+            if partial and not have.outputs:  # the call that raised
+                break
             for w, h in zip(want.outputs, have.outputs):
                 shape = list(b.trace.values[w].shape)
                 if w in block.values:
-                    shape[block.values[w]] //= tp
+                    shape[block.values[w].dim] //= tp
                 if tuple(shape) != got.values[h].shape:
                     return _Problem(position, f"{want.name} in {want.module or '<root>'} gives {got.values[h].shape} "
                                               f"on one of {tp} ranks, not {tuple(shape)}", _ints(have.args))
     matched = sum(size for _, _, size in matcher.get_matching_blocks())
-    if matched < len(want_ops) // 2:
+    if not partial and matched < len(want_ops) // 2:
         return _Problem(0, f"one rank's forward of {fqn or '<root>'} runs other ops than the whole model's",
                         frozenset())
     return None
