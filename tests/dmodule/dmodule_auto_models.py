@@ -77,14 +77,17 @@ def check_auto_parity(arch: str, *, sequence_parallel: bool = False, steps: int 
         ref_loss.backward()
         loss.backward()
         model.finish_grad_sync()
-        for fqn, ref_p in ref_params.items():
-            if ref_p.grad is None:
-                assert params[fqn].grad is None, f"{fqn} got a gradient one process does not"
-                continue
-            assert_close(params[fqn].grad, ref_p.grad, name=f"{arch} step {step} {fqn}.grad")
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
+        _same_grads(params, ref_params, f"{arch} step {step}")
+        for optimizer in (ref_opt, opt):
+            optimizer.step()
+            optimizer.zero_grad()
     for fqn, ref_p in ref_params.items():
         assert_close(params[fqn], ref_p, name=f"{arch} {fqn} after {steps} steps")
+
+
+def _same_grads(params: dict, ref_params: dict, where: str) -> None:
+    for fqn, ref_p in ref_params.items():
+        if ref_p.grad is None:  # (a parameter the loss does not reach, e.g. an unused pooler)
+            assert params[fqn].grad is None, f"{where}: {fqn} got a gradient one process does not"
+        else:
+            assert_close(params[fqn].grad, ref_p.grad, name=f"{where} {fqn}.grad")
