@@ -19,7 +19,7 @@ ALL = [(name, sp) for name in ["mlp", "nanogpt", "hf_llama", "hf_gpt2"] for sp i
 
 
 def test_list_plans_names_the_zoo():
-    assert list_plans() == ["hf_gpt2", "hf_llama", "mlp", "nanogpt"]
+    assert list_plans() == ["auto", "hf_gpt2", "hf_llama", "mlp", "nanogpt"]
 
 
 def test_unknown_plan_lists_the_known_ones():

@@ -85,6 +85,21 @@ def test_is_view_tells_views_from_their_base():
     assert tc.is_view(base[1:]) and tc.is_view(base.view(8)) and not tc.is_view(base) and not tc.is_view(base.clone())
 
 
+def test_torch_function_disabled_hides_calls_from_torch_function_modes():
+    seen = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        torch.ones(2).add(1)
+        with tc.torch_function_disabled():
+            torch.ones(2).mul(2)
+    assert seen == ["ones", "add"]
+
+
 def test_current_backward_id_tells_backward_passes_apart():
     w = torch.ones(2, requires_grad=True)
     seen = []

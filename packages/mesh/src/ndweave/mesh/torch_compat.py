@@ -13,6 +13,7 @@ The tests pin each against the installed torch (2.13 in CI); the floor in the pa
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -61,6 +62,7 @@ __all__ = [
     "set_group_timeout",
     "split_indices",
     "split_tensor",
+    "torch_function_disabled",
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
@@ -175,6 +177,12 @@ def fake_store() -> torch.distributed.Store:
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Run ``fn`` once the current backward pass has finished (what torch's DDP does at its end)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def torch_function_disabled() -> contextlib.AbstractContextManager:
+    """A context in which torch calls skip every ``TorchFunctionMode`` (``DisableTorchFunction``): code
+    of an analysis running inside a traced forward (a hook) is not recorded as the model's."""
+    return torch._C.DisableTorchFunction()
 
 
 def is_view(t: torch.Tensor) -> bool:

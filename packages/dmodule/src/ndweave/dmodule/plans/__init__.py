@@ -18,12 +18,14 @@ plan needs are named inside it (``"patch"`` section) and registered with
 | "nanogpt" | ``examples/gpt/model.py``'s GPT          | ``plans.nanogpt`` |
 | "hf_llama"| transformers ``LlamaForCausalLM``        | ``plans.hf_llama``|
 | "hf_gpt2" | transformers ``GPT2LMHeadModel``         | ``plans.hf_gpt2`` |
+| "auto"    | any model: derived from one traced forward | ``infer.auto``  |
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from ndweave.dmodule.infer.auto import auto_plan
 from ndweave.dmodule.plans.hf_gpt2 import hf_gpt2_plan
 from ndweave.dmodule.plans.hf_llama import hf_llama_plan
 from ndweave.dmodule.plans.mlp import mlp_plan
@@ -34,6 +36,7 @@ from ndweave.dmodule.plans.vocab_parallel import vocab_parallel_embedding
 __all__ = ["get_plan", "list_plans", "load_plan", "save_plan", "vocab_parallel_embedding"]
 
 _PLANS: dict[str, Callable[..., dict[str, Any]]] = {
+    "auto": auto_plan,
     "mlp": mlp_plan,
     "nanogpt": nanogpt_plan,
     "hf_llama": hf_llama_plan,

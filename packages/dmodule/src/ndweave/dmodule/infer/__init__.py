@@ -1,0 +1,9 @@
+"""Automatic tensor / sequence-parallel plans: ``get_plan("auto", model)`` and ``explain_plan``.
+
+See ``auto.py`` for the steps and the dmodule README's *Automatic plans* for what it finds and what
+it cannot do.
+"""
+
+from ndweave.dmodule.infer.auto import Derivation, auto_plan, derive, guess_inputs
+
+__all__ = ["Derivation", "auto_plan", "derive", "guess_inputs"]
