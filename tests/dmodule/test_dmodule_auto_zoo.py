@@ -7,7 +7,8 @@ import pytest
 import torch
 from dmodule_zoo_models import build, check_deferred, check_parity
 
-from ndweave.dmodule.plan import match_modules, split_key
+from ndweave.dmodule.plan import match_modules
+from ndweave.dmodule.spec import split_key
 from ndweave.dmodule.plans import get_plan, list_plans, load_plan, save_plan
 from ndweave.mesh.testing import distributed
 
