@@ -30,6 +30,8 @@ ARCHS: dict[str, dict] = {
     "phi3": dict(pad_token_id=0),
     "gpt_neox": dict(),
     "gpt2": dict(),
+    "falcon": dict(),
+    "mixtral": dict(num_key_value_heads=2, num_local_experts=4),
 }
 
 

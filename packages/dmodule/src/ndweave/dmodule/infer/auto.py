@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ndweave.dmodule.infer.emit import block_module, emit_blocks, emit_embeddings
+from ndweave.dmodule.infer.emit import block_module, emit_blocks, emit_embeddings, emit_replicated
 from ndweave.dmodule.infer.entries import Entries
 from ndweave.dmodule.infer.linears import find_embeddings
 from ndweave.dmodule.infer.modules import Boundaries
@@ -138,6 +138,7 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     for module, (names, why) in attributes.items():
         entries.add("patch", module, "", {"name": "divide_attributes", "args": {"names": list(names)}},
                     f"its forward reshapes with these literal sizes: {why}")
+    emit_replicated(entries, list(dict.fromkeys(f.linear.weight for f in failures)), twin)
     replicated += [f"{f.linear.weight}: replicated ({f.reason})" for f in failures]
     modules = [fqn for fqn, _ in model.named_modules()]
     return Derivation(entries, list(dict.fromkeys(replicated)), recorded, time.perf_counter() - start, modules)
