@@ -37,9 +37,11 @@ ARCHS: dict[str, dict] = {
 
 def build_hf(arch: str, **overrides) -> nn.Module:
     """A tiny causal LM of transformers' model type ``arch`` (in the default dtype); ``"obfuscated"``:
-    this file's :class:`Obfuscated`."""
+    this file's :class:`Obfuscated`; ``"torch_encoder"``: :class:`TorchEncoderLM`."""
     if arch == "obfuscated":
         return Obfuscated(**overrides)
+    if arch == "torch_encoder":
+        return TorchEncoderLM(**overrides)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(arch, **{**TINY, **ARCHS.get(arch, {}), **overrides})
@@ -167,3 +169,19 @@ class Obfuscated(nn.Module):
         for block in self.blk:
             x = block(x, cos, sin)
         return self.g(self.f(x))
+
+
+class TorchEncoderLM(nn.Module):
+    """torch's own modules: an embedding, ``nn.TransformerEncoder`` (``nn.MultiheadAttention`` inside,
+    causal), a head."""
+
+    def __init__(self, vocab: int = 128, dim: int = 32, heads: int = 4, layers: int = 2, norm_first: bool = True):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
+        return self.head(self.encoder(self.embed(ids), mask=mask, is_causal=True))

@@ -184,8 +184,9 @@ def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str]) ->
         sharded = {vid: cut_of[vid] for vid in op.inputs if vid in cut_of}
         if not sharded:
             # what a failed op made, and all made from it, can still reach the model's outputs
-            tainted.update(dict.fromkeys(op.outputs, next((tainted[v] for v in op.inputs if v in tainted), None)))
-            tainted.pop(None, None)
+            source = next((tainted[v] for v in op.inputs if v in tainted), None)
+            if source is not None:
+                tainted.update(dict.fromkeys(op.outputs, source))
             continue
         bid = uf.union({block_of[v] for v in sharded})
         block = uf.blocks[bid]

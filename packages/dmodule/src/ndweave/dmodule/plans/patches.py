@@ -66,11 +66,13 @@ def vocab_parallel_embedding(module: nn.Module, device_mesh: DeviceMesh, fqn: st
 
 
 def _builtin_patches() -> dict[str, Callable[[nn.Module, DeviceMesh, str], None]]:
+    from ndweave.dmodule.infer.attention import multihead_attention_local
     from ndweave.dmodule.infer.patches import AUTO_PATCHES
     from ndweave.dmodule.plans import hf_gpt2, hf_llama, nanogpt
 
     return {
         **AUTO_PATCHES,
+        "multihead_attention_local": multihead_attention_local,
         "vocab_parallel_embedding": vocab_parallel_embedding,
         "nanogpt_attention_heads": nanogpt.check_attention_heads,
         "hf_llama_attention_heads": hf_llama.check_attention_heads,
