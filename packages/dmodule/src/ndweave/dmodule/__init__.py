@@ -18,7 +18,7 @@ from ndweave.dmodule.dmodule import DModule, GradSyncEntry
 from ndweave.dmodule.factory import FactoryMode
 from ndweave.dmodule.hooks import log_redistributions
 from ndweave.dmodule.plan import PlacementSpec, PlanKeyError
-from ndweave.dmodule.plans import get_plan, list_plans, load_plan, save_plan
+from ndweave.dmodule.plans import explain_plan, get_plan, list_plans, load_plan, save_plan
 
 __version__ = "0.3.0"
 
@@ -31,6 +31,7 @@ __all__ = [
     "PlanKeyError",
     "RankMismatchError",
     "deferred_init",
+    "explain_plan",
     "get_plan",
     "is_deferred",
     "list_plans",
