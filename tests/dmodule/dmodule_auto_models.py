@@ -30,11 +30,18 @@ ARCHS: dict[str, dict] = {
     "phi3": dict(pad_token_id=0),
     "gpt_neox": dict(),
     "gpt2": dict(),
+    "falcon": dict(),
+    "mixtral": dict(num_key_value_heads=2, num_local_experts=4),
 }
 
 
 def build_hf(arch: str, **overrides) -> nn.Module:
-    """A tiny causal LM of transformers' model type ``arch`` (in the default dtype)."""
+    """A tiny causal LM of transformers' model type ``arch`` (in the default dtype); ``"obfuscated"``:
+    this file's :class:`Obfuscated`; ``"torch_encoder"``: :class:`TorchEncoderLM`."""
+    if arch == "obfuscated":
+        return Obfuscated(**overrides)
+    if arch == "torch_encoder":
+        return TorchEncoderLM(**overrides)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(arch, **{**TINY, **ARCHS.get(arch, {}), **overrides})
@@ -50,7 +57,8 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _run(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = model(input_ids=ids).logits
+    out = model(ids)
+    logits = getattr(out, "logits", out)
     return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
@@ -91,3 +99,89 @@ def _same_grads(params: dict, ref_params: dict, where: str) -> None:
             assert params[fqn].grad is None, f"{where}: {fqn} got a gradient one process does not"
         else:
             assert_close(params[fqn].grad, ref_p.grad, name=f"{where} {fqn}.grad")
+
+
+class _Norm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class _Attention(nn.Module):
+    """Fused q|k|v in one Linear, split with a literal size; heads reshaped with a literal count."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.n, self.h = heads, dim // heads
+        self.a = nn.Linear(dim, 3 * dim, bias=False)
+        self.b = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q, k, v = self.a(x).split(self.n * self.h, dim=-1)
+        q, k, v = (t.view(B, T, self.n, self.h).transpose(1, 2) for t in (q, k, v))
+        q, k = (t * cos + torch.cat([-t[..., self.h // 2:], t[..., :self.h // 2]], -1) * sin for t in (q, k))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.b(y.transpose(1, 2).reshape(B, T, self.n * self.h))
+
+
+class _GatedMlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.c = nn.Linear(dim, 2 * hidden, bias=False)
+        self.d = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        g, u = self.c(x).chunk(2, dim=-1)
+        return self.d(F.silu(g) * u)
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int):
+        super().__init__()
+        self.a, self.b, self.c, self.d = _Norm(dim), _Attention(dim, heads), _Norm(dim), _GatedMlp(dim, hidden)
+
+    def forward(self, x, cos, sin):
+        x = x + self.b(self.a(x), cos, sin)
+        return x + self.d(self.c(x))
+
+
+class Obfuscated(nn.Module):
+    """A Llama-shaped decoder whose modules say nothing (``blk.0.b.a`` is the fused q|k|v, ``blk.0.d``
+    the SwiGLU MLP), with literal head counts: what "auto" must see through."""
+
+    def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, hidden: int = 128, layers: int = 2):
+        super().__init__()
+        self.e = nn.Embedding(vocab, dim)
+        self.blk = nn.ModuleList(_Block(dim, heads, hidden) for _ in range(layers))
+        self.f = _Norm(dim)
+        self.g = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("r", 1.0 / 10000 ** (torch.arange(0, dim // heads, 2) / (dim // heads)), persistent=False)
+
+    def forward(self, ids):
+        angles = torch.arange(ids.shape[1], device=ids.device)[:, None] * self.r
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        x = self.e(ids)
+        for block in self.blk:
+            x = block(x, cos, sin)
+        return self.g(self.f(x))
+
+
+class TorchEncoderLM(nn.Module):
+    """torch's own modules: an embedding, ``nn.TransformerEncoder`` (``nn.MultiheadAttention`` inside,
+    causal), a head."""
+
+    def __init__(self, vocab: int = 128, dim: int = 32, heads: int = 4, layers: int = 2, norm_first: bool = True):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
+        return self.head(self.encoder(self.embed(ids), mask=mask, is_causal=True))

@@ -18,7 +18,7 @@ from ndweave.dmodule.dmodule import DModule, GradSyncEntry
 from ndweave.dmodule.factory import FactoryMode
 from ndweave.dmodule.hooks import log_redistributions
 from ndweave.dmodule.patches import register_patch
-from ndweave.dmodule.plans import get_plan, list_plans, load_plan, save_plan
+from ndweave.dmodule.plans import explain_plan, get_plan, list_plans, load_plan, save_plan
 from ndweave.dmodule.spec import PlacementSpec, PlanKeyError
 
 __version__ = "0.4.0"
@@ -32,6 +32,7 @@ __all__ = [
     "PlanKeyError",
     "RankMismatchError",
     "deferred_init",
+    "explain_plan",
     "get_plan",
     "is_deferred",
     "list_plans",

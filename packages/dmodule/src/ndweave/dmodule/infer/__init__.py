@@ -5,5 +5,6 @@ it cannot do.
 """
 
 from ndweave.dmodule.infer.auto import Derivation, auto_plan, derive, guess_inputs
+from ndweave.dmodule.infer.explain import explain_plan
 
-__all__ = ["Derivation", "auto_plan", "derive", "guess_inputs"]
+__all__ = ["Derivation", "auto_plan", "derive", "explain_plan", "guess_inputs"]

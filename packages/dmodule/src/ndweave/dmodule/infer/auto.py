@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ndweave.dmodule.infer.emit import block_module, emit_blocks, emit_embeddings
+from ndweave.dmodule.infer.attention import emit_torch_attention, find_torch_attention
+from ndweave.dmodule.infer.emit import block_module, emit_blocks, emit_embeddings, emit_replicated
 from ndweave.dmodule.infer.entries import Entries
 from ndweave.dmodule.infer.linears import find_embeddings
 from ndweave.dmodule.infer.modules import Boundaries
@@ -138,6 +139,12 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     for module, (names, why) in attributes.items():
         entries.add("patch", module, "", {"name": "divide_attributes", "args": {"names": list(names)}},
                     f"its forward reshapes with these literal sizes: {why}")
+    attention, skipped = find_torch_attention(recorded)
+    emit_torch_attention(entries, attention, sequence_parallel=sequence_parallel)
+    inside = {op.index for op in recorded.ops if op.parent in {a.op for a in attention}}
+    failures = [f for f in failures if f.linear.op not in inside]
+    replicated += list(skipped.values())
+    emit_replicated(entries, list(dict.fromkeys(f.linear.weight for f in failures)), twin)
     replicated += [f"{f.linear.weight}: replicated ({f.reason})" for f in failures]
     modules = [fqn for fqn, _ in model.named_modules()]
     return Derivation(entries, list(dict.fromkeys(replicated)), recorded, time.perf_counter() - start, modules)

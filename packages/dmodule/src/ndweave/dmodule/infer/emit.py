@@ -36,7 +36,7 @@ from ndweave.dmodule.infer.patterns import Block
 from ndweave.dmodule.spec import PlacementSpec
 from ndweave.mesh.torch_compat import StridedShard
 
-__all__ = ["emit_blocks", "emit_embeddings", "block_module", "input_value"]
+__all__ = ["emit_blocks", "emit_embeddings", "emit_replicated", "block_module", "input_value"]
 
 
 def _local(placements: list) -> PlacementSpec:
@@ -164,3 +164,24 @@ def emit_embeddings(entries: Entries, embeddings: list[Embedding], b: Boundaries
             entries.add("forward", emb.module, "output", [[Shard(1)]], "joins the sequence-sharded stream (SP)")
     return notes
 
+
+
+def emit_replicated(entries: Entries, replicated: list[str], model: nn.Module) -> None:
+    """The ``replicated_local`` patch on the outermost modules holding replicated linears (their
+    weights FQNs in ``replicated``) and no sharded parameter: they then run on plain tensors."""
+    sharded = {f"{e.module}.{e.leaf}" for e in entries.items if e.section == "parameter"}
+    chosen: list[str] = []
+    for weight in replicated:
+        module = weight.rpartition(".")[0]
+        best = None
+        while module:
+            holds = any(is_within(p.rpartition(".")[0], module) for p in sharded)
+            if holds:
+                break
+            best = module
+            module = module.rpartition(".")[0]
+        if best is not None and not any(is_within(best, c) for c in chosen):
+            chosen = [c for c in chosen if not is_within(c, best)] + [best]
+    for fqn in chosen:
+        entries.add("patch", fqn, "", "replicated_local",
+                    "holds only replicated parameters: runs on plain local tensors, the same on every rank")

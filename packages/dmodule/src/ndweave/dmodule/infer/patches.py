@@ -7,6 +7,12 @@
   Works for any module type (``nn.Linear``, GPT-2's ``Conv1D``, ...): it swaps the parameters.
 - ``tp_divides(sizes=[...])``: refuses a tensor-parallel size that does not divide every sharded
   size of a block (its heads), naming the module; an uneven cut would split a head.
+- ``replicated_local()``: a module whose parameters are all replicated (attention the plan could not
+  shard, an MoE router and its experts) runs its forward on plain local tensors: its DTensor
+  arguments, parameters and buffers are handed in as local tensors and its tensor outputs come back
+  ``Replicate`` DTensors. Every rank computes the same thing, with no communication, whatever ops
+  the forward uses (DTensor has no rule for some: ``nonzero``, ``topk`` on indices, ...) and
+  whatever plain tensors it meets (rotary tables, masks).
 - ``divide_attributes(names=[...])``: divides int attributes (``"num_heads"``,
   ``"config.num_attention_heads"``) by the tensor-parallel size, for forwards that reshape with a
   literal head count. An attribute of a shared object (a config) is changed on a copy owned by this
@@ -26,9 +32,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ndweave.dmodule.patches import register_patch
-from ndweave.mesh.torch_compat import StridedShard
+from ndweave.mesh.torch_compat import StridedShard, tree_map
 
-__all__ = ["divide_attributes", "fused_colwise", "tp_divides"]
+__all__ = ["divide_attributes", "fused_colwise", "replicated_local", "tp_divides"]
 
 
 def _tp_size(device_mesh: DeviceMesh, fqn: str, what: str) -> int:
@@ -94,6 +100,42 @@ def fused_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str, *, piece
             return forward(module, x, *args, **kwargs)
 
     module.forward = local_forward
+
+
+@register_patch("replicated_local")
+def replicated_local(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
+    """Run ``module`` on plain local tensors (see the module docstring)."""
+    tensors = [(m, table, name, t) for m in module.modules() for table in (m._parameters, m._buffers)
+               for name, t in table.items() if isinstance(t, DTensor)]
+    for m, table, name, t in tensors:
+        if any(not isinstance(p, Replicate) for p in t.placements):
+            raise ValueError(f"replicated_local on {fqn!r}: {name} of {type(m).__name__} is laid out {t.placements}; "
+                             "the patch is for modules whose tensors are all replicated")
+    forward = type(module).forward
+
+    def local_forward(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = tree_map(_to_local, (args, kwargs))
+        saved = [(table, name, table[name]) for _, table, name, _ in tensors]
+        try:
+            for table, name, t in saved:
+                table[name] = t.to_local()
+            out = forward(module, *args, **kwargs)
+        finally:
+            for table, name, t in saved:
+                table[name] = t
+        return tree_map(lambda x: DTensor.from_local(x, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
+                        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x, out)
+
+    module.forward = local_forward
+
+
+def _to_local(x: Any) -> Any:
+    if not isinstance(x, DTensor):
+        return x
+    replicated = [Replicate()] * x.device_mesh.ndim
+    if tuple(x.placements) != tuple(replicated):
+        x = x.redistribute(x.device_mesh, replicated)
+    return x.to_local(grad_placements=replicated)
 
 
 @contextmanager

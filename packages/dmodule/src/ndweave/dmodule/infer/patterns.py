@@ -77,6 +77,7 @@ def find_blocks(trace: Trace, excluded: dict[int, str] | None = None) -> tuple[l
     ``excluded``: op index -> why, for linears known not to be column-wise."""
     linears = find_linears(trace)
     excluded = dict(excluded or {})
+    as_row: dict[int, str] = {}  # a row-wise linear of a failed block: that block's reason is its own
     while True:
         blocks = _walk(trace, linears, excluded)
         failed = [b for b in blocks if b.failure]
@@ -85,11 +86,14 @@ def find_blocks(trace: Trace, excluded: dict[int, str] | None = None) -> tuple[l
         for block in failed:
             for lin in block.columns:
                 excluded[lin.op] = block.failure
-    failures = [Failure(linears[i], reason) for i, reason in excluded.items()]
+            for lin in block.rows:
+                as_row.setdefault(lin.op, f"takes the output of {block.columns[0].module}, left replicated: "
+                                          f"{block.failure}")
+    failures = [Failure(linears[i], as_row.get(i, reason)) for i, reason in excluded.items()]
     # a linear neither in a block nor failed is replicated too (a row of a failed block, say)
     placed = {lin.op for b in blocks for lin in (*b.columns, *b.rows)} | set(excluded)
-    failures += [Failure(lin, "its input is not sharded and its output is not either") for i, lin in linears.items()
-                 if i not in placed]
+    failures += [Failure(lin, as_row.get(i, "its input is not sharded and its output is not either"))
+                 for i, lin in linears.items() if i not in placed]
     return blocks, sorted(failures, key=lambda f: f.linear.op)
 
 
@@ -184,8 +188,9 @@ def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str]) ->
         sharded = {vid: cut_of[vid] for vid in op.inputs if vid in cut_of}
         if not sharded:
             # what a failed op made, and all made from it, can still reach the model's outputs
-            tainted.update(dict.fromkeys(op.outputs, next((tainted[v] for v in op.inputs if v in tainted), None)))
-            tainted.pop(None, None)
+            source = next((tainted[v] for v in op.inputs if v in tainted), None)
+            if source is not None:
+                tainted.update(dict.fromkeys(op.outputs, source))
             continue
         bid = uf.union({block_of[v] for v in sharded})
         block = uf.blocks[bid]

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ndweave.dmodule.infer.auto import auto_plan
+from ndweave.dmodule.infer.explain import explain_plan
 from ndweave.dmodule.plans.hf_gpt2 import hf_gpt2_plan
 from ndweave.dmodule.plans.hf_llama import hf_llama_plan
 from ndweave.dmodule.plans.mlp import mlp_plan
@@ -33,7 +34,7 @@ from ndweave.dmodule.plans.nanogpt import nanogpt_plan
 from ndweave.dmodule.plans.serialization import load_plan, save_plan
 from ndweave.dmodule.plans.vocab_parallel import vocab_parallel_embedding
 
-__all__ = ["get_plan", "list_plans", "load_plan", "save_plan", "vocab_parallel_embedding"]
+__all__ = ["explain_plan", "get_plan", "list_plans", "load_plan", "save_plan", "vocab_parallel_embedding"]
 
 _PLANS: dict[str, Callable[..., dict[str, Any]]] = {
     "auto": auto_plan,
