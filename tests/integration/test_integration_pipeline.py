@@ -99,7 +99,7 @@ def _every_schedule(mesh, what, whole_model, tensor_parallel=False):
     expected = _reference(reference, data)
     for schedule, virtual in SCHEDULES:
         plan = _plan(schedule, virtual)
-        module = construct_pipeline_stage(whole_model(reference), plan, mesh)
+        module = construct_pipeline_stage(whole_model(reference), plan, mesh, example_inputs=data[0][0][:2])
         for i in range(len(module)):
             chunk = parallelize_module(module[i], mesh["TP"], get_plan("nanogpt", module[i])) if tensor_parallel \
                 else module[i]

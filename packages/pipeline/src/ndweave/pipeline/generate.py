@@ -66,7 +66,8 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator |
     if temperature == 0:
         return scores.argmax(dim=-1, keepdim=True)
     probs = torch.softmax(scores.double() / temperature, dim=-1)
-    return torch.multinomial(probs.to(generator.device if generator else probs.device), 1, generator=generator)
+    drawn = torch.multinomial(probs.to(generator.device if generator else probs.device), 1, generator=generator)
+    return drawn.to(scores.device)
 
 
 def _relay(engine: PipeEngine, window: torch.Tensor) -> torch.Tensor | None:
