@@ -40,7 +40,8 @@ def test_blocks_as_attributes_split_at_every_boundary_match_one_process():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("PP",))
     example = data[0][0][:2]  # one micro-batch: only its shapes and dtypes are used
     for point in ["wpe", "block1", "block2", "block3", "block4", "norm", "head", None]:
-        plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=4, split_points=point and [point])
+        plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=4, split_points=point and [point],
+                                    activation_recompute=point is None)
         actual = train_pipeline(model, plan, mesh, data, loss=lm_loss, example_inputs=example)
         assert_same_training(actual, expected, f"AttrLM split at {point or 'uniform'}")
 

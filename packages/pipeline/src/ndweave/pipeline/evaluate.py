@@ -28,7 +28,18 @@ def evaluate_batch(engine: PipeEngine, inputs: torch.Tensor | None, targets: tor
     along dim 0) on the rank holding it and ``None`` on the others."""
     first = 0 in engine.module.stage_indices
     last = engine.resolved.num_stages - 1 in engine.module.stage_indices
+    inputs_shape, with_targets = _agree_on_batch(engine, inputs, targets, first, last)
+    _check_same_shape(engine, inputs_shape)
+    recording, engine.recorder.enabled = engine.recorder.enabled, False  # the timeline is training's
+    try:
+        return _run(engine, (inputs,) if first else (), targets if last else None, with_targets, inputs_shape[0], last)
+    finally:
+        engine.recorder.enabled = recording
 
+
+def _agree_on_batch(engine: PipeEngine, inputs, targets, first: bool, last: bool) -> tuple[tuple[int, ...], bool]:
+    """Every PP rank's batch check, the inputs' shape and whether the last stage has targets, on every
+    PP rank (one small gather): all raise, or all run the same schedule."""
     try:
         if first:
             engine._check_batch("inputs", inputs, needed=True)
@@ -38,26 +49,25 @@ def evaluate_batch(engine: PipeEngine, inputs: torch.Tensor | None, targets: tor
     except ValueError as local:
         error = str(local)
     shapes = (tuple(inputs.shape) if first and error is None else None,
-              tuple(targets.shape) if last and targets is not None and error is None else None)
-    # every PP rank learns every rank's check, the batch shape and whether the last stage has targets
+              last and targets is not None and error is None)
     everyone = _everyone((error, shapes), engine.pp_mesh.get_group())
     failed = [(rank, message) for rank, (message, _) in enumerate(everyone) if message]
     if failed:
         raise ValueError(f"PipeEngine.evaluate refused on PP rank {failed[0][0]}: {failed[0][1]}")
-    inputs_shape = next(s[0] for _, s in everyone if s[0] is not None)
-    targets_shape = next((s[1] for _, s in everyone if s[1] is not None), None)
-    _check_same_shape(engine, inputs_shape)
-    args = (inputs,) if first else ()
+    return next(s[0] for _, s in everyone if s[0] is not None), any(s[1] for _, s in everyone)
+
+
+def _run(engine: PipeEngine, args: tuple, targets, with_targets: bool, batch: int, last: bool):
     with torch.no_grad():
-        if targets_shape is not None:
+        if with_targets:
             losses: list[torch.Tensor] = []
-            engine.schedule.eval(*args, target=targets if last else None, losses=losses)
+            engine.schedule.eval(*args, target=targets, losses=losses)
             return engine._broadcast_loss(losses, last)
         # no targets: the schedule still calls its loss on each micro-batch; it gets a placeholder
         # target of the batch's length and gives no loss
         loss_fn, engine.loss_fn = engine.loss_fn, _no_loss
         try:
-            placeholder = torch.empty((inputs_shape[0], 0), device=engine.stages[0].device) if last else None
+            placeholder = torch.empty((batch, 0), device=engine.stages[0].device) if last else None
             outputs = engine.schedule.eval(*args, target=placeholder)
         finally:
             engine.loss_fn = loss_fn
