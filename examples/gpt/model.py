@@ -9,7 +9,7 @@ parallelism without patches to its own code:
   the local projection produced, so a rank holding ``n_head / tp`` heads just works.
 
 ``lm_head`` is tied to ``wte`` by default (as in nanoGPT; ``GPTConfig(tie_weights=False)`` unties it).
-A floating-point input is taken as hidden states from a previous pipeline stage (see ``forward``).
+It knows nothing of pipelines: ``ndweave.pipeline`` traces its ``forward`` and runs each stage's part.
 
     sys.path.insert(0, "examples/gpt"); from model import GPT, GPTConfig   # a plain file, not a package
     model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32))
@@ -122,18 +122,11 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """``idx``: (B, T) token ids. Returns ``(logits, loss)``; ``loss`` is None without targets.
-
-        A pipeline stage after the first (``ndweave.pipeline``) is this model with other stages' layers
-        replaced by pass-through placeholders; it is handed the previous stage's (B, T, n_embd) hidden
-        states as ``idx`` (floating point, unlike token ids) and skips the embeddings."""
+        """``idx``: (B, T) token ids. Returns ``(logits, loss)``; ``loss`` is None without targets."""
         T = idx.shape[1]
         assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
-        if idx.is_floating_point():
-            x = idx
-        else:
-            pos = torch.arange(T, dtype=torch.long, device=idx.device).unsqueeze(0)  # (1, T)
-            x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        pos = torch.arange(T, dtype=torch.long, device=idx.device).unsqueeze(0)  # (1, T)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
         logits = self.lm_head(self.transformer.ln_f(x))

@@ -35,9 +35,10 @@ def progress(start: int, last: int, show: bool) -> tqdm:
     return tqdm(total=last, initial=start, disable=not show, desc="train", unit="step", dynamic_ncols=True)
 
 
-def step(bar: tqdm, loss: float, tokens: int, seconds: float) -> None:
-    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / seconds:,.0f}", step_ms=f"{seconds * 1e3:.0f}",
-                    refresh=False)
+def step(bar: tqdm, loss: float, tokens: int, seconds: float, val_loss: float = math.nan) -> None:
+    shown = {"loss": f"{loss:.4f}", **({} if math.isnan(val_loss) else {"val": f"{val_loss:.4f}"}),
+             "tok_s": f"{tokens / seconds:,.0f}", "step_ms": f"{seconds * 1e3:.0f}"}
+    bar.set_postfix(shown, refresh=False)
     bar.update(1)
 
 
@@ -48,25 +49,28 @@ def finish(result: Any, args: argparse.Namespace) -> None:
     kind = "host RSS" if args.device == "cpu" else "max allocated"
     print(f"peak memory per rank ({kind}, MiB): " + " ".join(f"{m:.0f}" for m in mib))
     if args.plot and result.losses:
-        _plot(result.history or result.losses, min(result.losses), args)
+        _plot(result.history or result.losses, result.val_losses, min(result.losses), args)
         print(f"loss curve: {args.plot}")
     steps = sorted(result.losses)
     final = result.losses[steps[-1]] if steps else float("nan")
+    val = f", validation loss {result.val_losses[max(result.val_losses)]:.4f}" if result.val_losses else ""
     print(f"done: mesh {result.mesh}, steps {steps[0] if steps else '-'}..{steps[-1] if steps else '-'}, "
-          f"final loss {final:.4f}, {result.seconds:.1f}s, {result.tokens_per_s:,.0f} tokens/s, "
+          f"final loss {final:.4f}{val}, {result.seconds:.1f}s, {result.tokens_per_s:,.0f} tokens/s, "
           f"peak memory {max(mib):.0f} MiB/rank")
 
 
-def _plot(losses: dict[int, float], first: int, args: argparse.Namespace) -> None:
-    """The loss curve from step 1 (earlier runs' steps from the checkpoint); a resumed run marks
-    where this run began."""
+def _plot(losses: dict[int, float], val_losses: dict[int, float], first: int, args: argparse.Namespace) -> None:
+    """The loss curve from step 1 (earlier runs' steps from the checkpoint) and the validation loss
+    beside it; a resumed run marks where this run began."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(list(losses), list(losses.values()), label=f"mesh {args.mesh}")
+    ax.plot(list(losses), list(losses.values()), label=f"training, mesh {args.mesh}")
+    if val_losses:
+        ax.plot(list(val_losses), list(val_losses.values()), "o-", label="validation (held-out text, through the pipeline)")
     if first > 1:
         ax.axvline(first, color="tab:orange", linestyle="--", label=f"resumed at step {first - 1}")
     ax.axhline(math.log(256), color="grey", linestyle=":", label="uniform over bytes (ln 256)")
@@ -115,15 +119,6 @@ def compare(result: Any, args: argparse.Namespace, single_device: Callable[[int,
     return ok
 
 
-def sample(model: torch.nn.Module, args: argparse.Namespace, prompt: bytes = b"ROMEO:\n") -> str:
-    """``args.sample`` bytes the trained model (whole, on this process) writes after ``prompt``."""
-    model.eval()
-    idx = torch.tensor([list(prompt)])
-    g = torch.Generator().manual_seed(args.seed)
-    with torch.no_grad():
-        for _ in range(args.sample):
-            logits = model(idx[:, -args.block_size:])[0][0, -1].double() / 0.8  # temperature 0.8
-            idx = torch.cat([idx, torch.multinomial(torch.softmax(logits, -1), 1, generator=g)[None]], 1)
-    text = bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+def sample(text: str) -> None:
+    """Print what the trained model wrote (``--sample``)."""
     print("sample:\n" + text)
-    return text

@@ -56,7 +56,7 @@ def _layout(cell, split, zero, seed):
     else:
         mesh = init_device_mesh("cpu", cell, mesh_dim_names=("PP", "DP", "TP"))
         plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=2, split_points=[split])
-        model = construct_pipeline_stage(build("gpt", seed=seed), plan, mesh)
+        model = construct_pipeline_stage(build("gpt", seed=seed), plan, mesh, example_inputs=flat.DATA[0][0][:2])
         for i in range(len(model)):
             chunk = model[i] if tp == 1 else parallelize_module(model[i], mesh["TP"], get_plan("nanogpt", model[i]))
             model[i] = DDP(chunk, mesh["DP"], use_distributed_optimizer=zero, bucket_size=500)

@@ -99,7 +99,7 @@ def _every_schedule(mesh, what, whole_model, tensor_parallel=False):
     expected = _reference(reference, data)
     for schedule, virtual in SCHEDULES:
         plan = _plan(schedule, virtual)
-        module = construct_pipeline_stage(whole_model(reference), plan, mesh)
+        module = construct_pipeline_stage(whole_model(reference), plan, mesh, example_inputs=data[0][0][:2])
         for i in range(len(module)):
             chunk = parallelize_module(module[i], mesh["TP"], get_plan("nanogpt", module[i])) if tensor_parallel \
                 else module[i]
@@ -162,10 +162,12 @@ def test_hf_llama_split_by_fqn_with_zoo_plan_inside_stages():
         ref_losses.append(loss.detach())
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("PP", "TP"))
-    # later stages get the hidden states as HF's inputs_embeds; the embedding is on stage 0 only
-    plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=2, split_points=["model.layers.1"],
-                                stage_input_name="inputs_embeds")
-    module = construct_pipeline_stage(copy.deepcopy(reference), plan, mesh)
-    module[0] = parallelize_module(module[0], mesh["TP"], get_plan("hf_llama", module[0]))
-    losses = _train(module, mesh, plan, _basic_optimizer, data)
-    _check(losses, module, (ref_losses, dict(model.named_parameters())), "hf_llama PP=2 x TP=2 1f1b")
+    # untraced, later stages get the hidden states as HF's inputs_embeds and recompute the mask and the
+    # rotary tables; traced, the mask, the (cos, sin) tables and the position ids cross the cut with them
+    for how in ({"stage_input_name": "inputs_embeds"}, {"example_inputs": data[0][0][:2]}):
+        plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=2, split_points=["model.layers.1"],
+                                    stage_input_name=how.get("stage_input_name"))
+        module = construct_pipeline_stage(copy.deepcopy(reference), plan, mesh, example_inputs=how.get("example_inputs"))
+        module[0] = parallelize_module(module[0], mesh["TP"], get_plan("hf_llama", module[0]))
+        losses = _train(module, mesh, plan, _basic_optimizer, data)
+        _check(losses, module, (ref_losses, dict(model.named_parameters())), f"hf_llama PP=2 x TP=2 1f1b {list(how)}")

@@ -110,11 +110,13 @@ def _flat_grads(grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
 
 
 def train_pipeline(model: nn.Module, plan, mesh, data, *, wrap=None, loss=loss_fn, lr: float = 0.05,
-                   data_parallel=None):
+                   data_parallel=None, example_inputs=None):
     """The same loop through ``PipeEngine``; ``wrap(chunk)`` wraps each chunk (e.g. for DP) and
-    ``data_parallel`` (the DP ``DeviceMesh``) picks this DP rank's slice of every batch. Returns what
+    ``data_parallel`` (the DP ``DeviceMesh``) picks this DP rank's slice of every batch;
+    ``example_inputs``: trace the model (see ``construct_pipeline_stage``). Returns what
     :func:`train_reference` does (the loss averaged over DP; grads and params of this rank's chunks)."""
-    module = construct_pipeline_stage(copy.deepcopy(model), plan, mesh)  # chunks share the model's layers
+    module = construct_pipeline_stage(copy.deepcopy(model), plan, mesh,  # chunks share the model's layers
+                                      example_inputs=example_inputs)
     for i in range(len(module)):
         module[i] = wrap(module[i]) if wrap else module[i]
     engine = PipeEngine(module, mesh, loss, plan)

@@ -6,6 +6,11 @@ are shallow copies (own child / parameter / buffer dicts, same attributes), the 
 holds a :class:`StagePlaceholder`, and every kept layer is the original module object. Nothing is
 allocated or initialized: a ``meta``-device or ``deferred_init`` model stays so, and only the kept
 layers' tensors are reachable from the chunk. The model passed in is left untouched.
+
+With ``example_inputs`` the root ``forward`` is traced once (:mod:`ndweave.pipeline.trace`) and cut
+in execution order; each chunk's ``forward`` then runs only its stage's part of the graph
+(:mod:`ndweave.pipeline.program`). Without, every chunk runs the whole root ``forward``, other
+stages' layers passing their input through.
 """
 
 from __future__ import annotations
@@ -22,9 +27,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import finish_grad_sync, mark_removed_modules
 from ndweave.mesh.torch_compat import local_tensor
+from ndweave.pipeline.order import ExecutionOrder
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
-from ndweave.pipeline.split import assign_stages, model_layers
+from ndweave.pipeline.program import StageProgram, run_as_stage
+from ndweave.pipeline.split import assign_stages, cut_traced, model_layers, traced_layers
+from ndweave.pipeline.stage_io import StageIO, build_stage_io
 from ndweave.pipeline.ties import SharedParam, find_shared_params
+from ndweave.pipeline.trace import trace_forward
 
 __all__ = ["PipeModule", "StagePlaceholder", "construct_pipeline_stage"]
 
@@ -69,7 +78,7 @@ class PipeModule(nn.Module):
     """
 
     def __init__(self, chunks: list[nn.Module], stage_indices: list[int], stage_layers: list[list[str]],
-                 resolved: ResolvedPlan, shared_params: list[SharedParam]) -> None:
+                 resolved: ResolvedPlan, shared_params: list[SharedParam], stage_io: list[StageIO | None]) -> None:
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
         self.stage_indices = tuple(stage_indices)
@@ -78,6 +87,9 @@ class PipeModule(nn.Module):
         self.resolved_plan = resolved
         self.shared_params = shared_params
         """Weights held by several stages (tied embedding and LM head), all stages' view."""
+        self.stage_io = stage_io
+        """What crosses each cut of a traced model: ``stage_io[s]`` is what stage ``s`` receives
+        (``None`` for stage 0, and for every stage of a model cut without ``example_inputs``)."""
 
     @property
     def num_stages(self) -> int:
@@ -95,11 +107,15 @@ class PipeModule(nn.Module):
     def __iter__(self) -> Iterator[nn.Module]:
         return iter(self.chunks)
 
-    def forward(self, *args, **kwargs):
-        raise RuntimeError(
-            "a PipeModule is run by a schedule: engine = PipeEngine(module, mesh, loss_fn, plan); "
-            "loss = engine(inputs, targets)"
-        )
+    def forward(self, *args, chunk_id: int | None = None, **kwargs):
+        """Run one chunk directly (veScale's ``forward(x, chunk_id=)``): ``chunk_id`` indexes this
+        rank's chunks and may be left out when there is one. A traced chunk takes what its stage
+        receives (the model's inputs on the first stage, ``stage_io``'s tensors later) and returns what
+        it sends (the model's output on the last stage). Training runs through ``PipeEngine``."""
+        if chunk_id is None and len(self.chunks) > 1:
+            raise ValueError(f"this rank holds {len(self.chunks)} chunks (stages {list(self.stage_indices)}); "
+                             "pass chunk_id=")
+        return self.chunks[chunk_id or 0](*args, **kwargs)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """Every chunk's parameters under their original FQNs."""
@@ -137,33 +153,92 @@ class PipeModule(nn.Module):
 
 
 def construct_pipeline_stage(model: nn.Module, plan: PipelineParallelPlan,
-                             mesh: ParallelMesh | DeviceMesh | None = None) -> PipeModule:
+                             mesh: ParallelMesh | DeviceMesh | None = None, *,
+                             example_inputs: torch.Tensor | tuple | None = None) -> PipeModule:
     """This rank's stage chunk(s) of ``model`` under ``plan``, over the ``"PP"`` dim of ``mesh``
     (default: the default ``DEVICE_MESH``)::
 
-        module = construct_pipeline_stage(GPT(config), PipelineParallelPlan(num_microbatches=4), mesh)
+        module = construct_pipeline_stage(GPT(config), plan, mesh, example_inputs=idx[:2])
         module[0]                        # the GPT with other stages' blocks replaced by placeholders
         [n for n, _ in module.named_parameters()]   # original FQNs: "transformer.h.2.attn.q_proj.weight"
+
+    ``example_inputs``: the model's positional inputs for one micro-batch (a tensor or a tuple; real
+    or ``meta``, only shapes and dtypes are used). With them the root ``forward`` is traced once and
+    cut where the layers *run*: any model, split points naming any module, the work the forward does
+    between layers run once on the stage that owns it, several values between stages
+    (``module.stage_io``). Without them the model is cut in registration order and every stage runs
+    the whole root ``forward`` (its layers in containers, later stages taking the hidden states).
     """
     pp_mesh = resolve_mesh(mesh, "PP")
     resolved = resolve_plan(plan, pp_mesh.size())
-    stage_layers = assign_stages(model, resolved.num_stages, plan.split_points)
     _check_shared_modules(model, plan)
-    shared = find_shared_params(model, stage_layers, plan.shared_modules)
     mine = resolved.stages_of(pp_mesh.get_local_rank())
-    chunks = [_build_chunk(model, stage_layers, stage) for stage in mine]
-    return PipeModule(chunks, mine, stage_layers, resolved, shared)
+    if example_inputs is None:
+        layers = model_layers(model)
+        stage_layers = assign_stages(model, resolved.num_stages, plan.split_points)
+        chunks = [_build_chunk(model, layers, stage_layers, stage) for stage in mine]
+        stage_io: list[StageIO | None] = [None] * resolved.num_stages
+    else:
+        traced = _TracedSplit(model, resolved.num_stages, plan.split_points, example_inputs)
+        layers, stage_layers, stage_io = traced.layers, traced.stage_layers, traced.stage_io
+        chunks = [run_as_stage(_build_chunk(model, layers, stage_layers, stage, traced.unread_params(stage)),
+                               traced.programs[stage]) for stage in mine]
+    shared = find_shared_params(model, stage_layers, plan.shared_modules)
+    return PipeModule(chunks, mine, stage_layers, resolved, shared, stage_io)
 
 
-def _build_chunk(model: nn.Module, stage_layers: list[list[str]], stage: int) -> nn.Module:
-    stage_of = {fqn: s for s, layers in enumerate(stage_layers) for fqn in layers}
-    removed = [fqn for fqn in model_layers(model)
-               if stage_of[fqn] != stage and _has_params(model.get_submodule(fqn))]
+class _TracedSplit:
+    """A traced model cut into stages: each stage's layers, program and incoming values."""
+
+    def __init__(self, model: nn.Module, num_stages: int, split_points, example_inputs) -> None:
+        example = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        self.layers = traced_layers(model, split_points)
+        order = ExecutionOrder(trace_forward(model, example, self.layers))
+        cuts = cut_traced(model, order, num_stages, split_points)
+        self.stage_layers: list[list[str]] = [[] for _ in range(num_stages)]
+        for fqn, calls in order.calls.items():
+            stages = sorted({order.stage_of(cuts, call) for call in calls})
+            if len(stages) > 1 and _has_params(model.get_submodule(fqn)):
+                raise ValueError(f"layer {fqn!r} runs on stages {stages} (the forward calls it {len(calls)} times) "
+                                 "but its parameters can live on one; choose split points that keep its calls together")
+            self.stage_layers[stages[0]].append(fqn)
+        self.stage_layers[0] += [fqn for fqn in self.layers if fqn not in order.calls]  # never called: kept
+        self.stage_io = [None] + [build_stage_io(order, cuts[s], s, self.stage_layers[s][0]) for s in range(1, num_stages)]
+        self.programs = [StageProgram(order, cuts, s, self.stage_io[s], self.stage_io[s + 1] if s + 1 < num_stages else None)
+                         for s in range(num_stages)]
+        self._own_params = self._params_read_by_stage(model)
+
+    def _params_read_by_stage(self, model: nn.Module) -> dict[str, int]:
+        """Parameters outside every layer (owned by the root, read by its forward): the stage reading each."""
+        outside = [name for name, _ in model.named_parameters()
+                   if not any(name.startswith(layer + ".") for layer in self.layers)]
+        owner: dict[str, int] = {}
+        for name in outside:
+            readers = [p.stage for p in self.programs
+                       if any(n.op == "get_attr" and n.target == name for n in p.graph.nodes)]
+            if len(readers) > 1:
+                raise ValueError(f"parameter {name!r} is read by the forward on stages {readers}; a weight outside "
+                                 "the layers can live on one stage: move the split points or the weight into a layer")
+            owner[name] = readers[0] if readers else 0
+        return owner
+
+    def unread_params(self, stage: int) -> list[str]:
+        """Parameters outside the layers that ``stage`` does not own (dropped from its chunk)."""
+        return [name for name, owner in self._own_params.items() if owner != stage]
+
+
+def _build_chunk(model: nn.Module, layers: list[str], stage_layers: list[list[str]], stage: int,
+                 unread_params: list[str] = ()) -> nn.Module:
+    stage_of = {fqn: s for s, held in enumerate(stage_layers) for fqn in held}
+    removed = [fqn for fqn in layers if stage_of[fqn] != stage and _has_params(model.get_submodule(fqn))]
     root = _skeleton(model)
     copies: dict[str, nn.Module] = {"": root}
     for fqn in removed:
         parent_fqn, _, name = fqn.rpartition(".")
         _copied_path(copies, parent_fqn)._modules[name] = StagePlaceholder(fqn, stage_of[fqn])
+    for fqn in unread_params:
+        parent_fqn, _, name = fqn.rpartition(".")
+        del _copied_path(copies, parent_fqn)._parameters[name]
     gone: dict[str, str] = {}
     for fqn in removed:
         for sub, module in model.get_submodule(fqn).named_modules(prefix=fqn):

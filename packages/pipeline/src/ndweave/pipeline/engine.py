@@ -35,7 +35,9 @@ from ndweave.mesh.contracts import DataParallelWrapper, finish_grad_sync
 from ndweave.mesh.torch_compat import is_view
 from ndweave.pipeline.agree import BatchShapes, agree_on_batch, agree_on_plan
 from ndweave.pipeline.construct import PipeModule, chunk_device
+from ndweave.pipeline.evaluate import evaluate_batch
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
+from ndweave.pipeline.program import stage_program
 from ndweave.pipeline.ties import HookGate, TiedGradSync, check_shared_params
 from ndweave.pipeline.timeline import ScheduleTimeline, TimelineRecorder
 
@@ -146,6 +148,18 @@ class PipeEngine:
         finish_grad_sync(list(self.module.chunks))
         return self._broadcast_loss(losses, last)
 
+    def evaluate(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None):
+        """Forward only (no backward, under ``no_grad``) of a mini-batch through the schedule::
+
+            val_loss = engine.evaluate(x, y)   # the mean micro-batch loss (float64), on every PP rank
+            logits = engine.evaluate(x)        # the last stage's outputs on its rank, None on the others
+
+        ``inputs`` on the first stage; ``targets`` on the last (none: the outputs, the micro-batches'
+        concatenated along dim 0). The chunks run in the mode they are in: call ``module.eval()``
+        first to turn dropout off, ``module.train()`` after. Every evaluation batch has the first
+        one's shape (it may differ from the training batch's)."""
+        return evaluate_batch(self, inputs, targets)
+
     def _micro_batch_loss(self, output, target):
         # divided here, not in torch's scale_grads (which divides .grad after the fact and so would
         # miss grads a data-parallel wrapper keeps in its own buckets)
@@ -191,12 +205,14 @@ class PipeEngine:
 
 
 class _StageModule(nn.Module):
-    """What a ``PipelineStage`` runs for one chunk: feeds the received activation the way the model
-    takes it, hands on the first tensor of the chunk's output, casts for ``p2p_dtype``, recomputes."""
+    """What a ``PipelineStage`` runs for one chunk: feeds the received activations the way the model
+    takes them, hands on what crosses the next cut (a traced chunk's ``StageIO`` tensors, else the
+    first tensor of the chunk's output), casts for ``p2p_dtype``, recomputes."""
 
     def __init__(self, chunk: nn.Module, stage: int, resolved: ResolvedPlan) -> None:
         super().__init__()
         self.chunk = chunk
+        self.program = stage_program(chunk)
         self.first = stage == 0
         self.last = stage == resolved.num_stages - 1
         self.input_name = None if self.first else resolved.plan.stage_input_name
@@ -212,20 +228,29 @@ class _StageModule(nn.Module):
             out = checkpoint(self._run, *args, use_reentrant=False)
         else:
             out = self._run(*args)
+        return tuple(self._sent(t) for t in out) if isinstance(out, tuple) else self._sent(out)
+
+    def _run(self, *args):
+        if self.program is not None:
+            out = self.chunk(*args)
+            # what the graph sent, not what a wrapper's output hook made of it (use_local_output turns a
+            # replicated DTensor into a plain tensor, which the next stage could not tell from one that
+            # always was plain: torch carries a DTensor across with its placements)
+            return _first_tensor(out) if self.last else self.program.sent
+        out = self.chunk(**{self.input_name: args[0]}) if self.input_name else self.chunk(*args)
+        return _first_tensor(out)
+
+    def _sent(self, out: torch.Tensor) -> torch.Tensor:
         if self.p2p_dtype is not None and not self.last and out.is_floating_point():
             out = out.to(self.p2p_dtype)
         if is_view(out):  # torch's split backward detach_()es stage outputs, which a view refuses
             out = out.clone()
         return out
 
-    def _run(self, *args):
-        out = self.chunk(**{self.input_name: args[0]}) if self.input_name else self.chunk(*args)
-        return _first_tensor(out)
-
     def _received(self, activation: torch.Tensor) -> torch.Tensor:
         if activation.is_floating_point() and self.compute_dtype is not None and activation.dtype != self.compute_dtype:
             activation = activation.to(self.compute_dtype)
-        if self.tp_mesh is not None and not isinstance(activation, DTensor):
+        if self.program is None and self.tp_mesh is not None and not isinstance(activation, DTensor):
             # a tensor-parallel chunk handed on a replicated output as a plain tensor (DModule's
             # use_local_output): it is Replicate over the TP mesh, and the next chunk's layers expect that
             activation = DTensor.from_local(activation, self.tp_mesh, [Replicate()] * self.tp_mesh.ndim, run_check=False)
@@ -267,6 +292,14 @@ class _Stage(PipelineStage):
         self._defer_sync = defer_sync  # a shared weight's copy: the sync waits for the cross-stage sum
         self._gate = gate
         self._recorder = recorder
+
+    def _to_tensor(self, arg):
+        # torch's shape inference runs a stage on uninitialized buffers: an int tensor crossing a cut
+        # (position ids) may index an embedding there, so it gets zeros instead of whatever was in memory
+        tensor = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor) and not tensor.is_floating_point():
+            tensor.zero_()
+        return tensor
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         with self._recorder.action(self.stage_index, "F", fwd_chunk_id):

@@ -11,6 +11,11 @@ always layers. For nanoGPT the layers are ``transformer.wte``, ``transformer.wpe
 Stages are contiguous runs of layers. Layers without parameters (dropout, rotary tables) cost
 nothing to keep, and a stage may need them wherever they sit (Llama's ``rotary_emb`` is called on
 every stage), so every stage keeps them.
+
+A model traced for the pipeline (``construct_pipeline_stage(..., example_inputs=...)``) is cut in
+*execution* order instead (:func:`cut_traced`): any model's children are layers when it holds no
+container, a layer holding a split point is opened down to it, and each cut lies just before a
+layer's first call, where every value crossing it can travel (:mod:`ndweave.pipeline.order`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
-__all__ = ["model_layers", "assign_stages"]
+from ndweave.pipeline.order import ExecutionOrder
+
+__all__ = ["model_layers", "assign_stages", "traced_layers", "cut_traced"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 _LISTS = (nn.ModuleList, nn.Sequential)
@@ -28,29 +35,116 @@ _LISTS = (nn.ModuleList, nn.Sequential)
 
 def model_layers(model: nn.Module) -> list[str]:
     """FQNs of ``model``'s layers in registration order (see the module docstring)."""
+    if not (isinstance(model, _LISTS) or _holds_container(model)):
+        raise ValueError(
+            f"{type(model).__name__} has no ModuleList / ModuleDict / Sequential of layers to split into stages; "
+            "pass example_inputs= to construct_pipeline_stage to cut any model where its forward runs the layers"
+        )
     layers: list[str] = []
+    _walk(model, "", layers, refuse_params=True)
+    return layers
 
-    def walk(module: nn.Module, prefix: str) -> None:
-        for name, param in module.named_parameters(recurse=False):
+
+def traced_layers(model: nn.Module, split_points: Sequence[str] | None) -> list[str]:
+    """The layers a traced model is cut between: :func:`model_layers`' (without its refusals), or
+    the model's children when it holds no container; a layer that holds a split point is replaced by
+    its children until the split point is a layer or holds layers."""
+    if isinstance(model, _LISTS) or _holds_container(model):
+        layers: list[str] = []
+        _walk(model, "", layers)
+    else:
+        layers = [name for name, _ in model.named_children()]
+    for point in split_points or ():
+        _check_names(model, point)
+        while (owner := next((fqn for fqn in layers if point.startswith(fqn + ".")), None)) is not None:
+            at = layers.index(owner)
+            layers[at:at + 1] = [f"{owner}.{name}" for name, _ in model.get_submodule(owner).named_children()]
+    return layers
+
+
+def _walk(module: nn.Module, prefix: str, layers: list[str], refuse_params: bool = False) -> None:
+    for name, _ in module.named_parameters(recurse=False):
+        if refuse_params:
             raise ValueError(
                 f"parameter {prefix + name!r} belongs to {type(module).__name__} {prefix[:-1] or '(the root)'!r}, "
-                "which the pipeline splits into its children; move it into a submodule so a stage can own it"
+                "which the pipeline splits into its children; move it into a submodule so a stage can own it "
+                "(or pass example_inputs= to construct_pipeline_stage: the stage that reads it owns it)"
             )
-        entries_are_layers = isinstance(module, _LISTS)
-        for name, child in module.named_children():
-            fqn = prefix + name
-            if not entries_are_layers and _holds_container(child):
-                walk(child, fqn + ".")
-            else:
-                layers.append(fqn)
+    entries_are_layers = isinstance(module, _LISTS)
+    for name, child in module.named_children():
+        if not entries_are_layers and _holds_container(child):
+            _walk(child, prefix + name + ".", layers, refuse_params)
+        else:
+            layers.append(prefix + name)
 
-    if isinstance(model, _LISTS) or _holds_container(model):
-        walk(model, "")
+
+def cut_traced(model: nn.Module, order: ExecutionOrder, num_stages: int,
+               split_points: Sequence[str] | None) -> list[int]:
+    """Where each stage of a traced model begins (node positions in ``order``; the first is 0): at
+    ``split_points`` (in execution order), or balanced by parameter count among the cuts that work.
+    A split point where the forward cannot be cut raises, naming the value and the nearest split
+    point that works."""
+    layers = order.layers
+    starts = [order.calls[fqn][0] for fqn in layers]
+    weights = [_param_numel(model.get_submodule(fqn)) for fqn in layers]
+    if split_points is None:
+        cuts = _balanced_cuts(order, starts, weights, num_stages)
     else:
+        cuts = [0] + [_cut_at(order, layers, starts, point) for point in _checked_count(split_points, num_stages)]
+        for previous, point, cut, before in zip(["(the first stage)", *split_points], split_points, cuts[1:], cuts):
+            if cut <= before:
+                raise ValueError(
+                    f"split point {point!r} runs before {previous!r} in the forward; give split points in the "
+                    f"order the layers run: {layers}"
+                )
+    for stage in range(num_stages):
+        held = [fqn for fqn, start in zip(layers, starts) if order.stage_of(cuts, start) == stage]
+        if not any(_param_numel(model.get_submodule(fqn)) for fqn in held):
+            raise ValueError(f"stage {stage} would hold no parameters (layers {held}); move its split point")
+    return cuts
+
+
+def _checked_count(points: Sequence[str], num_stages: int) -> Sequence[str]:
+    if len(points) != num_stages - 1:
         raise ValueError(
-            f"{type(model).__name__} has no ModuleList / ModuleDict / Sequential of layers to split into stages"
+            f"{num_stages} stages need {num_stages - 1} split points (where stages 1..{num_stages - 1} begin); "
+            f"got {len(points)}: {list(points)}"
         )
-    return layers
+    return points
+
+
+def _cut_at(order: ExecutionOrder, layers: list[str], starts: list[int], point: str) -> int:
+    cut = order.cut_before(point)
+    if cut is None:
+        raise ValueError(f"split point {point!r} never runs in the traced forward; split at a layer that runs: {layers}")
+    why = order.blocker(cut)
+    if why is not None:
+        here = starts.index(cut)
+        works = sorted((i for i, start in enumerate(starts) if i and order.blocker(start) is None),
+                       key=lambda i: (abs(i - here), i))
+        nearest = f"the nearest split point that works: {layers[works[0]]!r}" if works else "no layer boundary works"
+        raise ValueError(f"the forward cannot be cut before {point!r}: {why}; {nearest}")
+    return cut
+
+
+def _balanced_cuts(order: ExecutionOrder, starts: list[int], weights: list[int], num_stages: int) -> list[int]:
+    """Stages balanced by parameter count, cut only where the forward can be: the layers between two
+    cuts that work are one group."""
+    groups: list[list[int]] = []
+    for i, start in enumerate(starts):
+        if not groups or (weights[i] and order.blocker(start) is None):
+            groups.append([i])
+        else:
+            groups[-1].append(i)
+    group_starts = _balanced_starts([sum(weights[i] for i in group) for group in groups], num_stages)
+    return [0] + [starts[groups[g][0]] for g in group_starts[1:]]
+
+
+def _check_names(model: nn.Module, point: str) -> None:
+    names = [fqn for fqn, _ in model.named_modules() if fqn]
+    if point not in names:
+        near = difflib.get_close_matches(point, names, n=5, cutoff=0.3)
+        raise ValueError(f"split point {point!r} names no module of {type(model).__name__}; nearest FQNs: {near or names[:8]}")
 
 
 def _holds_container(module: nn.Module) -> bool:
@@ -79,13 +173,8 @@ def assign_stages(model: nn.Module, num_stages: int, split_points: Sequence[str]
 
 
 def _starts_from_points(model: nn.Module, layers: list[str], points: Sequence[str], num_stages: int) -> list[int]:
-    if len(points) != num_stages - 1:
-        raise ValueError(
-            f"{num_stages} stages need {num_stages - 1} split points (where stages 1..{num_stages - 1} begin); "
-            f"got {len(points)}: {list(points)}"
-        )
     starts = [0]
-    for point in points:
+    for point in _checked_count(points, num_stages):
         index = _layer_index(model, layers, point)
         if index <= starts[-1]:
             raise ValueError(
@@ -105,11 +194,11 @@ def _layer_index(model: nn.Module, layers: list[str], point: str) -> int:
     owner = next((fqn for fqn in layers if point.startswith(fqn + ".")), None)
     if owner is not None:
         raise ValueError(
-            f"split point {point!r} lies inside the layer {owner!r}; a stage begins at a whole layer, e.g. {owner!r}"
+            f"split point {point!r} lies inside the layer {owner!r}; a stage begins at a whole layer, e.g. {owner!r} "
+            "(or pass example_inputs= to construct_pipeline_stage to split inside it)"
         )
-    names = [fqn for fqn, _ in model.named_modules() if fqn]
-    near = difflib.get_close_matches(point, names, n=5, cutoff=0.3)
-    raise ValueError(f"split point {point!r} names no module of {type(model).__name__}; nearest FQNs: {near or names[:8]}")
+    _check_names(model, point)
+    raise ValueError(f"split point {point!r} holds no layer to begin a stage with; layers: {layers}")
 
 
 def _balanced_starts(weights: list[int], num_stages: int) -> list[int]:

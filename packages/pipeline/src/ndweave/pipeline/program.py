@@ -1,0 +1,126 @@
+"""``StageProgram``: the part of the traced root ``forward`` one stage runs, on the stage's chunk.
+
+A chunk of a traced model is still the user's model class (its config, methods and FQNs), with a
+``forward`` that runs this stage's nodes of the graph (``torch.fx.Interpreter`` over the chunk, so
+each layer call is a call of the chunk's own module, hooks and tensor parallelism included):
+
+* the first stage takes the model's own inputs; a later one the flat tensors of its
+  :class:`~ndweave.pipeline.stage_io.StageIO`;
+* the last stage returns the model's output; an earlier one the flat tensors of the next cut.
+
+As ``fully_shard`` and fx's ``GraphModule`` do, the chunk gets a class of its own (a subclass of the
+model's) whose ``forward`` is the stage's: ``isinstance(chunk, GPT)`` still holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from ndweave.mesh.torch_compat import local_tensor, tree_flatten
+from ndweave.pipeline.order import ExecutionOrder
+from ndweave.pipeline.stage_io import StageIO
+
+__all__ = ["StageProgram", "stage_program", "run_as_stage"]
+
+_ATTR = "_pipeline_stage_program"
+
+
+class StageProgram:
+    """Stage ``stage``'s nodes of the traced forward, between its incoming and outgoing cuts."""
+
+    def __init__(self, order: ExecutionOrder, cuts: list[int], stage: int, inputs: StageIO | None,
+                 outputs: StageIO | None) -> None:
+        self.stage = stage
+        self.inputs = inputs
+        """What this stage receives (``None`` on the first stage: the model's inputs)."""
+        self.outputs = outputs
+        """What this stage sends (``None`` on the last stage: it returns the model's output)."""
+        self.graph = _stage_graph(order, cuts, stage)
+        used = {node.target for node in self.graph.nodes if node.op == "get_attr"}
+        self.constants = {name: t for name, t in order.forward.constants.items() if name in used}
+        self.sent: tuple[torch.Tensor, ...] = ()
+        """The tensors the last call sent, as the graph computed them (before any wrapper's output
+        hook, e.g. ``use_local_output``, turned a replicated DTensor into a plain tensor)."""
+
+    def run(self, chunk: nn.Module, args: tuple) -> Any:
+        device = _device(args, chunk)
+        values = list(args) if self.inputs is None else self.inputs.unflatten(args, device)
+        out = _Interpreter(chunk, self.graph, self.constants, device).run(*values)
+        if self.outputs is None:
+            return out
+        # a value handed through unchanged is cloned: torch detaches stage outputs in place
+        self.sent = tuple(t.clone() if any(t is a for a in args) else t
+                          for t in self.outputs.flatten(out, device))
+        return self.sent
+
+    def code(self) -> str:
+        """The stage's part of the forward as Python (what ``forward`` runs)."""
+        return self.graph.python_code("self").src
+
+
+def _stage_graph(order: ExecutionOrder, cuts: list[int], stage: int) -> fx.Graph:
+    nodes = order.nodes
+    start = cuts[stage]
+    end = cuts[stage + 1] if stage + 1 < len(cuts) else len(nodes)
+    graph, env = fx.Graph(), {}
+
+    def arg(node: fx.Node) -> fx.Node:
+        if node not in env:  # a parameter or constant this stage reads (every stage fetches its own)
+            env[node] = graph.node_copy(node)
+        return env[node]
+
+    incoming = [n for n in nodes if n.op == "placeholder"] if stage == 0 else order.crossing(start)
+    for node in incoming:
+        env[node] = graph.node_copy(node) if stage == 0 else graph.placeholder(node.name)
+    for node in nodes[start:end]:
+        if node.op not in ("placeholder", "output", "get_attr"):
+            env[node] = graph.node_copy(node, arg)
+    if end == len(nodes):
+        graph.output(fx.node.map_arg(nodes[-1].args[0], arg))
+    else:
+        graph.output(tuple(arg(node) for node in order.crossing(end)))
+    return graph
+
+
+class _Interpreter(fx.Interpreter):
+    def __init__(self, chunk: nn.Module, graph: fx.Graph, constants: dict, device: torch.device) -> None:
+        super().__init__(chunk, graph=graph)
+        self.constants = constants
+        self.device = device
+
+    def fetch_attr(self, target: str) -> Any:
+        if target in self.constants:
+            return self.constants[target].to(self.device)
+        return super().fetch_attr(target)
+
+
+def _device(args: tuple, chunk: nn.Module) -> torch.device:
+    for t in (*tree_flatten(args)[0], *chunk.parameters(), *chunk.buffers()):
+        if isinstance(t, torch.Tensor) and local_tensor(t).device.type != "meta":
+            return local_tensor(t).device
+    return torch.device("cpu")
+
+
+def _stage_forward(self: nn.Module, *args: Any) -> Any:
+    return stage_program(self).run(self, args)
+
+
+def run_as_stage(chunk: nn.Module, program: StageProgram) -> nn.Module:
+    """Make ``chunk`` (a skeleton copy of the model) run ``program`` as its ``forward``."""
+    cls = type(chunk)
+    chunk.__class__ = type(cls.__name__, (cls,), {"forward": _stage_forward, "__module__": cls.__module__,
+                                                  "__doc__": f"{cls.__name__} running pipeline stage {program.stage}"})
+    setattr(chunk, _ATTR, program)
+    return chunk
+
+
+def stage_program(module: nn.Module) -> StageProgram | None:
+    """The :class:`StageProgram` of a traced chunk, looked up through wrappers (``DDP(chunk)``)."""
+    for sub in module.modules():
+        program = sub.__dict__.get(_ATTR)
+        if program is not None:
+            return program
+    return None

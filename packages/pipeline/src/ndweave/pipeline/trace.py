@@ -1,0 +1,219 @@
+"""The root ``forward`` as a graph: one trace on ``meta`` tensors, with the layers as opaque calls.
+
+``torch.fx`` records every op the root ``forward`` (and each module it steps into: the root, and the
+modules holding the layer containers) performs between layers, and each layer call as one
+``call_module`` node, so the layers stay the user's own modules (hooks, tensor parallelism, their
+FQNs) and the work between them (an add, a norm, position ids, a mask) becomes nodes a stage can
+own. Unlike plain symbolic tracing, every node also carries its value, computed on ``meta`` tensors
+as it is recorded (a layer runs through ``torch.func.functional_call`` with its tensors swapped for
+``meta`` ones, so nothing is computed or allocated). So Python control flow on a traced value works:
+an ``assert T <= block_size``, a branch on ``x.dim()``, HF's mask building are answered with the
+example's values and specialized to them, and the shapes the ops compute stay symbolic. (``torch.export``
+would also trace the layers' insides, fixing their ``view(B, T, -1, head)`` to the example's head
+count, and hand back graph modules instead of the user's layers.)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx.proxy import Attribute, Proxy
+
+__all__ = ["ForwardGraph", "trace_forward"]
+
+# torch's argument parser takes ``torch.ones(T, T)`` only with int sizes, not proxies (fx alone fails
+# there too); during a trace these record a node when a size is traced
+_FACTORIES = ("empty", "eye", "full", "ones", "rand", "randn", "zeros")
+
+
+@dataclass
+class ForwardGraph:
+    """The traced root ``forward``: its graph, each node's example value, and the tensors it created."""
+
+    graph: fx.Graph
+    """Placeholders (the model's positional inputs), ops, one ``call_module`` node per layer call, output."""
+    values: dict[fx.Node, Any]
+    """Each node's value on the example (``meta`` tensors, ints, tuples of them, ...)."""
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Tensors the forward created without inputs (``torch.ones(3)``), by the ``get_attr`` target naming them."""
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        return list(self.graph.nodes)
+
+
+def trace_forward(model: nn.Module, example_inputs: Sequence[Any], layers: Sequence[str]) -> ForwardGraph:
+    """Trace ``model(*example_inputs)`` with the modules named in ``layers`` as opaque calls.
+
+    ``example_inputs`` may be real or ``meta`` tensors (only their shapes and dtypes are used); the
+    model may live on any device, ``meta`` included, and is left as it was."""
+    tracer = _ValueTracer(set(layers), tuple(example_inputs))
+    try:
+        graph = tracer.trace(model)
+    except Exception as error:
+        raise type(error)(f"tracing {type(model).__name__}.forward for the pipeline failed: {error}") from error
+    _drop_dead_code(graph)
+    return ForwardGraph(graph, tracer.values, tracer.constants)
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    return value
+
+
+class _ValueProxy(Proxy):
+    """A proxy that answers what Python needs concretely (``len``, ``int``, ``range``) from its value."""
+
+    def __len__(self) -> int:
+        return len(self.tracer.value(self))
+
+    def __int__(self) -> int:
+        return int(self.tracer.value(self))
+
+    def __index__(self) -> int:
+        return int(self.tracer.value(self))
+
+    def __getattr__(self, name: str) -> _ValueAttribute:
+        return _ValueAttribute(self, name)
+
+
+class _ValueAttribute(Attribute, _ValueProxy):
+    """``x.shape``, ``x.device``, ...: fx's lazy attribute, with the same concrete answers."""
+
+
+class _ValueTracer(fx.Tracer):
+    def __init__(self, layers: set[str], example_inputs: tuple) -> None:
+        super().__init__(autowrap_functions=())
+        self.layers = layers
+        self.example_inputs = example_inputs
+        self.values: dict[fx.Node, Any] = {}
+        self.constants: dict[str, torch.Tensor] = {}
+        self.record_stack_traces = True  # errors can point at the user's line
+        self._computing = False  # running a value: module calls and attributes are the real ones
+
+    def trace(self, root, concrete_args=None):
+        originals = {name: getattr(torch, name) for name in _FACTORIES}
+        for name, factory in originals.items():
+            setattr(torch, name, self._recording(factory))
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            for name, factory in originals.items():
+                setattr(torch, name, factory)
+
+    def _recording(self, factory):
+        @functools.wraps(factory)
+        def recording(*args, **kwargs):
+            traced = []
+            fx.node.map_aggregate((args, kwargs), lambda a: traced.append(a) if isinstance(a, Proxy) else None)
+            if traced and not self._computing:
+                return self.create_proxy("call_function", factory, args, kwargs)
+            return factory(*args, **kwargs)
+
+        return recording
+
+    # ------------------------------------------------------------------ what is opaque
+    def is_leaf_module(self, module: nn.Module, qualname: str) -> bool:
+        return qualname in self.layers
+
+    def call_module(self, module, forward, args, kwargs):
+        if self._computing:
+            return forward(*args, **kwargs)
+        return super().call_module(module, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self._computing:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    # ------------------------------------------------------------------ values
+    def proxy(self, node: fx.Node) -> _ValueProxy:
+        return _ValueProxy(node, self)
+
+    def value(self, proxy: Proxy) -> Any:
+        return self.values[proxy.node]
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        if kind != "placeholder":
+            self._computing = True
+            try:
+                self.values[proxy.node] = self._compute(kind, target, self._concrete(args), self._concrete(kwargs))
+            finally:
+                self._computing = False
+        return proxy
+
+    def _concrete(self, args: Any) -> Any:
+        return fx.node.map_aggregate(args, lambda a: self.values[a.node] if isinstance(a, Proxy) else _to_meta(a))
+
+    def _compute(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
+        if kind == "call_function":
+            return target(*args, **kwargs)
+        if kind == "call_method":
+            return getattr(args[0], target)(*args[1:], **kwargs)
+        if kind == "call_module":
+            module = self.root.get_submodule(target)
+            state = {name: _to_meta(t) for name, t in (*module.named_parameters(remove_duplicate=False),
+                                                       *module.named_buffers(remove_duplicate=False))}
+            return torch.func.functional_call(module, state, args, kwargs, tie_weights=False, strict=False)
+        if kind == "get_attr":
+            return _to_meta(functools.reduce(getattr, target.split("."), self.root))
+        return None
+
+    def create_arg(self, a: Any):
+        # a tensor the forward made from no inputs: kept here, not set on the user's model as fx would
+        if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and a not in self.tensor_attrs:
+            name = f"_pipeline_constant{len(self.constants)}"
+            self.constants[name] = a
+            self.tensor_attrs[a] = name
+            node = self.create_node("get_attr", name, (), {})
+            self.values[node] = _to_meta(a)
+            return node
+        return super().create_arg(a)
+
+    # ------------------------------------------------------------------ Python asks concretely
+    def to_bool(self, obj: Proxy) -> bool:
+        return bool(self.value(obj))
+
+    def iter(self, obj: Proxy) -> Iterator:
+        value = self.value(obj)
+        return iter(value) if isinstance(value, dict) else iter([obj[i] for i in range(len(value))])
+
+    def keys(self, obj: Proxy) -> Any:
+        return self.value(obj).keys()
+
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        """Placeholders for the example's positional inputs only (fx's own version cannot bind a
+        ``**kwargs`` forward, which HF models have)."""
+        params = list(inspect.signature(inspect.unwrap(root_fn)).parameters.values())[1:]
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(self.example_inputs) > len(positional) and not any(p.kind is p.VAR_POSITIONAL for p in params):
+            raise TypeError(f"forward takes {len(positional)} positional inputs ({positional}), the example "
+                            f"gives {len(self.example_inputs)}")
+        proxies = []
+        for index, example in enumerate(self.example_inputs):
+            name = positional[index] if index < len(positional) else f"input_{index}"
+            proxy = self.create_proxy("placeholder", name, (), {})
+            self.values[proxy.node] = _to_meta(example)
+            proxies.append(proxy)
+        root = self.root
+        return (lambda *inputs: root_fn(root, *inputs)), proxies
+
+
+def _drop_dead_code(graph: fx.Graph) -> None:
+    """Remove ops whose values nothing uses (a comparison only control flow read): they would run for
+    nothing and could make a value cross a cut. Layer calls and in-place ops stay."""
+    for node in reversed(list(graph.nodes)):
+        if node.users or node.op not in ("call_function", "call_method", "get_attr"):
+            continue
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if name.endswith("_") and not name.endswith("__") or name in ("setitem", "__setitem__"):
+            continue
+        graph.erase_node(node)

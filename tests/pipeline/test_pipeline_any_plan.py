@@ -1,0 +1,142 @@
+"""Cutting a traced model, on one process: stages in execution order, the values crossing each cut
+(``StageIO``), chunks that are still the user's class with original FQNs, split points inside a
+layer, and the errors for forwards that cannot be cut where asked."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from ndweave.mesh import init_device_mesh
+from ndweave.mesh.testing import fake_world
+from ndweave.pipeline import PipelineParallelPlan, SharedParam, StagePlaceholder, construct_pipeline_stage
+from pipeline_any_models import AttrLM, TupleLM
+from pipeline_models import SEQ, VOCAB, WIDTH, Block, TinyLM
+
+IDS = torch.zeros(2, SEQ, dtype=torch.long)  # an example micro-batch: only shape and dtype matter
+
+
+def _stages(model: nn.Module, pp: int, example=IDS, **plan):
+    """Every PP rank's PipeModule of ``model`` (one process, a fake world per rank)."""
+    stages = []
+    for rank in range(pp):
+        with fake_world(pp, rank=rank):
+            mesh = init_device_mesh("cpu", (pp,), mesh_dim_names=("PP",))
+            stages.append(construct_pipeline_stage(model, PipelineParallelPlan(schedule_type="gpipe", **plan), mesh,
+                                                   example_inputs=example))
+    return stages
+
+
+def test_stages_follow_execution_order_and_say_what_crosses_each_cut():
+    stages = _stages(TupleLM(num_layers=2), 2, split_points=["layers.1"])
+    # the rotary table runs before the embedding: execution order, not registration order
+    assert stages[0].stage_layers == [["rotary", "wte", "layers.0"], ["layers.1", "head"]]
+    io = stages[1].stage_io[1]
+    assert [(v.name, v.kinds) for v in io.values] == [
+        ("expand", ("tensor",)), ("tril", ("tensor",)), ("rotary", ("tensor", "tensor")), ("layers_0", ("tensor",))]
+    assert io.num_tensors == 5 and stages[0].stage_io[0] is None
+    assert "rotary (the output of 'rotary'" in str(io)
+
+
+def test_traced_chunks_are_the_users_class_and_own_what_their_stage_runs():
+    torch.manual_seed(0)
+    model = AttrLM()
+    stages = _stages(model, 2, split_points=["block3"])
+    first, second = (s[0] for s in stages)
+    assert isinstance(first, AttrLM) and isinstance(second.block1, StagePlaceholder)
+    assert [n for n, _ in second.named_parameters()] == [
+        *(f"block{i}.{p}" for i in (3, 4) for p in ("norm.weight", "norm.bias", "fc.weight", "fc.bias",
+                                                      "proj.weight", "proj.bias")),
+        "norm.weight", "norm.bias", "head.weight"]
+    assert "scale" in dict(first.named_parameters())  # the root's own weight: the stage that reads it
+    assert stages[0].shared_params == [SharedParam(("wte.weight", "head.weight"), (0, 1))]
+    # the batch's sizes cross as ints, the skip connection as a second tensor
+    assert [v.kinds for v in stages[1].stage_io[1].values] == [("int",), ("int",), ("tensor",)]
+    x = IDS.random_(0, VOCAB)
+    torch.testing.assert_close(second(*first(x)), model(x))
+    assert "block3" in stages[1].chunks[0]._pipeline_stage_program.code()
+
+
+def test_a_split_point_inside_a_layer_opens_it():
+    torch.manual_seed(0)
+    model = AttrLM()
+    stages = _stages(model, 2, split_points=["block2.proj"])
+    assert stages[0].stage_layers[0][-2:] == ["block2.norm", "block2.fc"]
+    assert stages[1].stage_layers[1][0] == "block2.proj"
+    x = IDS.random_(0, VOCAB)
+    torch.testing.assert_close(stages[1][0](*stages[0][0](x)), model(x))
+
+
+def test_meta_model_traced_on_meta_inputs_materializes_one_stage():
+    torch.manual_seed(0)
+    reference = AttrLM()
+    with torch.device("meta"):
+        model = AttrLM()
+    stage = _stages(model, 2, example=IDS.to("meta"), split_points=["block3"])[1]
+    stage[0].to_empty(device="cpu")
+    stage.load_state_dict(reference.state_dict())
+    others = [p for n, p in model.named_parameters() if n.startswith(("block1.", "block2."))]
+    assert others and all(p.is_meta for p in others)
+    for name, param in stage.named_parameters():
+        assert torch.equal(param, reference.get_parameter(name)), name
+
+
+class ScaledLM(nn.Module):
+    """Computes a Python float from the sequence length after its first block and uses it at the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.block1, self.block2, self.head = nn.Embedding(VOCAB, WIDTH), Block(), Block(), nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx):
+        h = self.block1(self.wte(idx))
+        temperature = math.sqrt(h.shape[1])
+        return self.head(self.block2(h)) / temperature
+
+
+class ReuseLM(nn.Module):
+    """Calls one block twice, with another in between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.block1, self.block2 = nn.Embedding(VOCAB, WIDTH), Block(), Block()
+
+    def forward(self, idx):
+        return self.block1(self.block2(self.block1(self.wte(idx))))
+
+
+class SharedScaleLM(nn.Module):
+    """Reads its own weight after each of two blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.block1, self.block2 = nn.Embedding(VOCAB, WIDTH), Block(), Block()
+        self.scale = nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, idx):
+        return self.block2(self.block1(self.wte(idx)) * self.scale) * self.scale
+
+
+def test_forwards_that_cannot_be_cut_there_name_the_value_and_a_split_that_works():
+    with pytest.raises(ValueError, match=r"cannot be cut before 'head': sqrt \(math.sqrt; test_pipeline_any_plan.py:\d+ "
+                                         r"`temperature = math.sqrt\(h.shape\[1\]\)`\) is needed after the cut and holds "
+                                         r"a float.*the nearest split point that works: 'block1'"):
+        _stages(ScaledLM(), 2, split_points=["head"])
+    assert _stages(ScaledLM(), 2)[0].stage_layers == [["wte"], ["block1", "block2", "head"]]  # uniform: cuts that work
+    with pytest.raises(ValueError, match=r"layer 'block1' runs on stages \[0, 1\] \(the forward calls it 2 times\)"):
+        _stages(ReuseLM(), 2, split_points=["block2"])
+    with pytest.raises(ValueError, match=r"parameter 'scale' is read by the forward on stages \[0, 1\]"):
+        _stages(SharedScaleLM(), 2, split_points=["block2"])
+    with pytest.raises(ValueError, match=r"'block9' names no module of AttrLM; nearest FQNs: \['block4', 'block3'"):
+        _stages(AttrLM(), 2, split_points=["block9"])
+    with pytest.raises(ValueError, match=r"'block2' runs before 'block3'"):
+        _stages(AttrLM(), 3, split_points=["block3", "block2"])
+
+
+def test_without_example_inputs_a_model_without_containers_is_told_to_trace():
+    with pytest.raises(ValueError, match="has no ModuleList.*pass example_inputs= to construct_pipeline_stage"):
+        _stages(AttrLM(), 2, example=None)
+    assert _stages(TinyLM(num_layers=2), 2, example=None)[1].stage_io == [None, None]  # the skeleton path
