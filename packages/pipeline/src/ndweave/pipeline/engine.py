@@ -20,8 +20,6 @@ group. The engine adds what composition needs:
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import DataParallelWrapper, finish_grad_sync
-from ndweave.mesh.torch_compat import is_view
+from ndweave.mesh.torch_compat import is_view, pipeline_stage_kwargs
 from ndweave.pipeline.agree import BatchShapes, agree_on_batch, agree_on_plan
 from ndweave.pipeline.construct import PipeModule, chunk_device
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
@@ -103,12 +101,9 @@ class PipeEngine:
         self._ties = TiedGradSync(module.chunks, module.stage_indices, module.shared_params, self._rank_of_stage,
                                   group, self._gate)
         deferred = self._ties.chunk_indices()
-        # get_mesh (how a stage finds a received DTensor activation's mesh) is newer than torch 2.11
-        takes_get_mesh = "get_mesh" in inspect.signature(PipelineStage.__init__).parameters
         self.stages = [
             _Stage(_StageModule(chunk, stage, resolved), stage, resolved.num_stages,
-                   chunk_device(chunk, pp_mesh.device_type), group=group,
-                   **({"get_mesh": _mesh_lookup(chunk)} if takes_get_mesh else {}))
+                   chunk_device(chunk, pp_mesh.device_type), group=group, **pipeline_stage_kwargs(_mesh_lookup(chunk)))
             for stage, chunk in zip(module.stage_indices, module.chunks)
         ]
         for index, stage in enumerate(self.stages):
@@ -260,7 +255,8 @@ def _mesh_lookup(chunk: nn.Module):
 
 
 class _Stage(PipelineStage):
-    """torch's ``PipelineStage`` plus data-parallel micro-batch control and hook-visible weight grads."""
+    """torch's ``PipelineStage`` plus data-parallel micro-batch control and hook-visible weight grads
+    (the methods overridden are pinned in ``ndweave.mesh.torch_compat.PIPELINE_STAGE_OVERRIDES``)."""
 
     def configure(self, chunk: nn.Module, defer_sync: bool, gate: HookGate, recorder: TimelineRecorder) -> None:
         self._data_parallel = chunk if isinstance(chunk, DataParallelWrapper) else None
