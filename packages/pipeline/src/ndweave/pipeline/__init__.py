@@ -7,18 +7,21 @@
 
 from ndweave.pipeline.construct import PipeModule, StagePlaceholder, construct_pipeline_stage
 from ndweave.pipeline.engine import PipeEngine
+from ndweave.pipeline.faults import Failure, PipelineStageError
 from ndweave.pipeline.plan import SCHEDULE_NAMES, PipelineParallelPlan
 from ndweave.pipeline.split import model_layers
 from ndweave.pipeline.ties import SharedParam
 from ndweave.pipeline.timeline import Action, ScheduleTimeline
 
-__version__ = "0.1.2"
+__version__ = "0.2.0"
 
 __all__ = [
     "Action",
+    "Failure",
     "PipeEngine",
     "PipeModule",
     "PipelineParallelPlan",
+    "PipelineStageError",
     "SCHEDULE_NAMES",
     "ScheduleTimeline",
     "SharedParam",
