@@ -55,7 +55,7 @@ def describe_node(node: fx.Node) -> str:
         what = f"Tensor.{node.target}"
     else:
         module = (getattr(node.target, "__module__", None) or "").replace("_operator", "operator")
-        module = "torch" if module.startswith("torch._C") else module
+        module = "torch" if module.split(".")[:2] == ["torch", "_C"] else module  # builtins: torch.xxx
         what = getattr(node.target, "__qualname__", str(node.target))
         what = f"{module}.{what}" if module and module != "builtins" else what
     return f"{node.name} ({what}{_source_line(node)})"

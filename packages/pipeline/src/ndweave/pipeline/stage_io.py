@@ -3,7 +3,7 @@
 torch's ``PipelineStage`` hands a stage's output to the next stage as a flat tuple of tensors. The
 values crossing a cut are whatever the root ``forward`` left live there: the hidden states, often a
 mask or position ids beside them, a tuple a layer returned (rotary ``(cos, sin)``), a sequence
-length. Each is flattened into leaves (``torch.utils._pytree``) and each leaf travels by kind:
+length. Each is flattened into leaves (torch's pytree, through ``torch_compat``) and each leaf travels by kind:
 
 * a tensor as itself (a DTensor with its placements: a sequence-parallel shard stays a shard);
 * an int or bool in the *shape* of an empty tensor (``(|v|, v < 0, 0)``, no bytes): exact even in
