@@ -40,7 +40,7 @@ from model import GPT, GPTConfig  # noqa: E402
 from ndweave.checkpoint import CheckpointManager, DataPosition  # noqa: E402
 from ndweave.ddp import DistributedDataParallel as DDP  # noqa: E402
 from ndweave.dmodule import get_plan, parallelize_module  # noqa: E402
-from ndweave.mesh import ParallelMesh, init_mesh_from_spec, resolve_spec  # noqa: E402
+from ndweave.mesh import ParallelMesh, init_mesh_from_spec, resolve_spec, shutdown  # noqa: E402
 from ndweave.mesh.elastic import lost_ranks, restart_count  # noqa: E402
 from ndweave.optim import DistributedOptimizer  # noqa: E402
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage, generate  # noqa: E402
@@ -409,16 +409,16 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             raise
-        lost = lost_ranks(args.timeout)  # a peer gone (torchrun restarts the job), or a bug everywhere
+        rank, lost = dist.get_rank(), lost_ranks(args.timeout)  # a peer gone (torchrun restarts the job), or a bug
+        shutdown(abort=True)  # the others' shutdown() names this rank and its error; no wait
         if lost == []:
             raise
         what = f"rank(s) {lost}" if lost else "a peer, and the store with it (its node is gone)"
-        print(f"rank {dist.get_rank()}: lost {what} within --timeout {args.timeout:g}s; exiting so that torchrun "
-              "can restart the job", file=sys.stderr)
+        print(f"rank {rank}: lost {what} within --timeout {args.timeout:g}s; exiting so that torchrun can restart "
+              "the job", file=sys.stderr)
         return 1
     rank = dist.get_rank()
-    dist.barrier()  # no collective in flight on any rank: destroying the group earlier can break a peer's
-    dist.destroy_process_group()
+    shutdown()  # every rank done, the work in flight finished, the groups gone: the process exits 0
     ok = True
     if rank == 0:  # single-process work from here on, so the others need not wait (nor time out)
         report.finish(result, args)

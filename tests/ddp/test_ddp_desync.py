@@ -72,6 +72,23 @@ def test_a_step_without_backward_on_one_rank_is_caught_before_the_optimizer_wait
 
 
 @distributed(world_size=2)
+def test_a_step_more_after_a_sync_finished_outside_backward_is_caught():
+    """With finish_grad_sync_in_backward=False the optimizer's finish_grad_sync() is the one that finishes
+    the sync, so the next call with no backward since is already a step more (it went unchecked)."""
+    model, opt = _setup(finish_grad_sync_in_backward=False)
+    x, y = _micro_batch(0)
+    F.mse_loss(model(x), y).backward()
+    model.finish_grad_sync()  # the optimizer's call, finishing the sync
+    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\): a step\(\) with no backward since grad "
+                                                    r"sync #1: it skipped a backward\(\) or called step\(\) once more"):
+        if dist.get_rank() == 1:
+            model.finish_grad_sync()  # a step more, while rank 0 goes on to its next sync
+        x, y = _micro_batch(1)
+        F.mse_loss(model(x), y).backward()
+        model.finish_grad_sync()
+
+
+@distributed(world_size=2)
 def test_no_sync_on_one_rank_only_is_named():
     model, opt = _setup()
     with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\): 2 forward\(s\)"):

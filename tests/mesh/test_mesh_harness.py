@@ -1,4 +1,5 @@
-"""The harness itself: results per rank, failing, dying and hanging ranks reported with their stacks."""
+"""The harness itself: results per rank, failing, dying and hanging ranks reported with their stacks; a
+rank that raises stops the others at once."""
 
 import os
 import time
@@ -30,6 +31,12 @@ def _hang_on_rank_one():
     dist.barrier()
 
 
+def _raise_on_one_while_zero_receives():
+    if dist.get_rank() == 1:
+        raise ZeroDivisionError("rank one divided by zero")
+    dist.recv(torch.zeros(1), src=1)  # never sent: only being stopped ends it
+
+
 def _die_on_rank_zero():
     if dist.get_rank() == 0:
         os._exit(3)
@@ -50,6 +57,20 @@ def test_a_failing_rank_is_reported_with_its_traceback():
     assert "_fail_on_rank_one" in err.failures[0].detail
     # the broken pool was replaced: the next call works
     assert run_distributed(_rank_and_sum, 2, 1) == [(0, 1.0), (1, 1.0)]
+
+
+def test_a_raising_rank_stops_the_others_at_once_and_is_reported_first():
+    """As torchrun stops a job's other workers: before, rank 0 waited out a 10 s grace in its recv."""
+    assert run_distributed(_rank_and_sum, 2, 1) == [(0, 1.0), (1, 1.0)]  # a warm pool: time the failure alone
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_raise_on_one_while_zero_receives, 2, timeout=120)
+    assert time.monotonic() - start < 5
+    first, second = info.value.failures
+    assert (first.rank, first.kind) == (1, "raised") and "ZeroDivisionError: rank one divided by zero" in first.detail
+    assert (second.rank, second.kind) == (0, "stopped") and "in recv" in second.detail  # where it waited
+    assert "failed in _raise_on_one_while_zero_receives: rank 1 raised, rank 0 stopped" in str(info.value)
+    assert run_distributed(_rank_and_sum, 2, 1) == [(0, 1.0), (1, 1.0)]  # the next task gets a fresh pool
 
 
 def test_a_hanging_rank_times_out_with_every_stack():

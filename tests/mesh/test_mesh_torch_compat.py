@@ -120,9 +120,12 @@ def test_group_timeout_and_default_store():
     group = dist.new_group([0, 1])
     tc.set_group_timeout(group, timedelta(seconds=7))
     dist.all_reduce(torch.ones(1), group=group)
-    assert tc.group_timeout(group, "cpu") == timedelta(seconds=7)
+    assert tc.group_timeout(group, "cpu") == tc.group_timeout(group) == timedelta(seconds=7)
+    assert "cpu" in tc.group_device_types(group)
     named = dist.new_group([0, 1], backend="gloo", use_local_synchronization=True, group_desc="torch-compat-probe")
     assert tc.find_group("torch-compat-probe") is named and tc.find_group("no-such-group") is None
+    groups = tc.live_groups()  # in creation order, the default group first
+    assert groups[0] is dist.group.WORLD and groups.index(group) < groups.index(named)
     store = tc.default_store()
     store.set(f"torch-compat/{dist.get_rank()}", "x")
     store.wait([f"torch-compat/{1 - dist.get_rank()}"], timedelta(seconds=30))

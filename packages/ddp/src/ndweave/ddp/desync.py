@@ -6,13 +6,18 @@ collectives on the DP group no longer pair up: they wait for each other until th
 timeout, or pair up wrongly and average the wrong grads, silently.
 
 So before a grad sync waits on anything, the DP ranks compare a few counters (one ``all_gather`` of
-five ints). It runs on a gloo group of the same ranks, made once per DP group, so that it cannot queue
-behind the bucket reductions in flight on the DP group itself; every rank raises the same
-:class:`GradSyncDivergedError`, naming the ranks that differ and how. The counters:
+five ints). It runs on a gloo side group of the same ranks (``ndweave.mesh.lifecycle.side_group``,
+made once per DP group, with its timeout), so that it cannot queue behind the bucket reductions in
+flight on the DP group itself; every rank raises the same :class:`GradSyncDivergedError`, naming the
+ranks that differ and how. A rank whose peers never come to the check (they left the loop, or this
+rank stepped once more after they did) raises it too once the group's timeout has passed, naming the
+peers that had called ``shutdown()``. The counters:
 
 * ``kind``: 1 when a grad sync finishes a backward's reductions; 2 when ``finish_grad_sync()`` is
-  called again with no backward since (an optimizer's ``step()``), checked from the second such call
-  on, since the first one after each sync is the usual optimizer call;
+  called again with no backward since (an optimizer's ``step()``). The first such call after a sync
+  finished in backward is the usual optimizer call and is not checked; any other is, so an extra
+  ``step()`` is caught before the optimizer's own collectives (its grad norm, its parameter
+  gathers) could pair up with another collective of the others;
 * ``syncs``: grad syncs finished so far;
 * ``backwards``: backward passes in this sync (micro-batches, ``no_sync()`` ones included);
 * ``forwards``: forwards with grad enabled since the last sync (a skipped backward shows here);
@@ -34,7 +39,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ndweave.mesh.torch_compat import current_backward_id, find_group, group_timeout
+from ndweave.mesh.lifecycle import ranks_in_shutdown, side_group
+from ndweave.mesh.torch_compat import current_backward_id, group_timeout
 
 __all__ = ["GradSyncDivergedError", "SyncCounters", "check_same_wrap"]
 
@@ -52,15 +58,14 @@ class SyncCounters:
 
     ``group`` ``None`` (DP size 1) or ``enabled=False``: counting only, nothing compared."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device_type: str, names: Sequence[str], *,
-                 enabled: bool) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, names: Sequence[str], *, enabled: bool) -> None:
         self.syncs = 0
         self.backwards = 0
         self.forwards = 0
         self._backward_id = -1
         self._idle_finishes = 0  # finish_grad_sync() calls with no backward since the last sync
         self._model = zlib.crc32("\n".join(names).encode()) & 0x7FFFFFFF
-        self._check_group = _check_group(group, device_type) if enabled and group is not None else None
+        self._check_group = side_group(group, "ddp-sync-check") if enabled and group is not None else None
         self._ranks = dist.get_process_group_ranks(group) if self._check_group is not None else []
 
     def count_forward(self) -> None:
@@ -78,17 +83,18 @@ class SyncCounters:
         self.backwards = 0
         self._backward_id = -1
 
-    def finish_sync(self) -> None:
-        """A grad sync is about to wait for its reductions: agree, then count it."""
+    def finish_sync(self, *, in_backward: bool) -> None:
+        """A grad sync is about to wait for its reductions: agree, then count it. Finished outside
+        backward (an optimizer's ``finish_grad_sync()``), it counts as that step's usual call."""
         self._agree(_AFTER_BACKWARD, self.syncs + 1)
         self.syncs += 1
         self.forwards = 0
         self.backwards = 0
-        self._idle_finishes = 0
+        self._idle_finishes = 0 if in_backward else 1
 
     def finish_without_backward(self) -> None:
-        """``finish_grad_sync()`` with no backward since the last sync: the first such call is the
-        usual optimizer one; from the second on a rank may be stepping alone, so agree."""
+        """``finish_grad_sync()`` with no backward since the last sync: the first such call after a sync
+        finished in backward is the usual optimizer one; any other may be a rank stepping alone, so agree."""
         self._idle_finishes += 1
         if self._idle_finishes > 1 or self.syncs == 0:
             self._agree(_WITHOUT_BACKWARD, self.syncs)
@@ -98,7 +104,10 @@ class SyncCounters:
             return
         mine = torch.tensor([kind, syncs, self.backwards, self.forwards, self._model], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in self._ranks]
-        dist.all_gather(everyone, mine, group=self._check_group)
+        try:
+            dist.all_gather(everyone, mine, group=self._check_group)
+        except RuntimeError as error:  # gloo's timeout (or a closed connection): the others never came
+            raise GradSyncDivergedError(_unanswered(kind, self._ranks, group_timeout(self._check_group))) from error
         rows = [tuple(int(v) for v in t) for t in everyone]
         if len(set(rows)) > 1:
             raise GradSyncDivergedError(_explain(rows, self._ranks))
@@ -132,17 +141,6 @@ def check_same_wrap(group: dist.ProcessGroup | None, fingerprint: dict[str, str]
     )
 
 
-def _check_group(group: dist.ProcessGroup, device_type: str) -> dist.ProcessGroup:
-    """The gloo group of ``group``'s ranks the checks run on: found again if made before (by another
-    wrapper over this DP group), else made now by the DP ranks alone, with ``group``'s timeout."""
-    description = f"ndweave.ddp sync check of {group.group_name}"
-    found = find_group(description)
-    if found is not None:
-        return found
-    return dist.new_group(dist.get_process_group_ranks(group), timeout=group_timeout(group, device_type),
-                          backend="gloo", use_local_synchronization=True, group_desc=description)
-
-
 def _explain(rows: list[tuple[int, ...]], ranks: list[int]) -> str:
     """Which ranks differ from the most common row, how, and what usually causes it."""
     usual = Counter(rows).most_common(1)[0][0]
@@ -159,6 +157,21 @@ def _explain(rows: list[tuple[int, ...]], ranks: list[int]) -> str:
         "same forwards, backward()s, no_sync() blocks and optimizer steps. Run forwards you do not train on "
         "under torch.no_grad(); detect_desync=False turns this check off"
     )
+
+
+def _unanswered(kind: int, ranks: list[int], timeout) -> str:
+    """The check found no partner: say who had left (called ``shutdown()``) where the store knows."""
+    me = dist.get_rank()
+    what = "a step() with no backward since the last grad sync" if kind == _WITHOUT_BACKWARD else "a grad sync"
+    others = [r for r in ranks if r != me]
+    head = f"rank {me} waited {timeout} at the DP ranks' check before {what}; DP ranks {others} never came"
+    gone = ranks_in_shutdown(others)
+    if gone:
+        return (f"{head}: ranks {gone} had already called shutdown(). Rank {me} ran {what} they did not: an extra "
+                "step() or backward() on this rank, or on theirs a no_sync() block, a skipped backward() or a loop "
+                "left early. Every DP rank must run the same forwards, backward()s, no_sync() blocks and steps")
+    return (f"{head}: either rank {me} ran {what} they did not (an extra step() or backward(), or they skipped "
+            "one, used no_sync() or left the loop), or they are stuck in another collective or gone")
 
 
 def _describe(row: dict[str, int]) -> str:

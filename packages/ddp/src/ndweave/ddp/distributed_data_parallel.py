@@ -153,8 +153,8 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         self._works: list[dist.Work] = []
         self._step_open = False
         self._callback_queued = False
-        self._counters = SyncCounters(self.data_parallel_group, self.data_parallel_mesh.device_type,
-                                      [f"{n}:{tuple(p.shape)}" for n, p in synced], enabled=detect_desync)
+        self._counters = SyncCounters(self.data_parallel_group, [f"{n}:{tuple(p.shape)}" for n, p in synced],
+                                      enabled=detect_desync)
         self._hooks = []
         for slot in self._slots:
             self._hooks.append(slot.param.register_hook(self._make_pre_hook(slot)))
@@ -228,10 +228,13 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         (non-DP) mesh dims, and set each synced param's ``.grad``. Harmless to call twice.
 
         First the DP ranks agree that they ran the same forwards, backwards and syncs (``detect_desync``)."""
+        self._finish(in_backward=False)
+
+    def _finish(self, *, in_backward: bool) -> None:
         if not self._step_open:
             self._counters.finish_without_backward()
             return
-        self._counters.finish_sync()
+        self._counters.finish_sync(in_backward=in_backward)
         with torch.no_grad():
             for index in range(self._next_bucket, len(self._buckets)):
                 self._launch(index)
@@ -266,7 +269,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             # previous step's ``.grad`` can be taken out of autograd's way first.
             if self._step_open and slot.bucket_index < self._next_bucket:
                 # a second backward after this bucket was reduced (no no_sync): close that step
-                self.finish_grad_sync()
+                self._finish(in_backward=True)
             if not self._step_open:
                 self._start_step()
             sync.take_local(slot)  # (after a no_sync micro-batch: the .grad view, or the user's zero_grad)
@@ -299,7 +302,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
     def _finish_at_backward_end(self) -> None:
         self._callback_queued = False
-        self.finish_grad_sync()
+        self._finish(in_backward=True)
 
     def _start_step(self) -> None:
         self._step_open = True

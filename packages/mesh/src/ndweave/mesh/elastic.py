@@ -8,9 +8,10 @@ Two things torch leaves to the user, both needed for ``torchrun --max-restarts N
   "Gloo connectFullMesh failed ... Connection refused". :func:`init_process_group` puts each worker
   group's keys under a prefix no earlier group wrote to (see :func:`fresh_namespace`).
 * **A bounded wait.** :func:`as_timedelta` takes seconds or a ``timedelta``; ``init_device_mesh(...,
-  timeout=)`` gives it to the default group and to every dim group of the mesh, so a collective
-  with a dead or stuck peer raises on every survivor within that time instead of torch's 30 minutes
-  (gloo) / 10 minutes (NCCL). :func:`lost_ranks` then asks the store which ranks are gone.
+  timeout=)`` gives it to the default group and to every dim group of the mesh (300 s when none is
+  given, ``ndweave.mesh.lifecycle.DEFAULT_TIMEOUT``), so a collective with a dead or stuck peer raises
+  on every survivor within that time instead of torch's 30 minutes (gloo) / 10 minutes (NCCL).
+  :func:`lost_ranks` then asks the store which ranks are gone.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import uuid
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 
+from ndweave.mesh.lifecycle import as_timedelta, collective_timeout
 from ndweave.mesh.torch_compat import default_store
 
 __all__ = ["as_timedelta", "fresh_namespace", "init_process_group", "lost_ranks", "restart_count"]
@@ -30,15 +31,6 @@ __all__ = ["as_timedelta", "fresh_namespace", "init_process_group", "lost_ranks"
 # How long a non-zero rank waits for rank 0's welcome before it reads the namespace again: the value
 # it read may have been the previous worker group's, written before this group's rank 0 got there.
 _RETRY_S = 0.5
-
-
-def as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
-    """``timeout`` as a ``timedelta`` (numbers are seconds); ``None`` stays ``None``."""
-    if timeout is None or isinstance(timeout, timedelta):
-        return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
-    return timedelta(seconds=timeout)
 
 
 def restart_count() -> int:
@@ -50,20 +42,20 @@ def restart_count() -> int:
 
 def init_process_group(backend: str, timeout: timedelta | float | None = None) -> None:
     """``dist.init_process_group(backend, timeout=timeout)``, safe to call again after a torchrun restart.
+    ``timeout`` ``None`` is ndweave's default (``lifecycle.DEFAULT_TIMEOUT``, 300 s), not torch's.
 
     Under torchrun with a shared agent store the group is built on a fresh namespace of that store;
     anywhere else it is torch's ``env://`` initialization unchanged."""
-    timeout = as_timedelta(timeout)
-    kwargs = {} if timeout is None else {"timeout": timeout}
+    timeout = collective_timeout(timeout)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend=backend, **kwargs)
+        dist.init_process_group(backend=backend, timeout=timeout)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                is_master=False, timeout=timeout or default_pg_timeout)
-    namespace = fresh_namespace(agent_store, rank, world, timeout or default_pg_timeout)
+                                is_master=False, timeout=timeout)
+    namespace = fresh_namespace(agent_store, rank, world, timeout)
     dist.init_process_group(backend=backend, store=dist.PrefixStore(namespace, agent_store), rank=rank,
-                            world_size=world, **kwargs)
+                            world_size=world, timeout=timeout)
 
 
 def fresh_namespace(store: dist.Store, rank: int, world: int, timeout: timedelta) -> str:

@@ -1,8 +1,12 @@
-"""Checking ``init_device_mesh``'s ``mesh_shape`` and ``mesh_dim_names`` before anything is built.
+"""Checking ``init_device_mesh``'s ``device_type``, ``mesh_shape`` and ``mesh_dim_names`` before
+anything is built.
 
-Both are read by torch as plain sequences, so some mistakes used to pass as something else: float
-sizes were truncated (``(2.0, 2.5)`` became ``(2, 2)``) and a string of names was split into its
-letters (``"DT"`` became ``("D", "T")``). Each is refused here, naming the value and the fix.
+The shape and names are read by torch as plain sequences, so some mistakes used to pass as something
+else: float sizes were truncated (``(2.0, 2.5)`` became ``(2, 2)``) and a string of names was split
+into its letters (``"DT"`` became ``("D", "T")``). A device type this process has no device of
+failed deep inside torch: ``"cuda"`` on a CPU-only machine with a process group already made ended
+in ``AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'`` from ``DeviceMesh``.
+Each is refused here, naming the value and the fix.
 """
 
 from __future__ import annotations
@@ -11,7 +15,29 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["check_mesh_shape", "check_mesh_dim_names"]
+import torch
+
+__all__ = ["check_device_type", "check_mesh_shape", "check_mesh_dim_names"]
+
+
+def check_device_type(device_type: Any) -> str:
+    """``device_type`` (``"cpu"``, ``"cuda"``, ...) if this process has such a device; else a clear error."""
+    if not isinstance(device_type, str) or not device_type:
+        raise TypeError(f"device_type must be a device type such as 'cpu' or 'cuda', got {device_type!r}")
+    if device_type == "cpu":
+        return device_type
+    try:
+        module = torch.get_device_module(device_type)
+    except (AttributeError, RuntimeError, ValueError):
+        raise ValueError(f"device_type {device_type!r} is not a device type torch knows: pass 'cpu' or 'cuda' "
+                         "(a device index is not part of it: 'cuda', not 'cuda:0')") from None
+    if not module.is_available() or module.device_count() == 0:
+        raise ValueError(
+            f"device_type {device_type!r}: this process sees no {device_type} device (torch.{device_type}."
+            f"is_available() is False: a CPU-only torch build, no device on this machine, or one hidden by "
+            f"{device_type.upper()}_VISIBLE_DEVICES). Pass 'cpu' to run on CPU (gloo), or run where the devices "
+            "are visible")
+    return device_type
 
 
 def check_mesh_shape(mesh_shape: Any) -> tuple[int, ...]:

@@ -23,7 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
 from ndweave.mesh import elastic, layout
-from ndweave.mesh.mesh_args import check_mesh_dim_names, check_mesh_shape
+from ndweave.mesh.lifecycle import collective_timeout
+from ndweave.mesh.mesh_args import check_device_type, check_mesh_dim_names, check_mesh_shape
 from ndweave.mesh.torch_compat import adopt_mesh_state, drop_mesh_state, flatten_mesh, set_group_timeout
 from ndweave.mesh.vescale import VeScaleAliases
 
@@ -69,6 +70,8 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
         # here because torch is deprecating lookups of flattened names on the root mesh
         self._flattened: dict[str, tuple[int, ...]] = {}
         self._flat_meshes: dict[str, DeviceMesh] = {}
+        # the collective timeout of the groups it made (None: a torch mesh adopted as is)
+        self._timeout: timedelta | None = None
         if device_mesh is not None:
             self._adopt(device_mesh)
 
@@ -87,17 +90,20 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
         ``mesh_dim_names`` default to the last ``len(mesh_shape)`` of ``("PP", "DP", "TP")`` and must
         be given for more than three dims. With ``check_uniqueness=True`` a second initialization is
         an error instead of a silent replacement. ``timeout`` (seconds or a ``timedelta``; ``None``:
-        torch's default, 30 min for gloo) bounds every collective of the mesh's dim groups, and of the
-        default group when this call creates it (see ``ndweave.mesh.elastic``); a default group made
-        before keeps its own.
+        ndweave's default, 300 s, ``lifecycle.DEFAULT_TIMEOUT``) bounds every collective of the mesh's
+        dim groups (and of flattened ones), and of the default group when this call creates it (see
+        ``ndweave.mesh.elastic``); a default group made before keeps its own. A ``device_type`` this
+        process has no device of (``"cuda"`` without GPUs) is refused before anything is built.
         """
         if check_uniqueness and self._mesh is not None:
             raise RuntimeError(
                 f"this ParallelMesh is already initialized as {self._short()}; with check_uniqueness=True "
                 "it may be initialized once. Reuse it, or call reset() first."
             )
+        check_device_type(device_type)
         shape = check_mesh_shape(mesh_shape)
         names = check_mesh_dim_names(shape, mesh_dim_names, DEFAULT_DIM_NAMES)
+        timeout = collective_timeout(timeout)
         created = not dist.is_initialized()
         if created:
             elastic.init_process_group(_default_backend(device_type), timeout)
@@ -108,9 +114,10 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
                 f"choose a shape whose product is {world}."
             )
         self._adopt(_torch_init_device_mesh(device_type, shape, mesh_dim_names=names))
-        for group in {self._mesh[n].get_group() for n in names} if timeout is not None else ():
+        self._timeout = timeout
+        for group in {self._mesh[n].get_group() for n in names}:
             if created or group != dist.group.WORLD:  # a default group made elsewhere keeps its timeout
-                set_group_timeout(group, elastic.as_timedelta(timeout))
+                set_group_timeout(group, timeout)
         return self._mesh
 
     @classmethod
@@ -125,13 +132,13 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
         self._torch_state = adopt_mesh_state(self, device_mesh)
         self._mesh = device_mesh
         self._grid = device_mesh.mesh.cpu().numpy()
-        self._flattened, self._flat_meshes = {}, {}
+        self._flattened, self._flat_meshes, self._timeout = {}, {}, None
 
     def reset(self) -> None:
         """Forget the mesh (process groups stay alive); the next ``init_device_mesh`` starts afresh."""
         drop_mesh_state(self, self._torch_state)
         self._torch_state = ()
-        self._mesh, self._grid, self._flattened, self._flat_meshes = None, None, {}, {}
+        self._mesh, self._grid, self._flattened, self._flat_meshes, self._timeout = None, None, {}, {}, None
 
     def __getattr__(self, name: str):
         # Reached only for attributes the instance lacks: torch's DeviceMesh state before initialization.
@@ -279,6 +286,8 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
             raise ValueError(f"flatten needs distinct dims in mesh order {self.mesh_dim_names}; got {dims}")
         root_names = tuple(self.mesh_dim_names[i] for i in indices)
         flat = flatten_mesh(self.device_mesh[root_names], name)
+        if self._timeout is not None and flat.get_group() != dist.group.WORLD:  # torch gives it the backend's default
+            set_group_timeout(flat.get_group(), self._timeout)
         self._flattened[name] = indices
         self._flat_meshes[name] = flat
         return flat

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ndweave.mesh import elastic
+from ndweave.mesh.mesh_args import check_device_type
 from ndweave.mesh.parallel_mesh import DEFAULT_DIM_NAMES, ParallelMesh, init_device_mesh
 
 __all__ = ["init_mesh_from_spec", "parse_spec", "resolve_spec"]
@@ -83,6 +84,7 @@ def init_mesh_from_spec(device_type: str, spec: str | Mapping[str, int], *, dims
         mesh = init_mesh_from_spec("cpu", "pp=2,dp=-1,tp=2", timeout=30)   # under torchrun, any 4k ranks
     """
     if not dist.is_initialized():
+        check_device_type(device_type)  # before torch fails to make a group for it
         elastic.init_process_group(dist.get_default_backend_for_device(device_type), timeout)
     sizes = resolve_spec(spec, dist.get_world_size(), dims=dims, allowed=allowed)
     return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes), timeout=timeout)

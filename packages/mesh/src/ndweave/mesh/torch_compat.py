@@ -49,6 +49,7 @@ __all__ = [
     "dtensor_over",
     "fake_store",
     "find_group",
+    "group_device_types",
     "group_timeout",
     "flatten_dense_tensors",
     "flatten_mesh",
@@ -56,6 +57,7 @@ __all__ = [
     "is_shard_like",
     "is_view",
     "local_shape_and_offset",
+    "live_groups",
     "local_tensor",
     "mesh_without_groups",
     "queue_backward_callback",
@@ -133,17 +135,31 @@ def flatten_state_dict(state_dict: dict) -> tuple[dict, dict]:
 
 def set_group_timeout(group: torch.distributed.ProcessGroup, timeout: timedelta) -> None:
     """Give an existing process group another collective timeout (``_set_pg_timeout``): torch's
-    ``DeviceMesh`` creates its dim groups with the backend's default timeout, not the default group's."""
-    _set_pg_timeout(timeout, group)
+    ``DeviceMesh`` creates its dim groups with the backend's default timeout, not the default group's.
+    Only gloo and NCCL take one (torch's fake backend, say, has none to set)."""
+    if any(name in str(torch.distributed.get_backend(group)) for name in ("gloo", "nccl")):
+        _set_pg_timeout(timeout, group)
 
 
-def group_timeout(group: torch.distributed.ProcessGroup, device_type: str) -> timedelta | None:
-    """The collective timeout of ``group``'s backend for ``device_type`` (its options' ``_timeout``),
-    or ``None`` where the backend does not say."""
+def group_timeout(group: torch.distributed.ProcessGroup, device_type: str | None = None) -> timedelta | None:
+    """The collective timeout of ``group``'s backend for ``device_type`` (default: the group's first
+    device type; its options' ``_timeout``), or ``None`` where the backend does not say."""
     try:
+        device_type = device_type or group_device_types(group)[0]
         return group._get_backend(torch.device(device_type)).options._timeout
-    except (AttributeError, RuntimeError):
+    except (AttributeError, IndexError, RuntimeError):
         return None
+
+
+def group_device_types(group: torch.distributed.ProcessGroup) -> list[str]:
+    """The device types ``group`` has a backend for (``ProcessGroup._device_types``), e.g. ``["cpu"]``."""
+    return [d.type for d in group._device_types]
+
+
+def live_groups() -> list[torch.distributed.ProcessGroup]:
+    """Every process group this rank belongs to, the default one included, in the order they were
+    created (torch's registry ``_world.pg_names``): the same order on every rank of a group."""
+    return list(_world.pg_names)
 
 
 def find_group(description: str) -> torch.distributed.ProcessGroup | None:

@@ -3,6 +3,12 @@
 One pool per (world size, nodes, device type, who initializes the process group) lives for the whole
 test session. A task that fails or times out kills its pool (a rank stuck in a collective cannot be
 recovered), and the next task starts a fresh one. The pool cache is the harness's only global state.
+
+When a rank raises, the others are stopped at once, as torchrun stops a job's other workers: their
+stacks are dumped (where each one was waiting) and the pool is killed, so a test whose rank 1 fails
+while rank 0 waits in a receive fails in about a second, with rank 1's traceback first. A rank that
+*dies* leaves the others ``FAILURE_GRACE_S`` to finish: tests kill a rank on purpose to check how the
+survivors react.
 """
 
 from __future__ import annotations
@@ -26,8 +32,11 @@ __all__ = ["DistributedTestError", "RankFailure", "run_distributed", "shutdown_p
 
 #: Seconds a task may take unless the caller says otherwise (env ``NDWEAVE_TEST_TIMEOUT`` overrides).
 DEFAULT_TIMEOUT_S = float(os.environ.get("NDWEAVE_TEST_TIMEOUT", "180"))
-#: Once one rank has failed, how long the others get to finish before they count as hung.
+#: Once one rank has died, how long the others get to finish (and say how they saw the death).
 FAILURE_GRACE_S = 10.0
+#: Once one rank has raised, how long the others get to reply (a rank raising the same error a moment
+#: later reports its own) and to dump their stacks before they are killed.
+STOP_AFTER_RAISE_S = 0.5
 _START_TIMEOUT_S = 300.0
 
 
@@ -37,9 +46,10 @@ class RankFailure:
 
     rank: int
     kind: str
-    """``"raised"``, ``"timed out"`` or ``"died"``."""
+    """``"raised"``, ``"died"``, ``"timed out"``, or ``"stopped"`` (still running when another rank
+    raised)."""
     detail: str
-    """The traceback, or the stack dump of a hung rank, or the exit code and log of a dead one."""
+    """The traceback, or the stack dump of a hung or stopped rank, or the exit code and log of a dead one."""
     output: str = ""
     """What the rank printed during the task."""
 
@@ -95,12 +105,12 @@ class _Pool:
         replies = self._collect(_START_TIMEOUT_S, what="starting the ranks")
         bad = [r for r, rep in replies.items() if rep[0] != "ready"]
         if bad or len(replies) < self.world_size:
-            failures = self._failures(replies, timed_out=True)
+            failures = self._failures(replies)
             self.kill()
             raise DistributedTestError("starting the ranks", self.world_size, failures)
 
     def run(self, ref: FunctionRef, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
-        task = Task(ref, args, kwargs)
+        task = Task(ref, args, kwargs, master_port=None if self.init_process_group else _free_port())
         for conn in self.conns:
             conn.send(task)
         replies = self._collect(timeout, what=ref.qualname)
@@ -110,12 +120,13 @@ class _Pool:
                     print(f"[rank {rank}] " + replies[rank][2].rstrip().replace("\n", f"\n[rank {rank}] "))
             _reraise_warnings(replies)
             return [replies[rank][1] for rank in range(self.world_size)]
-        failures = self._failures(replies, timed_out=True)
+        failures = self._failures(replies)
         self.kill()
         raise DistributedTestError(ref.qualname, self.world_size, failures)
 
     def _collect(self, timeout: float, what: str) -> dict[int, tuple]:
-        """Replies by rank until all are in, the deadline passes, or a failure's grace runs out."""
+        """Replies by rank (in the order they came) until all are in, the deadline passes, one rank
+        raised (the others get ``STOP_AFTER_RAISE_S``) or one died (``FAILURE_GRACE_S``)."""
         deadline = time.monotonic() + timeout
         replies: dict[int, tuple] = {}
         pending = {conn: rank for rank, conn in enumerate(self.conns)}
@@ -132,8 +143,6 @@ class _Pool:
                         replies[rank] = obj.recv()
                     except (EOFError, OSError):
                         replies[rank] = ("died", self._death_detail(rank), "")
-                    if replies[rank][0] not in ("ok", "ready"):
-                        deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
                 elif sentinels.get(obj) is not None and sentinels[obj] not in replies:
                     rank = sentinels[obj]
                     # give a last message in the pipe a chance to arrive before calling it dead
@@ -142,33 +151,48 @@ class _Pool:
                         continue
                     pending.pop(conn, None)
                     replies[rank] = ("died", self._death_detail(rank), "")
-                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                else:
+                    continue
+                status = replies[rank][0]
+                if status not in ("ok", "ready"):
+                    grace = FAILURE_GRACE_S if status == "died" else STOP_AFTER_RAISE_S
+                    deadline = min(deadline, time.monotonic() + grace)
+                    if status == "err":  # the stacks of the others now, while they wait where the failure left them
+                        self._request_stacks([r for r in pending.values()])
         return replies
 
-    def _failures(self, replies: dict[int, tuple], timed_out: bool) -> list[RankFailure]:
+    def _failures(self, replies: dict[int, tuple]) -> list[RankFailure]:
+        """Every failed rank: those that raised or died first, in the order they failed, then those
+        still running (stopped because another raised, or timed out), with their stacks."""
         failures = []
-        hung = [r for r in range(self.world_size) if r not in replies]
-        stacks = self._dump_stacks(hung) if hung else {}
-        for rank in range(self.world_size):
-            if rank in hung:
-                failures.append(RankFailure(rank, "timed out", "stack at the time out:\n" + stacks.get(rank, "(none)")))
-                continue
-            status, payload, output = replies[rank][:3]
+        for rank, (status, payload, output, *_) in replies.items():
             if status == "err":
                 failures.append(RankFailure(rank, "raised", payload, output))
             elif status == "died":
                 failures.append(RankFailure(rank, "died", payload, output))
+        running = [r for r in range(self.world_size) if r not in replies]
+        kind = "stopped" if any(f.kind == "raised" for f in failures) else "timed out"
+        stacks = self._dump_stacks(running) if running else {}
+        for rank in running:
+            what = "stack when it was stopped" if kind == "stopped" else "stack at the time out"
+            failures.append(RankFailure(rank, kind, f"{what}:\n" + stacks.get(rank, "(none)")))
         return failures
 
-    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+    def _request_stacks(self, ranks: list[int]) -> None:
         for rank in ranks:
             if self.procs[rank].is_alive():
                 os.kill(self.procs[rank].pid, signal.SIGUSR1)
-        time.sleep(1.0)
-        out = {}
-        for rank in ranks:
-            out[rank] = _tail(os.path.join(self.tmpdir, f"rank{rank}.stack"), 8000) or "(no stack was written)"
-        return out
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Each rank's Python stacks (faulthandler writes them on SIGUSR1), waiting at most a second."""
+        paths = {rank: os.path.join(self.tmpdir, f"rank{rank}.stack") for rank in ranks}
+        unwritten = [rank for rank in ranks if not os.path.getsize(paths[rank])]
+        self._request_stacks(unwritten)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and any(not os.path.getsize(paths[r]) for r in unwritten if self.procs[r].is_alive()):
+            time.sleep(0.02)
+        time.sleep(0.05)  # the dump is written in pieces: let the last one land
+        return {rank: _tail(path, 8000) or "(no stack was written)" for rank, path in paths.items()}
 
     def _death_detail(self, rank: int) -> str:
         proc = self.procs[rank]

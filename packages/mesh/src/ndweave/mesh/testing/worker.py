@@ -39,6 +39,10 @@ class Task:
     fn: FunctionRef
     args: tuple
     kwargs: dict
+    master_port: int | None = None
+    """Where a test that creates the process group itself finds its store: a new port per test, so no
+    test reads the keys of the one before (torch's ``env://`` store outlives its group while anything
+    holds the group, and a new group on the same port would reuse it)."""
 
 
 @dataclass(frozen=True)
@@ -153,14 +157,16 @@ def _after_task(cfg: WorkerConfig) -> None:
     import torch.distributed as dist
 
     from ndweave.mesh import DEVICE_MESH
+    from ndweave.mesh.lifecycle import shutdown
 
     DEVICE_MESH.reset()
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     if not cfg.init_process_group and dist.is_initialized():
-        # Pools that leave group creation to the test tear it down after each one.
-        dist.barrier()
-        dist.destroy_process_group()
+        shutdown()  # pools that leave group creation to the test tear it down after each one
+    elif cfg.init_process_group and not dist.is_initialized():
+        raise RuntimeError("the test destroyed the pool's process group (shutdown() or destroy_process_group()): "
+                           "give a test that ends the job @distributed(..., init_process_group=False)")
 
 
 def worker_main(cfg: WorkerConfig, conn) -> None:
@@ -177,6 +183,8 @@ def worker_main(cfg: WorkerConfig, conn) -> None:
             return
         if task is None:
             break
+        if task.master_port is not None:
+            os.environ["MASTER_PORT"] = str(task.master_port)
         out = io.StringIO()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")  # record everything; the parent's filters decide
@@ -191,7 +199,8 @@ def worker_main(cfg: WorkerConfig, conn) -> None:
         try:
             _after_task(cfg)
         except BaseException:
-            reply = ("err", "cleanup after the test failed:\n" + traceback.format_exc(), out.getvalue(), reply[3])
+            failed = reply[1] + "\n" if reply[0] == "err" else ""  # the test's own error first
+            reply = ("err", failed + "cleanup after the test failed:\n" + traceback.format_exc(), out.getvalue(), reply[3])
         try:
             conn.send(reply)
         except Exception:  # an unpicklable result

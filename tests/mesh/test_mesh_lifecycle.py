@@ -1,0 +1,109 @@
+"""A job's bounds (``ndweave.mesh.lifecycle``): meshes get a finite collective timeout without being
+asked, side groups inherit it, ``shutdown()`` tears everything down and names the ranks that did not
+come or failed, and a device this process lacks is refused with the fix."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ndweave.mesh import ShutdownError, init_device_mesh, init_mesh_from_spec, shutdown
+from ndweave.mesh.lifecycle import DEFAULT_TIMEOUT, side_group
+from ndweave.mesh.mesh_args import check_device_type
+from ndweave.mesh.testing import distributed
+from ndweave.mesh.torch_compat import group_timeout
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+
+
+@distributed(world_size=4)
+def test_a_mesh_bounds_its_groups_with_the_default_timeout_and_side_groups_inherit_it():
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("PP", "DP", "TP"))
+    flat = mesh.flatten(("PP", "DP"), "PPDP")  # a group of its own (flattening every dim would be the world)
+    for group in (mesh.get_group("DP"), mesh.get_group("TP"), flat.get_group()):
+        assert group_timeout(group) == DEFAULT_TIMEOUT == timedelta(seconds=300)
+    assert group_timeout(dist.group.WORLD) == timedelta(seconds=180)  # made by the harness: its own is kept
+    checks = side_group(mesh.get_group("DP"), "test-checks")
+    assert checks.group_desc == f"ndweave:test-checks:{mesh.get_group('DP').group_name}"
+    assert group_timeout(checks) == DEFAULT_TIMEOUT and dist.get_backend(checks) == "gloo"
+    assert side_group(mesh.get_group("DP"), "test-checks") is checks  # made once, found again
+    tight = init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"), timeout=7)
+    assert group_timeout(tight.get_group("TP")) == timedelta(seconds=7)
+    assert group_timeout(side_group(tight.get_group("TP"), "test-checks")) == timedelta(seconds=7)
+
+
+@distributed(world_size=2, init_process_group=False)
+def test_shutdown_lets_the_work_in_flight_finish_and_destroys_every_group():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("DP",))
+    assert group_timeout(dist.group.WORLD) == DEFAULT_TIMEOUT  # the default group it made, too
+    side = side_group(mesh.get_group("DP"), "test-checks")
+    works = [dist.all_reduce(torch.ones(1000), group=side, async_op=True) for _ in range(20)]
+    del works  # dropped un-waited: shutdown waits for them
+    shutdown()
+    assert not dist.is_initialized()
+    shutdown()  # no group left: nothing to do
+
+
+@distributed(world_size=2, init_process_group=False, timeout=60)
+def test_a_rank_that_never_comes_is_named_on_the_ranks_that_did():
+    init_device_mesh("cpu", (2,), mesh_dim_names=("DP",), timeout=2)
+    if dist.get_rank() == 1:
+        time.sleep(3)  # stuck elsewhere
+        shutdown(abort=True)
+        return
+    begin = time.monotonic()
+    with pytest.raises(ShutdownError, match=r"ranks \[1\] did not reach shutdown\(\) within 0:00:02") as raised:
+        shutdown(timeout=2)
+    assert raised.value.missing == [1] and not dist.is_initialized()
+    assert time.monotonic() - begin < 10
+
+
+@distributed(world_size=2, init_process_group=False, timeout=60)
+def test_a_rank_that_failed_tells_the_others_why_at_once():
+    init_device_mesh("cpu", (2,), mesh_dim_names=("DP",), timeout=30)
+    begin = time.monotonic()
+    if dist.get_rank() == 1:
+        try:
+            raise ZeroDivisionError("loss scale underflow")
+        except ZeroDivisionError:
+            shutdown(abort=True)
+        assert not dist.is_initialized()
+        return
+    with pytest.raises(ShutdownError, match="rank 1 failed: ZeroDivisionError: loss scale underflow") as raised:
+        shutdown()
+    assert raised.value.failed == {1: "ZeroDivisionError: loss scale underflow"}
+    assert time.monotonic() - begin < 10  # not the 60 s the barrier would wait for a missing rank
+
+
+def test_a_device_this_process_lacks_is_refused_with_the_fix():
+    assert check_device_type("cpu") == "cpu"
+    with pytest.raises(ValueError, match="'tpu' is not a device type torch knows"):
+        check_device_type("tpu")
+    with pytest.raises(TypeError, match="device type such as 'cpu'"):
+        check_device_type(None)
+
+
+def _cuda_mesh(how: str) -> str:
+    with pytest.raises(ValueError) as raised:
+        if how == "spec":
+            init_mesh_from_spec("cuda", "dp=2")
+        else:
+            init_device_mesh("cuda", (2,), mesh_dim_names=("DP",))
+    return str(raised.value)
+
+
+@no_cuda
+@pytest.mark.parametrize("how", ["mesh", "spec"])
+def test_cuda_without_gpus_names_the_fix_with_or_without_a_process_group(how):
+    """Before: with a group made, AttributeError '_cuda_setDevice' from deep inside DeviceMesh; without,
+    "Distributed package doesn't have NCCL built in"."""
+    from ndweave.mesh.testing import run_distributed
+
+    for init_process_group in (True, False):
+        messages = run_distributed(_cuda_mesh, 2, how, init_process_group=init_process_group, timeout=60)
+        for message in messages:
+            assert "this process sees no cuda device" in message and "Pass 'cpu'" in message
