@@ -5,7 +5,7 @@ The shape and names are read by torch as plain sequences, so some mistakes used 
 else: float sizes were truncated (``(2.0, 2.5)`` became ``(2, 2)``) and a string of names was split
 into its letters (``"DT"`` became ``("D", "T")``). A device type this process has no device of
 failed deep inside torch: ``"cuda"`` on a CPU-only machine with a process group already made ended
-in ``AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'`` from ``DeviceMesh``.
+in an ``AttributeError`` about a missing CUDA binding of torch, raised from ``DeviceMesh``.
 Each is refused here, naming the value and the fix.
 """
 
