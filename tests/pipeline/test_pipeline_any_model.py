@@ -44,6 +44,10 @@ def test_blocks_as_attributes_split_at_every_boundary_match_one_process():
                                     activation_recompute=point is None)
         actual = train_pipeline(model, plan, mesh, data, loss=lm_loss, example_inputs=example)
         assert_same_training(actual, expected, f"AttrLM split at {point or 'uniform'}")
+    # by measured time: each rank times the layers, the mean decides, so both cut the same stages
+    plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=4, split_method="time")
+    actual = train_pipeline(model, plan, mesh, data, loss=lm_loss, example_inputs=example)
+    assert_same_training(actual, expected, "AttrLM split by time")
 
 
 @pytest.mark.parity

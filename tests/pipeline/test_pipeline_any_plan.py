@@ -140,3 +140,43 @@ def test_without_example_inputs_a_model_without_containers_is_told_to_trace():
     with pytest.raises(ValueError, match="has no ModuleList.*pass example_inputs= to construct_pipeline_stage"):
         _stages(AttrLM(), 2, example=None)
     assert _stages(TinyLM(num_layers=2), 2, example=None)[1].stage_io == [None, None]  # the skeleton path
+
+
+class SlowBlock(nn.Module):
+    """Few parameters, much compute: one small matmul repeated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        for _ in range(300):
+            x = torch.tanh(self.fc(x))
+        return x
+
+
+class Unbalanced(nn.Module):
+    """A large embedding that costs nothing, then four equally slow small blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4096, WIDTH)
+        self.slow1, self.slow2, self.slow3, self.slow4 = SlowBlock(), SlowBlock(), SlowBlock(), SlowBlock()
+
+    def forward(self, idx):
+        return self.slow4(self.slow3(self.slow2(self.slow1(self.embed(idx)))))
+
+
+def test_split_by_measured_time_balances_what_parameter_counts_cannot():
+    model = Unbalanced()
+    by_params = _stages(model, 2)[0]
+    assert by_params.stage_layers == [["embed"], ["slow1", "slow2", "slow3", "slow4"]] and by_params.stage_seconds is None
+    by_time = _stages(model, 2, split_method="time")[0]
+    assert by_time.stage_layers == [["embed", "slow1", "slow2"], ["slow3", "slow4"]], by_time.stage_seconds
+    seconds = by_time.stage_seconds
+    assert len(seconds) == 2 and max(seconds) < 1.5 * min(seconds), seconds
+    assert all(p.grad is None for p in model.parameters())  # timing left no grads behind
+    with pytest.raises(ValueError, match="split_method='time' runs the layers on the example: pass real"):
+        _stages(model, 2, example=IDS.to("meta"), split_method="time")
+    with pytest.raises(ValueError, match="'time' times the layers of the traced forward: pass example_inputs="):
+        _stages(model, 2, example=None, split_method="time")

@@ -33,6 +33,7 @@ from ndweave.pipeline.program import StageProgram, run_as_stage
 from ndweave.pipeline.split import assign_stages, cut_traced, model_layers, traced_layers
 from ndweave.pipeline.stage_io import StageIO, build_stage_io
 from ndweave.pipeline.ties import SharedParam, find_shared_params
+from ndweave.pipeline.timing import layer_seconds
 from ndweave.pipeline.trace import trace_forward
 
 __all__ = ["PipeModule", "StagePlaceholder", "construct_pipeline_stage"]
@@ -78,7 +79,8 @@ class PipeModule(nn.Module):
     """
 
     def __init__(self, chunks: list[nn.Module], stage_indices: list[int], stage_layers: list[list[str]],
-                 resolved: ResolvedPlan, shared_params: list[SharedParam], stage_io: list[StageIO | None]) -> None:
+                 resolved: ResolvedPlan, shared_params: list[SharedParam], stage_io: list[StageIO | None],
+                 stage_seconds: list[float] | None = None) -> None:
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
         self.stage_indices = tuple(stage_indices)
@@ -87,6 +89,8 @@ class PipeModule(nn.Module):
         self.resolved_plan = resolved
         self.shared_params = shared_params
         """Weights held by several stages (tied embedding and LM head), all stages' view."""
+        self.stage_seconds = stage_seconds
+        """Each stage's measured forward + backward seconds on the example (``split_method="time"``)."""
         self.stage_io = stage_io
         """What crosses each cut of a traced model: ``stage_io[s]`` is what stage ``s`` receives
         (``None`` for stage 0, and for every stage of a model cut without ``example_inputs``)."""
@@ -174,27 +178,34 @@ def construct_pipeline_stage(model: nn.Module, plan: PipelineParallelPlan,
     _check_shared_modules(model, plan)
     mine = resolved.stages_of(pp_mesh.get_local_rank())
     if example_inputs is None:
+        if plan.split_points is None and plan.split_method == "time":
+            raise ValueError("split_method='time' times the layers of the traced forward: pass example_inputs= "
+                             "to construct_pipeline_stage")
         layers = model_layers(model)
         stage_layers = assign_stages(model, resolved.num_stages, plan.split_points)
         chunks = [_build_chunk(model, layers, stage_layers, stage) for stage in mine]
         stage_io: list[StageIO | None] = [None] * resolved.num_stages
+        seconds = None
     else:
-        traced = _TracedSplit(model, resolved.num_stages, plan.split_points, example_inputs)
-        layers, stage_layers, stage_io = traced.layers, traced.stage_layers, traced.stage_io
+        traced = _TracedSplit(model, resolved.num_stages, plan, example_inputs, pp_mesh.device_type)
+        layers, stage_layers, stage_io, seconds = traced.layers, traced.stage_layers, traced.stage_io, traced.stage_seconds
         chunks = [run_as_stage(_build_chunk(model, layers, stage_layers, stage, traced.unread_params(stage)),
                                traced.programs[stage]) for stage in mine]
     shared = find_shared_params(model, stage_layers, plan.shared_modules)
-    return PipeModule(chunks, mine, stage_layers, resolved, shared, stage_io)
+    return PipeModule(chunks, mine, stage_layers, resolved, shared, stage_io, seconds)
 
 
 class _TracedSplit:
     """A traced model cut into stages: each stage's layers, program and incoming values."""
 
-    def __init__(self, model: nn.Module, num_stages: int, split_points, example_inputs) -> None:
+    def __init__(self, model: nn.Module, num_stages: int, plan: PipelineParallelPlan, example_inputs,
+                 device_type: str) -> None:
         example = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-        self.layers = traced_layers(model, split_points)
+        self.layers = traced_layers(model, plan.split_points)
         order = ExecutionOrder(trace_forward(model, example, self.layers))
-        cuts = cut_traced(model, order, num_stages, split_points)
+        timed = plan.split_points is None and plan.split_method == "time"
+        seconds = layer_seconds(model, order.forward, example, device_type) if timed else None
+        cuts = cut_traced(model, order, num_stages, plan.split_points, seconds)
         self.stage_layers: list[list[str]] = [[] for _ in range(num_stages)]
         for fqn, calls in order.calls.items():
             stages = sorted({order.stage_of(cuts, call) for call in calls})
@@ -203,6 +214,8 @@ class _TracedSplit:
                                  "but its parameters can live on one; choose split points that keep its calls together")
             self.stage_layers[stages[0]].append(fqn)
         self.stage_layers[0] += [fqn for fqn in self.layers if fqn not in order.calls]  # never called: kept
+        self.stage_seconds = [sum(seconds[fqn] for fqn in held if fqn in seconds) for held in self.stage_layers] \
+            if seconds else None
         self.stage_io = [None] + [build_stage_io(order, cuts[s], s, self.stage_layers[s][0]) for s in range(1, num_stages)]
         self.programs = [StageProgram(order, cuts, s, self.stage_io[s], self.stage_io[s + 1] if s + 1 < num_stages else None)
                          for s in range(num_stages)]
