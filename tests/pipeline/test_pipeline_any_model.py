@@ -51,6 +51,7 @@ def test_blocks_as_attributes_split_at_every_boundary_match_one_process():
 
 
 @pytest.mark.parity
+@pytest.mark.heavy
 @distributed(world_size=4, timeout=400)
 def test_every_schedule_on_models_without_layer_containers_and_multi_value_cuts():
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("PP",))
