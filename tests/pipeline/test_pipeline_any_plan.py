@@ -120,6 +120,17 @@ class SharedScaleLM(nn.Module):
         return self.block2(self.block1(self.wte(idx)) * self.scale) * self.scale
 
 
+class FunctionalHeadLM(nn.Module):
+    """Ties its head to the embedding by reading the embedding's weight in the root forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.block1, self.block2 = nn.Embedding(VOCAB, WIDTH), Block(), Block()
+
+    def forward(self, idx):
+        return self.block2(self.block1(self.wte(idx))) @ self.wte.weight.T
+
+
 def test_forwards_that_cannot_be_cut_there_name_the_value_and_a_split_that_works():
     with pytest.raises(ValueError, match=r"cannot be cut before 'head': sqrt \(math.sqrt; test_pipeline_any_plan.py:\d+ "
                                          r"`temperature = math.sqrt\(h.shape\[1\]\)`\) is needed after the cut and holds "
@@ -130,6 +141,8 @@ def test_forwards_that_cannot_be_cut_there_name_the_value_and_a_split_that_works
         _stages(ReuseLM(), 2, split_points=["block2"])
     with pytest.raises(ValueError, match=r"parameter 'scale' is read by the forward on stages \[0, 1\]"):
         _stages(SharedScaleLM(), 2, split_points=["block2"])
+    with pytest.raises(ValueError, match=r"reads 'wte.weight' on stage 1, but its layer 'wte' is on stage 0"):
+        _stages(FunctionalHeadLM(), 2, split_points=["block2"])
     with pytest.raises(ValueError, match=r"'block9' names no module of AttrLM; nearest FQNs: \['block4', 'block3'"):
         _stages(AttrLM(), 2, split_points=["block9"])
     with pytest.raises(ValueError, match=r"'block2' runs before 'block3'"):

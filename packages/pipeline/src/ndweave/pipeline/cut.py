@@ -52,13 +52,23 @@ class TracedCut:
         return held
 
     def _params_read_by_stage(self, model: nn.Module) -> dict[str, int]:
-        """Parameters outside every layer (owned by the root, read by its forward): the stage reading each."""
+        """Parameters outside every layer (owned by the root, read by its forward): the stage reading each.
+        A layer's weight the root forward reads directly must be read on the layer's stage."""
+        reads = {p.stage: {n.target for n in p.graph.nodes if n.op == "get_attr"} for p in self.programs}
+        stage_of = {fqn: s for s, held in enumerate(self.stage_layers) for fqn in held}
+        for stage, names in reads.items():
+            for name in names:
+                layer = next((fqn for fqn in self.layers if name.startswith(fqn + ".")), None)
+                if layer is not None and stage_of[layer] != stage:
+                    raise ValueError(
+                        f"the forward reads {name!r} on stage {stage}, but its layer {layer!r} is on stage "
+                        f"{stage_of[layer]}; use the layer there (a tied head as a module sharing the weight, "
+                        "found across stages) or split so that both are on one stage")
         outside = [name for name, _ in model.named_parameters()
                    if not any(name.startswith(layer + ".") for layer in self.layers)]
         owner: dict[str, int] = {}
         for name in outside:
-            readers = [p.stage for p in self.programs
-                       if any(n.op == "get_attr" and n.target == name for n in p.graph.nodes)]
+            readers = [stage for stage, names in reads.items() if name in names]
             if len(readers) > 1:
                 raise ValueError(f"parameter {name!r} is read by the forward on stages {readers}; a weight outside "
                                  "the layers can live on one stage: move the split points or the weight into a layer")
