@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh_releases import imported_mesh_names, released
+from mesh_releases import imported_mesh_names, released, version_key
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {"mesh"}
@@ -33,10 +33,6 @@ def _check_package(name: str) -> None:
         _check_mesh_floor(name, pyproject["project"]["dependencies"], src / name)
 
 
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split("."))
-
-
 def _check_mesh_floor(name: str, dependencies: list[str], package_src: Path) -> None:
     """The package's ``ndweave-mesh>=X`` floor offers every mesh name it imports (an older mesh that
     satisfies the floor would break at import)."""
@@ -46,7 +42,7 @@ def _check_mesh_floor(name: str, dependencies: list[str], package_src: Path) -> 
         assert since is not None, (
             f"{where} imports {used}, which no released ndweave-mesh has: bump mesh's __version__ (and pyproject), "
             "run `python tests/mesh_releases.py`, and raise ndweave-" + name + "'s ndweave-mesh floor to it")
-        assert _version(since) <= _version(floor), (
+        assert version_key(since) <= version_key(floor), (
             f"{where} imports {used}, new in ndweave-mesh {since}, but ndweave-{name} requires only "
             f"ndweave-mesh>={floor}: raise the floor in packages/{name}/pyproject.toml")
 

@@ -4,7 +4,8 @@ installs fine and breaks at import).
 
 ``python tests/mesh_releases.py`` rewrites ``mesh_releases.json`` from git: for every commit that set
 mesh's ``__version__``, the top-level names of each ``ndweave.mesh`` module at that commit. Run it
-after bumping mesh's version (a name added since the last bump belongs to no release yet).
+after a mesh release to record it (until then the working tree stands for a version newer than those
+recorded; a name added without a version bump belongs to no release).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = "packages/mesh/src"
 RELEASES = Path(__file__).with_name("mesh_releases.json")
 
-__all__ = ["module_names", "released", "imported_mesh_names"]
+__all__ = ["imported_mesh_names", "module_names", "released", "version_key"]
 
 
 def module_names(source: str) -> set[str]:
@@ -59,14 +60,25 @@ def _write() -> None:
 
 
 def released(name: str) -> str | None:
-    """The first mesh version offering ``name`` (``module`` or ``module:attr``), ``None`` if none does."""
+    """The first mesh version offering ``name`` (``module`` or ``module:attr``), ``None`` if none does.
+
+    The releases recorded in ``mesh_releases.json``, then the working tree's mesh if its version is
+    newer than all of them (a bump not yet recorded): a name added without a bump belongs to none."""
     releases = json.loads(RELEASES.read_text())
+    tree_version = re.search(r'__version__ = "([^"]+)"', (ROOT / SRC / "ndweave/mesh/__init__.py").read_text())[1]
+    if max(map(version_key, releases)) < version_key(tree_version):
+        releases[tree_version] = {_module(str(p.relative_to(ROOT))): sorted(module_names(p.read_text()))
+                                  for p in (ROOT / SRC / "ndweave/mesh").rglob("*.py")}
     module, _, attr = name.partition(":")
-    for version in sorted(releases, key=lambda v: tuple(map(int, v.split(".")))):
+    for version in sorted(releases, key=version_key):
         names = releases[version].get(module)
         if names is not None and (not attr or attr in names):
             return version
     return None
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
 
 
 def imported_mesh_names(package_src: Path) -> dict[str, str]:

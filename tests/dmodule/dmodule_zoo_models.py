@@ -126,8 +126,9 @@ def _aliases(model: nn.Module) -> dict[str, str]:
 
 
 def check_parity(name: str, *, sequence_parallel: bool = False, steps: int = 2, optimizer: str = "sgd",
-                 **overrides) -> None:
-    """Run on every rank: ``get_plan(name, model)`` on a 1-D TP mesh matches one device, step by step."""
+                 plan: str | None = None, **overrides) -> None:
+    """Run on every rank: ``get_plan(name, model)`` (or ``get_plan(plan, model)``: ``"auto"``) on a 1-D
+    TP mesh matches one device, step by step."""
     from ndweave.dmodule import DModule, parallelize_module
     from ndweave.dmodule.plans import get_plan
 
@@ -136,7 +137,7 @@ def check_parity(name: str, *, sequence_parallel: bool = False, steps: int = 2, 
     reference = build(name, **overrides)
     model = copy.deepcopy(reference)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("TP",))
-    model = parallelize_module(model, mesh, get_plan(name, model, sequence_parallel=sequence_parallel))
+    model = parallelize_module(model, mesh, get_plan(plan or name, model, sequence_parallel=sequence_parallel))
     assert isinstance(model, DModule)
 
     def make_optimizer(params):
@@ -187,7 +188,7 @@ def check_parity(name: str, *, sequence_parallel: bool = False, steps: int = 2, 
         assert_close(params[fqn], ref_p, name=f"{fqn} after {steps} steps")
 
 
-def check_deferred(name: str, **overrides) -> None:
+def check_deferred(name: str, plan: str | None = None, **overrides) -> None:
     """Run on every rank: a ``deferred_init`` model parallelized with its zoo plan (patches included)
     holds exactly the eager model's values and computes the same loss."""
     from ndweave.dmodule import deferred_init, parallelize_module
@@ -199,7 +200,7 @@ def check_deferred(name: str, **overrides) -> None:
     torch.manual_seed(0)
     model = deferred_init(build, name, **overrides)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("TP",))
-    model = parallelize_module(model, mesh, get_plan(name, eager))
+    model = parallelize_module(model, mesh, get_plan(plan or name, eager))
     for (fqn, p), (_, q) in zip(eager.named_parameters(), model.named_parameters()):
         assert torch.equal(q.full_tensor(), p), f"{fqn} differs from eager init"
     inputs, targets = batch(name, eager, 0)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from core_models import MLP
+from core_models import MLP, NormMLP
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
@@ -36,6 +36,47 @@ def test_plain_input_without_input_plan_names_module_argument_and_fix():
         model(torch.randn(3, 4))
     assert '{"fc1.input": [[Replicate()]]}' in str(info.value)
     assert "mixed torch.Tensor and DTensor" in str(info.value.__cause__)  # torch's error kept as the cause
+
+
+@distributed(world_size=2, timeout=FAULT_TIMEOUT)
+def test_input_of_the_wrong_width_names_the_module_and_both_shapes():
+    model = parallelize_module(MLP(), _mesh(), MLP_TP)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "module 'fc1' (Linear) takes inputs whose last dim is 4 (in_features=4), but got 'input' of shape "
+            "(3, 5) [Replicate()]; pass inputs of width 4, or build the module for width 5")) as info:
+        model(torch.randn(3, 5))
+    assert "Sharding propagation failed" in str(info.value.__cause__)  # torch's error kept as the cause
+    # a plain input under a Shard plan is this rank's piece: the message gives the global shape
+    model = parallelize_module(MLP(), _mesh(), {"parameter": PARAMS, "forward": {"fc1.input": [[Shard(0)]]}})
+    with pytest.raises(RuntimeError, match=re.escape("but got 'input' of shape (6, 5) [Shard(dim=0)]; pass inputs of")):
+        model(torch.randn(3, 5))
+    model = parallelize_module(torch.nn.Sequential(torch.nn.LayerNorm((2, 4))), _mesh(), {"forward": {"0.input": [[R]]}})
+    with pytest.raises(RuntimeError, match=re.escape("module '0' (LayerNorm) takes inputs whose last 2 dims are (2, 4) "
+                                                     "(normalized_shape=(2, 4)), but got 'input' of shape (3, 4, 4)")):
+        model(torch.randn(3, 4, 4))
+    # a module that keeps no width attribute: its inputs and parameters, global shapes and placements
+    plan = {"parameter": {"c_fc.weight": [Shard(1)], "c_proj.weight": [Shard(0)]},
+            "forward": {"norm.input": [[Shard(1)]], "c_fc.input": [[R]], "c_proj.output": [[Shard(1)]]}}
+    model = parallelize_module(NormMLP(dim=8), _mesh(), plan)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "module 'norm' (RMSNorm): DTensor cannot run its forward on these shapes and placements: inputs 'x' "
+            "(2, 4, 6) [Shard(dim=1)]; parameters weight (8,) [Replicate()]; check its inputs' shapes")):
+        model(torch.randn(2, 2, 6))
+
+
+@distributed(world_size=2, timeout=FAULT_TIMEOUT)
+def test_placement_written_as_a_string_names_the_entry_and_the_fix():
+    for plan, message in [
+        ({"parameter": {"fc1.weight": "Shard(0)"}}, "parameter plan 'fc1.weight': 'Shard(0)' is a string, not a "
+                                                    "placement; write [Shard(0)] (from torch.distributed.tensor import"),
+        ({"forward": {"fc1.input": ["Replicate"]}}, "forward plan 'fc1.input': ['Replicate'] holds strings, not "
+                                                    "placements; write [[Replicate()]]"),
+        ({"forward": {"fc1.input": {"input": ["Shard(0)"]}}}, "forward plan 'fc1.input'['input']: ['Shard(0)'] holds "
+                                                              "strings, not placements; write [Shard(0)]"),
+    ]:
+        # every rank raises it, naming the rank it was found on
+        with pytest.raises(TypeError, match=re.escape(f"parallelize_module failed on rank 0 (and ranks [1]): {message}")):
+            parallelize_module(MLP(), _mesh(), plan)
 
 
 @distributed(world_size=2, timeout=FAULT_TIMEOUT)
@@ -141,7 +182,7 @@ def test_module_must_be_a_module_instance():
      "\"Replicate\", {\"Shard\": dim}"),
     ('{\n  "forward": {\n    "fc1.input": [[{"Shard": "x"}]]\n  }\n}',
      "line 3: forward['fc1.input'][0][0]: {\"Shard\": \"x\"} is not a valid placement (\"x\" is not an integer)"),
-    ('{\n  "patch": {\n    "fc1": [3]\n  }\n}', "line 3: patch['fc1']: [3] is not a patch name or a list of them"),
+    ('{\n  "patch": {\n    "fc1": [3]\n  }\n}', "line 3: patch['fc1']: [3] is not a patch name, a {\"name\": ..., \"args\": {...}} entry"),
     ('{"paramter": {}}', "plan file plan.json: a sharding plan has the sections"),
 ])
 def test_malformed_plan_file_names_file_line_and_valid_forms(text, message):

@@ -10,15 +10,16 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from ndweave.mesh.torch_compat import StridedShard as _StridedShard
 
 from ndweave.dmodule import PlacementSpec
-from ndweave.dmodule.plan import normalize_plan
-from ndweave.dmodule.plans import BUILTIN_PATCHES, get_plan, list_plans, load_plan, save_plan
+from ndweave.dmodule.patches import registered_patches
+from ndweave.dmodule.plans import get_plan, list_plans, load_plan, save_plan
 from ndweave.dmodule.plans.serialization import encode_plan
+from ndweave.dmodule.spec import normalize_plan
 
 ALL = [(name, sp) for name in ["mlp", "nanogpt", "hf_llama", "hf_gpt2"] for sp in (False, True)]
 
 
 def test_list_plans_names_the_zoo():
-    assert list_plans() == ["hf_gpt2", "hf_llama", "mlp", "nanogpt"]
+    assert list_plans() == ["auto", "hf_gpt2", "hf_llama", "mlp", "nanogpt"]
 
 
 def test_unknown_plan_lists_the_known_ones():
@@ -31,7 +32,7 @@ def test_every_plan_is_valid_data(name, sequence_parallel):
     plan = get_plan(name, sequence_parallel=sequence_parallel)
     normalize_plan(plan, None, None, None)  # the core accepts every value
     for patches in plan.get("patch", {}).values():
-        assert all(isinstance(p, str) and p in BUILTIN_PATCHES for p in patches)
+        assert all(isinstance(p, str) and p in registered_patches() for p in patches)
     assert get_plan(name, sequence_parallel=sequence_parallel) is not plan  # fresh: safe to edit
 
 
@@ -79,7 +80,7 @@ def test_saved_plans_have_one_entry_per_line(tmp_path):
 
 def test_a_callable_patch_cannot_be_saved():
     plan = {"patch": {"fc1": [lambda module, mesh, fqn: None]}}
-    with pytest.raises(TypeError, match="register it in ndweave.dmodule.plans.BUILTIN_PATCHES"):
+    with pytest.raises(TypeError, match="register it with ndweave.dmodule.register_patch"):
         save_plan(plan, io.StringIO())
 
 

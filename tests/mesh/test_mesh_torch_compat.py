@@ -85,6 +85,21 @@ def test_is_view_tells_views_from_their_base():
     assert tc.is_view(base[1:]) and tc.is_view(base.view(8)) and not tc.is_view(base) and not tc.is_view(base.clone())
 
 
+def test_torch_function_disabled_hides_calls_from_torch_function_modes():
+    seen = []
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        torch.ones(2).add(1)
+        with tc.torch_function_disabled():
+            torch.ones(2).mul(2)
+    assert seen == ["ones", "add"]
+
+
 def test_current_backward_id_tells_backward_passes_apart():
     w = torch.ones(2, requires_grad=True)
     seen = []
@@ -161,3 +176,53 @@ def test_mesh_state_adoption_groupless_meshes_and_deep_copyable_dtensor_views():
     copied = copy.deepcopy(d)
     buffer.zero_()
     assert torch.equal(copied.to_local(), torch.arange(2.0, 8.0).view(2, 3)) and d.to_local().sum() == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# For ndweave.pipeline: torch's PipelineStage methods it overrides, and aborting a group
+# ---------------------------------------------------------------------------------------------------
+def test_pipeline_stage_methods_ndweave_overrides_take_the_parameters_it_passes():
+    import inspect
+
+    from torch.distributed.pipelining import PipelineStage
+
+    for name, params in tc.PIPELINE_STAGE_OVERRIDES.items():
+        taken = tuple(inspect.signature(getattr(PipelineStage, name)).parameters)[1:]  # (after self)
+        assert taken == params, f"PipelineStage.{name}{taken}: ndweave.pipeline's override passes {params}"
+    takes_get_mesh = "get_mesh" in inspect.signature(PipelineStage.__init__).parameters
+    lookup = object()
+    assert tc.pipeline_stage_kwargs(lookup) == ({"get_mesh": lookup} if takes_get_mesh else {})
+
+
+@distributed(world_size=2, timeout=60)
+def test_abort_group_releases_a_peer_waiting_on_it_and_a_new_group_gets_another_name():
+    import gc
+    import time
+
+    group = dist.new_group([0, 1], use_local_synchronization=True)
+    name = group.group_name
+    dist.all_reduce(torch.ones(1), group=group)
+    dist.barrier()
+    start = time.monotonic()
+    if dist.get_rank() == 1:
+        tc.abort_group(group)
+        del group
+        gc.collect()  # gloo closes the group's connections once it is freed
+    else:
+        try:
+            dist.recv(torch.empty(1), src=1, group=group)
+        except RuntimeError as error:
+            assert "by peer" in str(error), error
+        else:
+            raise AssertionError("the receive from the aborted rank returned")
+        assert time.monotonic() - start < 10, f"released after {time.monotonic() - start:.1f} s"
+        tc.abort_group(group)
+        del group
+        gc.collect()
+    dist.barrier()
+    # torch names such groups after their ranks and its count of live groups: not the aborted one's
+    fresh = dist.new_group([0, 1], use_local_synchronization=True)
+    assert fresh.group_name != name
+    total = torch.ones(1)
+    dist.all_reduce(total, group=fresh)
+    assert total.item() == 2

@@ -99,3 +99,19 @@ def test_engine_arguments_are_checked():
             PipeEngine(module, mesh, "cross_entropy")
         with pytest.raises(TypeError, match="plan must be a PipelineParallelPlan .* got dict"):
             PipeEngine(module, mesh, loss_fn, {"num_microbatches": 1})
+
+
+def test_the_engines_stage_overrides_the_methods_torch_compat_pins():
+    # torch's schedules call these PipelineStage methods with no documented contract: the ones the
+    # engine overrides are listed (and their signatures pinned against torch) in torch_compat
+    import inspect
+
+    from torch.distributed.pipelining import PipelineStage
+
+    from ndweave.mesh.torch_compat import PIPELINE_STAGE_OVERRIDES
+    from ndweave.pipeline.engine import _Stage
+
+    overridden = {name for name in vars(_Stage) if not name.startswith("_") and hasattr(PipelineStage, name)}
+    assert overridden == set(PIPELINE_STAGE_OVERRIDES)
+    for name, params in PIPELINE_STAGE_OVERRIDES.items():
+        assert tuple(inspect.signature(getattr(_Stage, name)).parameters)[1:] == params, name

@@ -11,16 +11,17 @@
 See README.md for plans, patches, deferred init and debugging.
 """
 
-from ndweave.dmodule.agree import RankMismatchError
+from ndweave.mesh.agree import RankMismatchError
 from ndweave.dmodule.api import parallelize_module
 from ndweave.dmodule.deferred_init import MaterializeStats, deferred_init, is_deferred
 from ndweave.dmodule.dmodule import DModule, GradSyncEntry
 from ndweave.dmodule.factory import FactoryMode
 from ndweave.dmodule.hooks import log_redistributions
-from ndweave.dmodule.plan import PlacementSpec, PlanKeyError
-from ndweave.dmodule.plans import get_plan, list_plans, load_plan, save_plan
+from ndweave.dmodule.patches import register_patch
+from ndweave.dmodule.plans import explain_plan, get_plan, list_plans, load_plan, save_plan
+from ndweave.dmodule.spec import PlacementSpec, PlanKeyError
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "DModule",
@@ -31,12 +32,14 @@ __all__ = [
     "PlanKeyError",
     "RankMismatchError",
     "deferred_init",
+    "explain_plan",
     "get_plan",
     "is_deferred",
     "list_plans",
     "load_plan",
     "log_redistributions",
     "parallelize_module",
+    "register_patch",
     "save_plan",
     "__version__",
 ]

@@ -22,26 +22,17 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from ndweave.dmodule import deferred_init as _deferred
-from ndweave.dmodule.agree import validate_on_every_rank
+from ndweave.dmodule.deferred_init import is_deferred, replay, storage_key, take_program
 from ndweave.dmodule.dmodule import DModuleState, make_dmodule
 from ndweave.dmodule.factory import FactoryArg, install_factory
 from ndweave.dmodule.hooks import install_forward_hooks, install_local_output_hook
-from ndweave.dmodule.plan import (
-    IO_LEAVES,
-    PlacementSpec,
-    Plan,
-    check_placements,
-    match_modules,
-    names_removed_module,
-    no_match_error,
-    normalize_plan,
-    plan_specs,
-    split_key,
-)
-from ndweave.mesh import DEVICE_MESH, ParallelMesh, resolve_mesh
+from ndweave.dmodule.patches import resolve_patch
+from ndweave.dmodule.plan import check_placements, match_modules, names_removed_module, no_match_error
 from ndweave.dmodule.sharded import sharded_global_shapes
-from ndweave.mesh.torch_compat import StridedShard, custom_chunk, split_tensor
+from ndweave.dmodule.spec import IO_LEAVES, PlacementSpec, Plan, normalize_plan, plan_specs, split_key
+from ndweave.mesh import DEVICE_MESH, ParallelMesh, resolve_mesh
+from ndweave.mesh.agree import agree_or_raise
+from ndweave.mesh.torch_compat import FakeTensor, StridedShard, custom_chunk, split_tensor
 
 __all__ = ["parallelize_module"]
 
@@ -92,17 +83,19 @@ def parallelize_module(
                      is_model_sharded, use_local_output)
     mesh = _resolve(device_mesh)
 
-    def validate() -> tuple[tuple[Plan, list[_Layout]], dict[str, Any]]:
+    def validate() -> tuple[tuple[Plan, list[_Layout], _PatchTargets], dict[str, Any]]:
         plan = normalize_plan(sharding_plan, param_sharding_plan, fwd_resharding_plan, patches)
         layouts = _choose_layouts(module, mesh, plan.parameter, is_model_sharded)
-        return (plan, layouts), _fingerprint(plan, layouts, is_model_sharded, factory, use_local_output)
+        targets = _patch_targets(module, plan.patch)
+        return (plan, layouts, targets), _fingerprint(plan, layouts, is_model_sharded, factory, use_local_output)
 
     # every check that needs no communication runs first, then the ranks agree on the outcome, so a
     # mistake on one rank (a plan or model that differs by rank) raises on all instead of a hang
-    (plan, layouts), local_shapes = validate_on_every_rank(mesh, "parallelize_module", validate)
+    (plan, layouts, targets), local_shapes = agree_or_raise(mesh, "parallelize_module", validate)
     global_shapes = sharded_global_shapes(mesh, layouts, local_shapes) if is_model_sharded else {}
     _distribute_tensors(module, mesh, layouts, global_shapes)
-    _apply_patches(module, mesh, plan.patch)
+    for fqn, m, patch in targets:
+        patch(m, mesh, fqn)
     factory_mode, factory_handles = install_factory(module, mesh, factory)
     state = DModuleState(mesh=mesh, factory_mode=factory_mode)
     state.hook_handles = _install_forward_plan(module, mesh, plan.forward) + factory_handles
@@ -167,7 +160,7 @@ class _Layout:
     @property
     def local_shard(self) -> bool:
         """Under ``is_model_sharded=True``: this rank's piece, from which the global tensor is built."""
-        return not (self.plain or isinstance(self.tensor, (DTensor, _deferred.FakeTensor)))
+        return not (self.plain or isinstance(self.tensor, (DTensor, FakeTensor)))
 
 
 def _choose_layouts(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str, PlacementSpec],
@@ -202,14 +195,14 @@ def _choose_layouts(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str, Pla
                 )
             chosen[id(t)] = (key, spec)
 
-    deferred = _deferred.is_deferred(root)
+    deferred = is_deferred(root)
     replicate = PlacementSpec([Replicate()] * mesh.ndim)
     layouts = []
     for tid, t in tensors.items():
         name = slots[tid][0][0]
         what = f"{'parameter' if isinstance(t, nn.Parameter) else 'buffer'} {name!r}"
         placements = check_placements(chosen.get(tid, (None, replicate))[1], t, mesh, what)
-        if isinstance(t, _deferred.FakeTensor):
+        if isinstance(t, FakeTensor):
             if not deferred:
                 raise RuntimeError(f"{what} is a fake tensor: parallelize the module deferred_init returned, not a part of it")
             if any(isinstance(p, Partial) for p in placements):
@@ -227,7 +220,7 @@ def _choose_layouts(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str, Pla
 
 def _fingerprint(plan: Plan, layouts: list[_Layout], is_model_sharded: bool, factory: Any,
                  use_local_output: bool) -> dict[str, Any]:
-    """What every rank of the mesh must be given equal (see ``validate_on_every_rank``), as text."""
+    """What every rank of the mesh must be given equal (see ``ndweave.mesh.agree.agree_or_raise``), as text."""
     sharded = is_model_sharded
     return {
         "plan": {**{f"parameter[{k!r}]": repr(v) for k, v in plan.parameter.items()},
@@ -255,7 +248,7 @@ def _describe(value: Any) -> str:
 
 def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, layouts: list[_Layout],
                         global_shapes: dict[str, torch.Size]) -> None:
-    program = _deferred.take_program(root) if _deferred.is_deferred(root) else None
+    program = take_program(root) if is_deferred(root) else None
     targets: dict[int, list[Callable[[torch.Tensor], int]]] = {}  # storage key -> its tensors' installers
     for x in layouts:
         t, placements, plain = x.tensor, x.placements, x.plain
@@ -266,9 +259,9 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, layouts: list[_Layout
             for _, m, leaf in x.slots:
                 (m._parameters if leaf in m._parameters else m._buffers)[leaf] = dt
 
-        if isinstance(t, _deferred.FakeTensor):
+        if isinstance(t, FakeTensor):
             installer = _local_shard_installer(t, mesh, placements, install, plain)
-            targets.setdefault(_deferred._key(t), []).append(installer)
+            targets.setdefault(storage_key(t), []).append(installer)
         elif isinstance(t, DTensor):
             install(t if tuple(t.placements) == placements else t.redistribute(mesh, placements))
         elif plain:
@@ -280,7 +273,7 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, layouts: list[_Layout
         else:
             install(distribute_tensor(t.detach().to(mesh.device_type), mesh, placements))
     if program is not None:
-        stats = _deferred.replay(program, targets)
+        stats = replay(program, targets)
         root.__dict__["_materialize_stats"] = stats
 
 
@@ -341,7 +334,13 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------- patches
-def _apply_patches(root: nn.Module, mesh: DeviceMesh, patch_plan: dict[str, list]) -> None:
+_PatchTargets = list[tuple[str, nn.Module, Callable[[nn.Module, DeviceMesh, str], None]]]
+
+
+def _patch_targets(root: nn.Module, patch_plan: dict[str, list]) -> _PatchTargets:
+    """Every (fqn, module, patch) the plan's patch section applies, in plan order; found and checked
+    before any collective (a patch runs later, on distributed parameters)."""
+    targets = []
     for key, patches in patch_plan.items():
         if key.startswith("class:"):
             cls_name = key[len("class:"):]
@@ -352,22 +351,9 @@ def _apply_patches(root: nn.Module, mesh: DeviceMesh, patch_plan: dict[str, list
             hits = match_modules(root, key)
             if not hits and not names_removed_module(root, key):
                 raise no_match_error("patch", key, (fqn for fqn, _ in root.named_modules()))
-        fns = [_resolve_patch(p) for p in patches]
-        for fqn, m in hits:
-            for fn in fns:
-                fn(m, mesh, fqn)
-
-
-def _resolve_patch(patch: Any) -> Callable[[nn.Module, DeviceMesh, str], None]:
-    if callable(patch):
-        return patch
-    if isinstance(patch, str):
-        from ndweave.dmodule.plans import BUILTIN_PATCHES  # lazily: the zoo imports this package
-
-        if patch not in BUILTIN_PATCHES:
-            raise KeyError(f"unknown patch {patch!r}; built-in patches: {sorted(BUILTIN_PATCHES)}")
-        return BUILTIN_PATCHES[patch]
-    raise TypeError(f"a patch is a callable (module, device_mesh, fqn) or a built-in patch name, not {patch!r}")
+        fns = [resolve_patch(p, f"patch[{key!r}]") for p in patches]
+        targets += [(fqn, m, fn) for fqn, m in hits for fn in fns]
+    return targets
 
 
 # ---------------------------------------------------------------------------------------- forward

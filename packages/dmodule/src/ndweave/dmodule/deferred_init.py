@@ -39,7 +39,7 @@ from ndweave.mesh.torch_compat import (
     tree_map,
 )
 
-__all__ = ["deferred_init", "is_deferred", "DeferredProgram", "MaterializeStats"]
+__all__ = ["deferred_init", "is_deferred", "replay", "storage_key", "take_program", "DeferredProgram", "MaterializeStats"]
 
 _ATTR = "_ndweave_deferred"
 _DATA_DEPENDENT_INITS = ("trunc_normal_", "orthogonal_", "sparse_")
@@ -94,7 +94,8 @@ def _covers_storage(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size() == t.untyped_storage().nbytes()
 
 
-def _key(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage (views share it), as recorded ops and ``replay`` targets key it."""
     return t.untyped_storage()._cdata
 
 
@@ -125,11 +126,11 @@ class _Recorder(TorchDispatchMode):
         if ins and isinstance(ins[0], FakeTensor) and _covers_storage(ins[0]) and (
             schema is None or name.split(".")[0] in _OVERWRITING_OPS
         ):
-            overwrites = _key(ins[0])
+            overwrites = storage_key(ins[0])
         self.program.ops.append(_Op(
             func, args, kwargs, out,
-            in_keys=[_key(t) for t in ins if isinstance(t, FakeTensor)],
-            out_keys=[_key(t) for t in outs],
+            in_keys=[storage_key(t) for t in ins if isinstance(t, FakeTensor)],
+            out_keys=[storage_key(t) for t in outs],
             lazy=not ins and not random,
             overwrites=overwrites,
         ))

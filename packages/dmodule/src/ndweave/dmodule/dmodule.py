@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ndweave.dmodule.factory import FactoryMode
-from ndweave.dmodule.mixed import MIXED_TENSORS, explain_mixed_tensors
+from ndweave.dmodule.op_errors import explain_op_error
 from ndweave.dmodule.plan import mesh_str
 from ndweave.mesh.contracts import reduce_partial_grads
 
@@ -68,8 +68,8 @@ class DModule:
         try:
             return super().__call__(*args, **kwargs)
         except RuntimeError as error:
-            # torch raises this deep inside an op; name the module and the plan entry that fixes it
-            clearer = explain_mixed_tensors(self, error) if MIXED_TENSORS in str(error) else None
+            # torch raises these deep inside an op; name the module, what it expected and the fix
+            clearer = explain_op_error(self, error)
             if clearer is None:
                 raise
             raise clearer from error

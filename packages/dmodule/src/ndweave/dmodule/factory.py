@@ -32,7 +32,8 @@ from torch.distributed.tensor import Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
-from ndweave.dmodule.plan import as_spec, names_removed_module, no_match_error
+from ndweave.dmodule.plan import names_removed_module, no_match_error
+from ndweave.dmodule.spec import as_spec
 
 __all__ = ["FACTORY_FUNCTIONS", "FactoryArg", "FactoryMode", "install_factory"]
 
@@ -139,7 +140,7 @@ def _class_plan(cls: type, value: Any, mesh: DeviceMesh) -> FactoryPlan:
             names = sorted(f"torch.{f.__name__}" for f in FACTORY_FUNCTIONS)
             raise ValueError(f"factory[{cls.__name__}]: {func!r} is not a factory function ndweave converts; "
                              f"supported: {names}")
-        spec = as_spec(placements)
+        spec = as_spec(placements, f"factory[{cls.__name__}][torch.{func.__name__}]")
         if spec is None:
             continue
         if len(spec.placements) != mesh.ndim or any(isinstance(p, Partial) for p in spec.placements):

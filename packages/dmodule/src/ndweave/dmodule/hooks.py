@@ -24,9 +24,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ndweave.dmodule.agree import validate_on_every_rank
-from ndweave.dmodule.plan import PlacementSpec, PlanKeyError, suggest
+from ndweave.dmodule.spec import PlacementSpec, PlanKeyError, suggest
 from ndweave.dmodule.signature import InputSlot, apply_input_slots, bind_input_plan
+from ndweave.mesh.agree import agree_or_raise
 from ndweave.mesh.torch_compat import tree_map
 
 __all__ = ["install_forward_hooks", "install_local_output_hook", "local_outputs", "log_redistributions"]
@@ -147,7 +147,7 @@ class _ForwardPlan:
         collective and a host sync per forward: later calls are left to the process-group timeout."""
         seen, self.plain_inputs = self.plain_inputs, None
         if seen:
-            validate_on_every_rank(
+            agree_or_raise(
                 self.mesh, f"forward of {self.fqn or '<root>'!r}", lambda: (None, {"input shape": seen}),
                 hint="a plain input under an input plan is this rank's piece of one tensor, the same shape "
                      "on every rank of the mesh (Replicate: the whole value; Shard: an even piece); pass "

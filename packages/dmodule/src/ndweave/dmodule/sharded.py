@@ -3,18 +3,19 @@
 Each rank holds its own piece of every planned tensor. The pieces must be the ones DTensor itself
 would cut from one global tensor (torch's chunking: the first pieces the larger), or every later
 redistribution pads and gathers the wrong rows. Every rank checks every rank's shapes (gathered once
-by ``validate_on_every_rank``), so a wrong shard raises the same error on all of them.
+by ``ndweave.mesh.agree.agree_or_raise``), so a wrong shard raises the same error on all of them.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ndweave.dmodule.agree import Coordinate, RankMismatchError, ranks_by_coordinate
+from ndweave.mesh.agree import RankMismatchError
 from ndweave.mesh.torch_compat import chunk_sizes, is_shard_like
 
 __all__ = ["sharded_global_shapes"]
@@ -27,10 +28,11 @@ class _Sharded(Protocol):
 
 
 def sharded_global_shapes(mesh: DeviceMesh, layouts: Iterable[_Sharded],
-                          local_shapes: dict[Coordinate, dict[str, tuple[int, ...]]]) -> dict[str, torch.Size]:
+                          local_shapes: dict[int, dict[str, tuple[int, ...]]]) -> dict[str, torch.Size]:
     """Each local shard's global shape (by tensor name), from every mesh rank's local shapes; raises
     :class:`RankMismatchError` naming the tensor, the rank, and the expected and got local shapes."""
-    ranks = ranks_by_coordinate(mesh)
+    grid = mesh.mesh
+    ranks = {index: int(grid[index]) for index in itertools.product(*map(range, grid.shape))}  # coordinate -> rank
     sizes: dict[tuple[Any, int, int], list[int]] = {}  # chunking is the same for many tensors: once each
 
     def chunked(p: Any, size: int, n: int) -> list[int]:
@@ -43,7 +45,7 @@ def sharded_global_shapes(mesh: DeviceMesh, layouts: Iterable[_Sharded],
     for x in layouts:
         if not x.local_shard:
             continue
-        shapes = {c: local[x.name] for c, local in local_shapes.items()}
+        shapes = {c: local_shapes[rank][x.name] for c, rank in ranks.items()}
         ndim = len(next(iter(shapes.values())))
         sharding = [{d for d, p in enumerate(x.placements) if is_shard_like(p) and p.dim == k} for k in range(ndim)]
         # a tensor dim's global size: its pieces along the mesh dims that shard it, the others at 0

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from ndweave.dmodule.plan import PlanKeyError, suggest
+from ndweave.dmodule.spec import PlanKeyError, suggest
 
 __all__ = ["InputSlot", "apply_input_slots", "bind_input_plan"]
 
@@ -35,7 +35,7 @@ class InputSlot:
     name: str | None
     """Its keyword when passed by name; ``None`` for ``*args`` elements and positional-only parameters."""
     tree: Any
-    """The normalized plan value (``plan.plan_tree``) laid over the argument."""
+    """The normalized plan value (``spec.plan_tree``) laid over the argument."""
 
 
 def bind_input_plan(module: nn.Module, fqn: str, plan: list | dict) -> list[InputSlot]:

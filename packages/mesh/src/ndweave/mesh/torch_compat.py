@@ -13,6 +13,7 @@ The tests pin each against the installed torch (2.13 in CI); the floor in the pa
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -61,6 +62,7 @@ __all__ = [
     "set_group_timeout",
     "split_indices",
     "split_tensor",
+    "torch_function_disabled",
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
@@ -177,6 +179,12 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def torch_function_disabled() -> contextlib.AbstractContextManager:
+    """A context in which torch calls skip every ``TorchFunctionMode`` (``DisableTorchFunction``): code
+    of an analysis running inside a traced forward (a hook) is not recorded as the model's."""
+    return torch._C.DisableTorchFunction()
+
+
 def is_view(t: torch.Tensor) -> bool:
     """Whether ``t`` is a view of another tensor's storage (``Tensor._is_view``): autograd refuses to
     ``detach_()`` one, which torch's pipelining does to stage outputs."""
@@ -230,3 +238,48 @@ def dtensor_over(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Pla
     out = DTensor.from_local(base, mesh, list(placements), run_check=False, shape=tuple(shape), stride=tuple(stride))
     out._local_tensor.set_(local.untyped_storage(), local.storage_offset(), local.shape, local.stride())
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# For ndweave.pipeline: torch's pipelining stage, and aborting a process group. One block, named in
+# ``__all__`` here, apart from the rest of the module.
+# ---------------------------------------------------------------------------------------------------
+__all__ += ["PIPELINE_STAGE_OVERRIDES", "abort_group", "pipeline_stage_kwargs"]
+
+#: The ``PipelineStage`` methods ``ndweave.pipeline``'s stage overrides, with the parameters it takes
+#: and passes on, in order. Public names without a documented contract (torch's schedules call
+#: them), so the tests pin them against the installed torch.
+PIPELINE_STAGE_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "forward_one_chunk": ("fwd_chunk_id", "args", "kwargs", "save_forward_output"),
+    "backward_one_chunk": ("bwd_chunk_id", "loss", "full_backward", "last_backward"),
+    "backward_weight_one_chunk": ("bwd_chunk_id", "last_backward"),
+    "backward_maybe_with_nosync": ("backward_type", "bwd_kwargs", "last_backward"),
+}
+
+
+def pipeline_stage_kwargs(get_mesh: Callable) -> dict[str, Callable]:
+    """The keyword arguments of ``PipelineStage(...)`` that only some torch releases take:
+    ``get_mesh`` (how a stage finds a received DTensor activation's mesh) is newer than torch 2.11."""
+    import inspect
+
+    # imported here: torch.distributed.pipelining takes seconds to import
+    from torch.distributed.pipelining import PipelineStage
+
+    return {"get_mesh": get_mesh} if "get_mesh" in inspect.signature(PipelineStage.__init__).parameters else {}
+
+
+def abort_group(group: torch.distributed.ProcessGroup) -> None:
+    """Abort ``group``, remove it from torch's registries (``_abort_process_group``), and put a group
+    of this rank alone in its place.
+
+    NCCL aborts the group's communicators. gloo's abort does nothing (torch 2.13): its connections
+    close when the group object is freed, so the caller drops its own references too (a peer waiting
+    on a receive from this rank then fails at once, "Connection closed by peer"). The one-rank group
+    keeps torch's count of live groups where it was: torch names a group its ranks make alone
+    (``use_local_synchronization=True``) after those ranks and that count, so the next one over the
+    same ranks would get the aborted group's name, and its stale rendezvous keys in the store."""
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    _abort_process_group(group)
+    torch.distributed.new_group([torch.distributed.get_rank()], use_local_synchronization=True,
+                                group_desc="ndweave:aborted-group-placeholder")

@@ -91,11 +91,12 @@ class WrappedOptimizer(torch.optim.Optimizer):
         ``DistributedOptimizer`` these are this rank's 1-D master shards, not the model's params."""
         return [p for group in self.inner.param_groups for p in group["params"]]
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """This optimizer's state (see the subclass), with torch's state-dict hooks run around it."""
+    def state_dict(self, **options: Any) -> dict[str, Any]:  # type: ignore[override]
+        """This optimizer's state (see the subclass, and its ``options``), with torch's state-dict hooks
+        run around it."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        state_dict = self._state_dict()
+        state_dict = self._state_dict(**options)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state_dict)
             if result is not None:

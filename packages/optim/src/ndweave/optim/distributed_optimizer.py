@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from ndweave.mesh.agree import raise_on_every_rank
 from ndweave.mesh.contracts import (
     MASTER_KEY,
     DataParallelWrapper,
@@ -42,10 +43,11 @@ from ndweave.mesh.contracts import (
     uses_distributed_optimizer,
 )
 from ndweave.optim.base import WrappedOptimizer
+from ndweave.optim.dcp_state import GuardedPiece, dcp_state_dict, pieces_of_dtensors
 from ndweave.optim.grad_norm import counts_replica
 from ndweave.optim.inner import check_elementwise, resolve_optimizer
 from ndweave.optim.param_gather import ParamGatherer
-from ndweave.optim.state_check import raise_on_every_rank, state_dict_mismatches
+from ndweave.optim.state_check import LOAD_FIX, StateDictMismatchError, state_dict_mismatches
 
 __all__ = ["DistributedOptimizer"]
 
@@ -79,7 +81,7 @@ class _Shard:
         return self.bucket.grad_data[self.bucket_start : self.bucket_end]
 
     def piece(self, data: torch.Tensor) -> StatePiece:
-        return StatePiece(self.name, data, self.layout, self.start, self.end)
+        return GuardedPiece(self.name, data, self.layout, self.start, self.end)
 
 
 class DistributedOptimizer(WrappedOptimizer):
@@ -204,10 +206,14 @@ class DistributedOptimizer(WrappedOptimizer):
             raise ValueError("the models have no grad buckets (no trainable parameters?)")
         return buckets
 
+    def _master_dtype(self, bucket: GradBucket) -> torch.dtype:
+        # "fp32" masters means at least fp32: a float64 model keeps float64 masters
+        dtype = bucket.param_data.dtype
+        return torch.promote_types(dtype, torch.float32) if self.grad_to_fp32 else dtype
+
     def _make_shard(self, bucket: GradBucket, bp, start: int, end: int, dp_ranks) -> _Shard:
         view = bucket.param_data[start:end]
-        # "fp32" masters means at least fp32: a float64 model keeps float64 masters
-        master_dtype = torch.promote_types(view.dtype, torch.float32) if self.grad_to_fp32 else view.dtype
+        master_dtype = self._master_dtype(bucket)
         aliases = view.dtype == master_dtype
         master = torch.nn.Parameter(view if aliases else view.detach().to(master_dtype))
         return _Shard(
@@ -291,19 +297,49 @@ class DistributedOptimizer(WrappedOptimizer):
         return sum(s.master.numel() * s.master.element_size() for s in self._shards if not s.aliases_model)
 
     # ---- state ---------------------------------------------------------------------------------
-    def _state_dict(self) -> dict[str, Any]:
-        """``state_dict()``: this rank's state as StatePieces keyed by parameter FQN (the format of
-        :mod:`ndweave.mesh.contracts.optimizer_state`; values are views of the live state)."""
+    def _state_dict(self, format: Literal["pieces", "dcp"] = "pieces") -> dict[str, Any]:
+        """``state_dict()``: this rank's state keyed by parameter FQN, ``{"param_groups": [{...,
+        "params": [fqn, ...]}], "state": {fqn: {key: value}}}``.
+
+        ``format="pieces"`` (default): this rank's ranges as StatePieces (the format of
+        :mod:`ndweave.mesh.contracts.optimizer_state`; views of the live state), for
+        ``ndweave.checkpoint``, ``merge_state_dicts`` and loads at any layout. torch's DCP refuses them
+        (it cannot describe a flat range), on every rank, naming the calls that work.
+
+        ``format="dcp"``: the form torch's ``get_state_dict`` gives for a torch optimizer of the model,
+        which ``dcp.save`` / ``dcp.load`` handle natively at any layout: every parameter of the groups,
+        each elementwise state tensor shaped and placed like the parameter (a DTensor where it is one),
+        the master weights too where they are not the model's parameters (bf16 models). A collective
+        over the data-parallel ranks (the values are all-gathered: each rank briefly holds its
+        tensor-parallel share of the whole state). A never-stepped optimizer gives zeros, the
+        destination ``dcp.load`` reads into::
+
+            dcp.save({"model": model.state_dict(), "optim": opt.state_dict(format="dcp")}, checkpoint_id=path)
+            state = {"model": model.state_dict(), "optim": opt.state_dict(format="dcp")}   # any layout
+            dcp.load(state, checkpoint_id=path)
+            model.load_state_dict(state["model"]); opt.load_state_dict(state["optim"])
+        """
+        if format not in ("pieces", "dcp"):
+            raise ValueError(f"state_dict(format={format!r}): format is 'pieces' (this rank's ranges, the default) "
+                             "or 'dcp' (per-parameter tensors for torch.distributed.checkpoint)")
         self._gatherer.wait()
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(fqns)}
+                  for g, fqns in zip(self.inner.param_groups, self._group_fqns)]
+        if format == "dcp":
+            state = dcp_state_dict(self.buckets, self._shards, self.inner, self._group_fqns,
+                                   [self._master_dtype(b) for b in self.buckets])
+        else:
+            state = self._piece_state()
+        return {"param_groups": groups, "state": state}
+
+    def _piece_state(self) -> dict[str, dict[str, Any]]:
         state: dict[str, dict[str, Any]] = {}
         for shard in self._shards:
             entry = {MASTER_KEY: shard.piece(shard.master.detach())}
             for key, value in self.inner.state.get(shard.master, {}).items():
                 entry[key] = shard.piece(value) if is_elementwise(key, value, shard.master.shape) else value
             state[shard.name] = entry
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(fqns)}
-                  for g, fqns in zip(self.inner.param_groups, self._group_fqns)]
-        return {"param_groups": groups, "state": state}
+        return state
 
     def gather_full_state_dict(self, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """The full per-FQN state (global shapes) on every rank of ``group`` (a collective; holds the
@@ -327,10 +363,12 @@ class DistributedOptimizer(WrappedOptimizer):
         masters into the model and all-gathers (a collective)."""
         if isinstance(state_dict, (list, tuple)) and state_dict:
             state_dict = union_state_dicts(state_dict)
+        state_dict = pieces_of_dtensors(state_dict)  # state_dict(format="dcp"), a torch optimizer's of a TP model
         needed = list(dict.fromkeys(shard.name for shard in self._shards))
         problems = state_dict_mismatches(state_dict, len(self.inner.param_groups), self._global_shapes, needed,
                                          strict=strict)
-        raise_on_every_rank(problems, self.grad_norm_group, f"{type(self).__name__}.load_state_dict")
+        raise_on_every_rank(self.grad_norm_group, f"{type(self).__name__}.load_state_dict", problems,
+                            StateDictMismatchError, LOAD_FIX)
         self._gatherer.wait()
         groups = state_dict["param_groups"]
         for mine, theirs in zip(self.inner.param_groups, groups):

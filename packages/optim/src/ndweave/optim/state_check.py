@@ -3,7 +3,7 @@
 ``DistributedOptimizer.load_state_dict`` ends in collectives (the parameter all-gathers). A state
 dict from another model (other FQNs, other shapes) used to load nothing and say nothing; raising on
 the ranks that notice while the others enter the all-gather would hang them. So every rank checks
-locally, then the ranks exchange their findings (one small ``all_gather_object``) and all raise the
+locally, then the ranks exchange their findings (``ndweave.mesh.agree.raise_on_every_rank``) and all raise the
 same error, naming each mismatch and the rank that found it, before any other collective.
 """
 
@@ -13,15 +13,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ndweave.mesh.contracts import MASTER_KEY, StatePiece
 
-__all__ = ["StateDictMismatchError", "state_dict_mismatches", "raise_on_every_rank"]
+__all__ = ["LOAD_FIX", "StateDictMismatchError", "state_dict_mismatches"]
 
 
 class StateDictMismatchError(ValueError):
     """The state dict does not fit the optimizer (raised on every rank, naming each mismatch)."""
+
+
+#: What to do about a :class:`StateDictMismatchError`, said after the mismatches.
+LOAD_FIX = ("Load a state dict saved by an optimizer over the same model (same FQNs and shapes), or pass strict=False "
+            "to load only the entries that match by name")
 
 
 def _global_shape(value: Any) -> tuple[int, ...] | None:
@@ -31,6 +35,14 @@ def _global_shape(value: Any) -> tuple[int, ...] | None:
     if isinstance(value, StatePiece):
         return tuple(value.layout.global_shape)
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _sharded_value(entry: Mapping[str, Any]) -> Any:
+    """The entry's master weights, or without them (``state_dict(format="dcp")`` of an fp32 model) its
+    first piece: what tells the global shape."""
+    if MASTER_KEY in entry:
+        return entry[MASTER_KEY]
+    return next((v for v in entry.values() if _global_shape(v) is not None and not isinstance(v, torch.Tensor)), None)
 
 
 def state_dict_mismatches(state_dict: Mapping[str, Any], num_groups: int, shapes: Mapping[str, tuple[int, ...]],
@@ -52,7 +64,7 @@ def state_dict_mismatches(state_dict: Mapping[str, Any], num_groups: int, shapes
         hint = f"; the state's FQNs this optimizer lacks: {_some(foreign)}" if foreign else ""
         problems.append(f"no state for this optimizer's parameters {_some(absent)}{hint}")
     for fqn, entry in state.items():
-        shape = _global_shape(entry.get(MASTER_KEY)) if isinstance(entry, Mapping) else None
+        shape = _global_shape(_sharded_value(entry)) if isinstance(entry, Mapping) else None
         if fqn in shapes and shape is not None and shape != shapes[fqn]:
             problems.append(f"{fqn!r}: global shape {list(shape)} in the state, {list(shapes[fqn])} in the model")
     return problems
@@ -62,21 +74,3 @@ def _some(names: Sequence[str], limit: int = 8) -> str:
     """A list of names, cut after ``limit`` (with how many more)."""
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return f"{list(names[:limit])}{more}"
-
-
-def raise_on_every_rank(problems: list[str], group: dist.ProcessGroup | None, what: str) -> None:
-    """Gather every rank's ``problems`` over ``group`` and raise :class:`StateDictMismatchError` on all
-    of them if any rank has one (a collective: call it on every rank)."""
-    everyone = [problems]
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, problems, group=group)
-    ranks_of: dict[str, list[int]] = {}
-    for rank, ps in enumerate(everyone):
-        for p in ps:
-            ranks_of.setdefault(p, []).append(rank)
-    found = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}" for p, r in ranks_of.items()]
-    if found:
-        raise StateDictMismatchError(f"{what}:\n  " + "\n  ".join(found) + "\nLoad a state dict saved by an "
-                                     "optimizer over the same model (same FQNs and shapes), or pass strict=False "
-                                     "to load only the entries that match by name")

@@ -10,6 +10,7 @@
 from ndweave.pipeline.construct import PipeModule, StagePlaceholder, construct_pipeline_stage
 from ndweave.pipeline.engine import PipeEngine
 from ndweave.pipeline.generate import generate
+from ndweave.pipeline.faults import Failure, PipelineStageError
 from ndweave.pipeline.plan import SCHEDULE_NAMES, PipelineParallelPlan
 from ndweave.pipeline.split import model_layers
 from ndweave.pipeline.stage_io import CrossingValue, StageIO
@@ -21,9 +22,11 @@ __version__ = "0.2.0"
 __all__ = [
     "Action",
     "CrossingValue",
+    "Failure",
     "PipeEngine",
     "PipeModule",
     "PipelineParallelPlan",
+    "PipelineStageError",
     "SCHEDULE_NAMES",
     "ScheduleTimeline",
     "SharedParam",

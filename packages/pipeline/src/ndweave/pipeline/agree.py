@@ -12,6 +12,7 @@ reaches the same verdict.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -32,21 +33,22 @@ def _everyone(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
     return out
 
 
-def agree_on_plan(plan: Any, group: dist.ProcessGroup | None, local_checks: Callable[[], T]) -> T:
+def agree_on_plan(plan: Any, group: dist.ProcessGroup | None, local_checks: Callable[[], T]) -> tuple[T, str]:
     """Run ``local_checks()`` (no communication), then agree with every PP rank: raise on every rank
     the first failing rank's error (its type, the rank named), or a ``ValueError`` naming the rank and
-    the plan field that differs. Returns what ``local_checks`` returned."""
+    the plan field that differs. Returns what ``local_checks`` returned, and PP rank 0's random id for
+    the engine (the same on every PP rank: its failure record's key)."""
     fields = {f.name: repr(getattr(plan, f.name)) for f in dataclasses.fields(plan)}
     try:
         result, error = local_checks(), None
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as raised:
         result, error = None, raised
-    everyone = _everyone((fields, None if error is None else (type(error), str(error))), group)
-    failed = [(rank, e) for rank, (_, e) in enumerate(everyone) if e is not None]
+    everyone = _everyone((fields, None if error is None else (type(error), str(error)), uuid.uuid4().hex), group)
+    failed = [(rank, e) for rank, (_, e, _) in enumerate(everyone) if e is not None]
     if failed:
         rank, (cls, message) = failed[0]
         raise cls(f"PipeEngine failed on PP rank {rank}: {message}") from error
-    for rank, (other, _) in enumerate(everyone[1:], 1):
+    for rank, (other, _, _) in enumerate(everyone[1:], 1):
         for name, value in everyone[0][0].items():
             if other[name] != value:
                 raise ValueError(
@@ -54,7 +56,7 @@ def agree_on_plan(plan: Any, group: dist.ProcessGroup | None, local_checks: Call
                     "every PP rank must build the engine from the same PipelineParallelPlan (a schedule over "
                     "different plans waits forever)"
                 )
-    return result
+    return result, everyone[0][2]
 
 
 @dataclasses.dataclass

@@ -16,11 +16,15 @@ group. The engine adds what composition needs:
   autograd's own accumulation instead (see :class:`_Stage`).
 * **Shared weights** (``ties.py``): grads of a weight held by several stages are summed across them
   before the data-parallel sync.
+* **Faults** (``faults.py``): the engine communicates on a process group of its own over the PP
+  ranks; a step that raises on one rank aborts it there, and every PP rank raises
+  :class:`PipelineStageError` within seconds instead of waiting in a receive.
 """
 
 from __future__ import annotations
 
-import inspect
+import gc
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -32,10 +36,11 @@ from torch.utils.checkpoint import checkpoint
 
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import DataParallelWrapper, finish_grad_sync
-from ndweave.mesh.torch_compat import is_view
+from ndweave.mesh.torch_compat import abort_group, group_timeout, is_view, pipeline_stage_kwargs
 from ndweave.pipeline.agree import BatchShapes, agree_on_batch, agree_on_plan
 from ndweave.pipeline.construct import PipeModule, chunk_device
 from ndweave.pipeline.evaluate import evaluate_batch
+from ndweave.pipeline.faults import Blame, Failure, FailureRecord, PipelineStageError, detach_traceback
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
 from ndweave.pipeline.program import stage_program
 from ndweave.pipeline.ties import HookGate, TiedGradSync, check_shared_params
@@ -92,36 +97,39 @@ class PipeEngine:
 
         # before any stage talks to another: a PP rank built from another plan would wait forever, and
         # an error one rank's checks raise is raised on every rank
-        resolved = agree_on_plan(plan or module.resolved_plan.plan, pp_mesh.get_group(), local_checks)
+        resolved, engine_id = agree_on_plan(plan or module.resolved_plan.plan, pp_mesh.get_group(), local_checks)
         self.module = module
         self.loss_fn = loss_fn
         self.resolved = resolved
         self.pp_mesh = pp_mesh
         self.recorder = TimelineRecorder()
         self._first_batch: BatchShapes | None = None
+        self._failure: Failure | None = None
+        self._record = FailureRecord(engine_id, pp_mesh.get_local_rank(), pp_mesh.size())
+        self._blame = Blame()
         self._gate = HookGate()
         self._rank_of_stage = lambda stage: pp_ranks[resolved.stage_rank(stage)]
-        group = pp_mesh.get_group()
+        self._group = group = _engine_group(pp_mesh)
         self._ties = TiedGradSync(module.chunks, module.stage_indices, module.shared_params, self._rank_of_stage,
                                   group, self._gate)
         deferred = self._ties.chunk_indices()
-        # get_mesh (how a stage finds a received DTensor activation's mesh) is newer than torch 2.11
-        takes_get_mesh = "get_mesh" in inspect.signature(PipelineStage.__init__).parameters
         self.stages = [
-            _Stage(_StageModule(chunk, stage, resolved), stage, resolved.num_stages,
-                   chunk_device(chunk, pp_mesh.device_type), group=group,
-                   **({"get_mesh": _mesh_lookup(chunk)} if takes_get_mesh else {}))
+            _Stage(_StageModule(chunk, stage, resolved, self._blame), stage, resolved.num_stages,
+                   chunk_device(chunk, pp_mesh.device_type), group=group, **pipeline_stage_kwargs(_mesh_lookup(chunk)))
             for stage, chunk in zip(module.stage_indices, module.chunks)
         ]
         for index, stage in enumerate(self.stages):
-            stage.configure(module.chunks[index], index in deferred, self._gate, self.recorder)
+            stage.configure(module.chunks[index], index in deferred, self._gate, self.recorder, self._blame)
         kwargs = dict(n_microbatches=resolved.num_microbatches, loss_fn=self._micro_batch_loss, scale_grads=False)
         cls = resolved.schedule
         self.schedule = cls(self.stages[0], **kwargs) if resolved.single_stage else cls(self.stages, **kwargs)
 
     # ------------------------------------------------------------------ one step
     def __call__(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward and backward of one mini-batch; returns the mean micro-batch loss (float64, detached)."""
+        """Forward and backward of one mini-batch; returns the mean micro-batch loss (float64, detached).
+
+        Raises :class:`PipelineStageError` on every PP rank when the step raises on any of them."""
+        self._check_usable()
         first = 0 in self.module.stage_indices
         last = self.resolved.num_stages - 1 in self.module.stage_indices
         try:
@@ -130,9 +138,15 @@ class PipeEngine:
             error = None
         except ValueError as local:
             error = str(local)
-        # every PP rank sees every rank's check (one small gather per step), so all raise or none does
-        shapes = agree_on_batch(error, inputs if first else None, targets if last else None,
-                                self.pp_mesh.get_group(), self._first_batch, self.pp_mesh.device_type)
+        self._blame.reset()
+        try:
+            # every PP rank sees every rank's check (one small gather per step), so all raise or none does
+            shapes = agree_on_batch(error, inputs if first else None, targets if last else None,
+                                    self._group, self._first_batch, self.pp_mesh.device_type)
+        except ValueError:
+            raise  # a batch refused on every PP rank alike: the engine runs on
+        except Exception as failed:  # a peer failed after its part of the last step
+            self._fail(failed)
         self._first_batch = self._first_batch or shapes
         losses: list[torch.Tensor] = []
         self._ties.begin()
@@ -141,12 +155,16 @@ class PipeEngine:
             self.schedule.step(*((inputs,) if first else ()), target=targets if last else None, losses=losses,
                                return_outputs=False)
             self.recorder.stop()
-        except BaseException:
+            self._ties.finish(self._deliver)
+            with self._blame.running("the data-parallel grad sync after the schedule (finish_grad_sync)"):
+                finish_grad_sync(list(self.module.chunks))
+            return self._broadcast_loss(losses, last)
+        except Exception as failed:
             self._ties.cancel()  # no capture hooks left behind on the parameters
+            self._fail(failed)
+        except BaseException:
+            self._ties.cancel()
             raise
-        self._ties.finish(self._deliver)
-        finish_grad_sync(list(self.module.chunks))
-        return self._broadcast_loss(losses, last)
 
     def evaluate(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None):
         """Forward only (no backward, under ``no_grad``) of a mini-batch through the schedule::
@@ -163,7 +181,31 @@ class PipeEngine:
     def _micro_batch_loss(self, output, target):
         # divided here, not in torch's scale_grads (which divides .grad after the fact and so would
         # miss grads a data-parallel wrapper keeps in its own buckets)
-        return self.loss_fn(output, target) / self.resolved.num_microbatches
+        stage = next(s for s in self.stages if s.is_last)
+        with self._blame.running("loss_fn", stage.stage_index, stage.submod.micro_batch):
+            return self.loss_fn(output, target) / self.resolved.num_microbatches
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise PipelineStageError(self._failure, again=True)
+
+    def _fail(self, error: Exception) -> NoReturn:
+        """Raise ``error`` as this step's failure on every PP rank: publish it (or read the failure a
+        peer published first), then abort the engine's group so that the ranks waiting on this one
+        fail too (see ``faults.py``)."""
+        where = self._blame.describe(error, self._chunk_of_stage)
+        self._failure = self._record.settle(error, where)
+        cause = detach_traceback(error)
+        group, self._group = self._group, None
+        self.schedule = self.stages = self._ties = None  # they hold the group, which gloo closes once freed
+        if self.pp_mesh.size() > 1:
+            abort_group(group)
+        del group, error
+        gc.collect()  # what reference cycles still hold of it (its pending receives) goes too
+        raise PipelineStageError(self._failure) from cause
+
+    def _chunk_of_stage(self, stage: int) -> nn.Module:
+        return self.module.chunks[list(self.module.stage_indices).index(stage)]
 
     def _check_batch(self, name: str, batch, *, needed: bool) -> None:
         if not needed:
@@ -183,7 +225,7 @@ class PipeEngine:
         chunk = self.module.chunks[index]
         if isinstance(chunk, DataParallelWrapper):
             chunk.set_is_last_microbatch(True)
-        with self._gate.pause():
+        with self._gate.pause(), self._blame.running("the backward handing shared weights' grads to their chunks"):
             torch.autograd.backward([p.view_as(p) for p in params], grads)
 
     def _broadcast_loss(self, losses: list[torch.Tensor], last: bool) -> torch.Tensor:
@@ -194,14 +236,15 @@ class PipeEngine:
         else:
             loss = torch.zeros((), dtype=torch.float64, device=device)
         if self.pp_mesh.size() > 1:
-            dist.broadcast(loss, src=self._rank_of_stage(self.resolved.num_stages - 1), group=self.pp_mesh.get_group())
+            dist.broadcast(loss, src=self._rank_of_stage(self.resolved.num_stages - 1), group=self._group)
         return loss
 
     # ------------------------------------------------------------------ the schedule picture
     def timeline(self) -> ScheduleTimeline:
         """The last step's F/B/W actions per PP rank with their measured times (call on every PP
         rank after a step with ``engine.recorder.enabled = True``); see :class:`ScheduleTimeline`."""
-        return self.recorder.gather(self.pp_mesh.get_group(), self.resolved)
+        self._check_usable()
+        return self.recorder.gather(self._group, self.resolved)
 
 
 class _StageModule(nn.Module):
@@ -209,10 +252,13 @@ class _StageModule(nn.Module):
     takes them, hands on what crosses the next cut (a traced chunk's ``StageIO`` tensors, else the
     first tensor of the chunk's output), casts for ``p2p_dtype``, recomputes."""
 
-    def __init__(self, chunk: nn.Module, stage: int, resolved: ResolvedPlan) -> None:
+    def __init__(self, chunk: nn.Module, stage: int, resolved: ResolvedPlan, blame: Blame) -> None:
         super().__init__()
         self.chunk = chunk
         self.program = stage_program(chunk)
+        self.stage = stage
+        self.blame = blame
+        self.micro_batch: int | None = None  # of the forward running (None: the first step's shape inference)
         self.first = stage == 0
         self.last = stage == resolved.num_stages - 1
         self.input_name = None if self.first else resolved.plan.stage_input_name
@@ -222,13 +268,14 @@ class _StageModule(nn.Module):
         self.tp_mesh = next((p.device_mesh for p in chunk.parameters() if isinstance(p, DTensor)), None)
 
     def forward(self, *args):
-        if not self.first:
-            args = tuple(self._received(a) for a in args)
-        if self.recompute:
-            out = checkpoint(self._run, *args, use_reentrant=False)
-        else:
-            out = self._run(*args)
-        return tuple(self._sent(t) for t in out) if isinstance(out, tuple) else self._sent(out)
+        with self.blame.running("forward", self.stage, self.micro_batch):
+            if not self.first:
+                args = tuple(self._received(a) for a in args)
+            if self.recompute:
+                out = checkpoint(self._run, *args, use_reentrant=False)
+            else:
+                out = self._run(*args)
+            return tuple(self._sent(t) for t in out) if isinstance(out, tuple) else self._sent(out)
 
     def _run(self, *args):
         if self.program is not None:
@@ -269,6 +316,18 @@ def _first_tensor(output):
     raise TypeError(f"a pipeline stage must output a tensor (or a tuple/list/dict holding one); got {type(output).__name__}")
 
 
+def _engine_group(pp_mesh: DeviceMesh) -> dist.ProcessGroup:
+    """A process group over the PP ranks for this engine alone (its timeout and backend those of the
+    mesh's PP group): aborting it when a step fails leaves the mesh's groups alone, and only the
+    engine holds it, so gloo closes its connections once the engine drops it (see ``faults.py``)."""
+    mesh_group = pp_mesh.get_group()
+    if pp_mesh.size() == 1:
+        return mesh_group
+    return dist.new_group(dist.get_process_group_ranks(mesh_group), timeout=group_timeout(mesh_group, pp_mesh.device_type),
+                          backend=dist.get_backend(mesh_group), use_local_synchronization=True,
+                          group_desc="ndweave:pipeline")
+
+
 def _mesh_lookup(chunk: nn.Module):
     """``get_mesh`` for torch's stage: find a DTensor activation's mesh among the chunk's meshes."""
     meshes = {}
@@ -285,13 +344,17 @@ def _mesh_lookup(chunk: nn.Module):
 
 
 class _Stage(PipelineStage):
-    """torch's ``PipelineStage`` plus data-parallel micro-batch control and hook-visible weight grads."""
+    """torch's ``PipelineStage`` plus data-parallel micro-batch control, hook-visible weight grads, the
+    schedule picture and, when an action raises, which one (the methods overridden are pinned in
+    ``ndweave.mesh.torch_compat.PIPELINE_STAGE_OVERRIDES``)."""
 
-    def configure(self, chunk: nn.Module, defer_sync: bool, gate: HookGate, recorder: TimelineRecorder) -> None:
+    def configure(self, chunk: nn.Module, defer_sync: bool, gate: HookGate, recorder: TimelineRecorder,
+                  blame: Blame) -> None:
         self._data_parallel = chunk if isinstance(chunk, DataParallelWrapper) else None
         self._defer_sync = defer_sync  # a shared weight's copy: the sync waits for the cross-stage sum
         self._gate = gate
         self._recorder = recorder
+        self._blame = blame
 
     def _to_tensor(self, arg):
         # torch's shape inference runs a stage on uninitialized buffers: an int tensor crossing a cut
@@ -302,15 +365,19 @@ class _Stage(PipelineStage):
         return tensor
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        self.submod.micro_batch = fwd_chunk_id
         with self._recorder.action(self.stage_index, "F", fwd_chunk_id):
             return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        with self._recorder.action(self.stage_index, "B" if full_backward else "I", bwd_chunk_id):
+        with (self._recorder.action(self.stage_index, "B" if full_backward else "I", bwd_chunk_id),
+              self._blame.running("backward" if full_backward else "input-grad backward", self.stage_index,
+                                  bwd_chunk_id)):
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        with self._recorder.action(self.stage_index, "W", bwd_chunk_id):
+        with (self._recorder.action(self.stage_index, "W", bwd_chunk_id),
+              self._blame.running("weight-grad backward", self.stage_index, bwd_chunk_id)):
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):

@@ -9,8 +9,8 @@
 (edit it freely); ``model`` lets the plan read its config (biases, head counts) and fail early with
 a clear message.
 Plans are for a 1-D tensor-parallel mesh (or a 1-D submesh of a ``ParallelMesh``). The patches a
-plan needs are named inside it (``"patch"`` section) and looked up in ``BUILTIN_PATCHES``, so a plan
-is plain data: ``save_plan`` / ``load_plan`` write and read it as JSON.
+plan needs are named inside it (``"patch"`` section) and registered with
+``ndweave.dmodule.register_patch`` as the zoo's modules are defined, so a plan is plain data: ``save_plan`` / ``load_plan`` write and read it as JSON.
 
 | name      | model                                   | module          |
 |-----------|-----------------------------------------|-----------------|
@@ -18,22 +18,26 @@ is plain data: ``save_plan`` / ``load_plan`` write and read it as JSON.
 | "nanogpt" | ``examples/gpt/model.py``'s GPT          | ``plans.nanogpt`` |
 | "hf_llama"| transformers ``LlamaForCausalLM``        | ``plans.hf_llama``|
 | "hf_gpt2" | transformers ``GPT2LMHeadModel``         | ``plans.hf_gpt2`` |
+| "auto"    | any model: derived from one traced forward | ``infer.auto``  |
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from ndweave.dmodule.infer.auto import auto_plan
+from ndweave.dmodule.infer.explain import explain_plan
 from ndweave.dmodule.plans.hf_gpt2 import hf_gpt2_plan
 from ndweave.dmodule.plans.hf_llama import hf_llama_plan
 from ndweave.dmodule.plans.mlp import mlp_plan
 from ndweave.dmodule.plans.nanogpt import nanogpt_plan
-from ndweave.dmodule.plans.patches import BUILTIN_PATCHES
 from ndweave.dmodule.plans.serialization import load_plan, save_plan
+from ndweave.dmodule.plans.vocab_parallel import vocab_parallel_embedding
 
-__all__ = ["BUILTIN_PATCHES", "get_plan", "list_plans", "load_plan", "save_plan"]
+__all__ = ["explain_plan", "get_plan", "list_plans", "load_plan", "save_plan", "vocab_parallel_embedding"]
 
 _PLANS: dict[str, Callable[..., dict[str, Any]]] = {
+    "auto": auto_plan,
     "mlp": mlp_plan,
     "nanogpt": nanogpt_plan,
     "hf_llama": hf_llama_plan,

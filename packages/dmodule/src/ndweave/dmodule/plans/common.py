@@ -6,14 +6,14 @@ from typing import Any
 
 from torch.distributed.tensor import Replicate, Shard
 
+from ndweave.dmodule.spec import PlacementSpec
+
 __all__ = ["local", "logits_output", "seq_or_replicate", "config_of", "require"]
 
 
-def local(placements: list) -> Any:
+def local(placements: list) -> PlacementSpec:
     """A forward placement that redistributes to ``placements`` and then hands on the plain local
     tensor (``PlacementSpec(..., to_local=True)``): how the zoo keeps attention on local heads."""
-    from ndweave.dmodule import PlacementSpec  # the core; imported late so plans/ loads on its own
-
     return PlacementSpec(placements, to_local=True)
 
 

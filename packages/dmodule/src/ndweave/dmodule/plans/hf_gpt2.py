@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from ndweave.dmodule.patches import register_patch
 from ndweave.dmodule.plans.common import config_of, logits_output, require, seq_or_replicate
 from ndweave.mesh.torch_compat import StridedShard
 
@@ -89,6 +90,7 @@ def hf_gpt2_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
     return {"parameter": parameter, "forward": forward, "patch": patch}
 
 
+@register_patch("hf_gpt2_attention_local_heads")
 def attention_local_heads(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
     """Patch for ``GPT2Attention``: split the local fused output into local q, k, v."""
     _require_1d(device_mesh, fqn)
@@ -108,6 +110,7 @@ def _require_1d(device_mesh: DeviceMesh, fqn: str) -> None:
         raise ValueError(f"{fqn}: the hf_gpt2 plan is for a 1-D tensor-parallel mesh, not {device_mesh}")
 
 
+@register_patch("hf_gpt2_fused_qkv")
 def fused_qkv_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
     """Patch for a fused-qkv ``Conv1D``: per-rank [q_r | k_r | v_r] columns, computed locally.
 

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from ndweave.dmodule.patches import register_patch
 from ndweave.dmodule.plans.common import config_of, local, logits_output, require, seq_or_replicate
 
 __all__ = ["hf_llama_plan", "check_attention_heads"]
@@ -105,6 +106,7 @@ def hf_llama_plan(model: nn.Module | None = None, *, sequence_parallel: bool = F
     return {"parameter": parameter, "forward": forward, "patch": patch}
 
 
+@register_patch("hf_llama_attention_heads")
 def check_attention_heads(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
     """Patch: both head counts must split evenly over the mesh (an uneven split of q_proj's rows
     would cut heads in half and compute garbage silently)."""

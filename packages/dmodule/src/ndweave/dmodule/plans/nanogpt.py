@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from ndweave.dmodule.patches import register_patch
 from ndweave.dmodule.plans.common import config_of, local, logits_output, require, seq_or_replicate
 
 __all__ = ["nanogpt_plan", "check_attention_heads"]
@@ -87,6 +88,7 @@ def nanogpt_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
     return {"parameter": parameter, "forward": forward, "patch": patch}
 
 
+@register_patch("nanogpt_attention_heads")
 def check_attention_heads(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
     """Patch: fail early, naming the module and mesh, when the heads do not split evenly."""
     num_heads = module.q_proj.weight.shape[0] // module.head_dim

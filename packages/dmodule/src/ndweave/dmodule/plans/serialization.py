@@ -11,7 +11,8 @@ Encoding (every placement or spec is a one-key object, so argument-name dicts st
         (options at their defaults are left out: "async_op": false, "grad_placements": null, "to_local": false)
 
 Lists, ``None`` and dicts keyed by argument name are kept as they are. Patches must be named (a
-string key of ``BUILTIN_PATCHES``): a callable cannot be written to JSON.
+name registered with ``register_patch``, or ``{"name": ..., "args": {...}}`` with JSON arguments): a
+callable cannot be written to JSON.
 """
 
 from __future__ import annotations
@@ -23,17 +24,15 @@ from typing import IO, Any
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ndweave.dmodule.spec import SECTIONS, PlacementSpec
 from ndweave.mesh.torch_compat import StridedShard
 
 __all__ = ["save_plan", "load_plan", "encode_plan", "decode_plan"]
 
 _FORMAT = 1
-_SECTIONS = ("parameter", "forward", "patch")
 
 
 def _encode(value: Any, where: str) -> Any:
-    from ndweave.dmodule import PlacementSpec
-
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, StridedShard):
@@ -98,8 +97,6 @@ def _decode_tagged(tag: str, arg: Any, where: str) -> Any:
         dim, split_factor = arg
         return StridedShard(_integer(dim), split_factor=_integer(split_factor))
     if tag == "PlacementSpec":
-        from ndweave.dmodule import PlacementSpec
-
         unknown = set(arg) - {"placements", "async_op", "grad_placements", "to_local"}
         if unknown:
             raise KeyError(f"unknown PlacementSpec options {sorted(unknown)}")
@@ -121,9 +118,9 @@ def _integer(value: Any) -> int:
 
 def encode_plan(plan: dict[str, Any]) -> dict[str, Any]:
     """``plan`` as plain JSON data (see the module docstring for the encoding)."""
-    unknown = set(plan) - set(_SECTIONS)
+    unknown = set(plan) - set(SECTIONS)
     if unknown:
-        raise ValueError(f"a sharding plan has the sections {list(_SECTIONS)}, not {sorted(unknown)}")
+        raise ValueError(f"a sharding plan has the sections {list(SECTIONS)}, not {sorted(unknown)}")
     out: dict[str, Any] = {"ndweave_plan_format": _FORMAT}
     for section in ("parameter", "forward"):
         if section in plan:
@@ -131,15 +128,37 @@ def encode_plan(plan: dict[str, Any]) -> dict[str, Any]:
     if "patch" in plan:
         out["patch"] = {}
         for key, patches in plan["patch"].items():
-            patches = [patches] if isinstance(patches, str) or callable(patches) else list(patches)
+            patches = [patches] if isinstance(patches, (str, dict)) or callable(patches) else list(patches)
             for p in patches:
-                if not isinstance(p, str):
+                if callable(p):
                     raise TypeError(
-                        f"patch[{key!r}]: {p!r} is a callable; JSON plans name their patches: register it in "
-                        "ndweave.dmodule.plans.BUILTIN_PATCHES and use its name"
+                        f"patch[{key!r}]: {p!r} is a callable; JSON plans name their patches: register it with "
+                        "ndweave.dmodule.register_patch and use its name"
                     )
-            out["patch"][key] = patches
+            out["patch"][key] = _patch_entries(key, patches, TypeError)
     return out
+
+
+def _patch_entries(key: str, patches: Any, error: type[Exception]) -> list[Any]:
+    """``patches`` if it is a list of patch names and ``{"name": ..., "args": {...}}`` entries whose
+    arguments are JSON, else ``error`` naming the entry."""
+    def valid(p: Any) -> bool:
+        if isinstance(p, str):
+            return True
+        if not (isinstance(p, dict) and isinstance(p.get("name"), str) and set(p) <= {"name", "args"}
+                and isinstance(p.get("args", {}), dict)):
+            return False
+        try:
+            json.dumps(p)
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    if not isinstance(patches, list) or not all(map(valid, patches)):
+        raise error(f"patch[{key!r}]: {patches!r} is not a patch name, a {{\"name\": ..., \"args\": {{...}}}} "
+                    "entry with JSON arguments, or a list of them (names registered with "
+                    "ndweave.dmodule.register_patch)")
+    return patches
 
 
 def decode_plan(data: dict[str, Any]) -> dict[str, Any]:
@@ -148,9 +167,9 @@ def decode_plan(data: dict[str, Any]) -> dict[str, Any]:
     version = data.pop("ndweave_plan_format", _FORMAT)
     if version != _FORMAT:
         raise ValueError(f"plan format {version} is not supported (this version reads {_FORMAT})")
-    unknown = set(data) - set(_SECTIONS)
+    unknown = set(data) - set(SECTIONS)
     if unknown:
-        raise ValueError(f"a sharding plan has the sections {list(_SECTIONS)}, not {sorted(unknown)}")
+        raise ValueError(f"a sharding plan has the sections {list(SECTIONS)}, not {sorted(unknown)}")
     plan: dict[str, Any] = {}
     for section in ("parameter", "forward"):
         if section in data:
@@ -160,18 +179,15 @@ def decode_plan(data: dict[str, Any]) -> dict[str, Any]:
     if "patch" in data:
         plan["patch"] = {}
         for key, patches in data["patch"].items():
-            patches = [patches] if isinstance(patches, str) else patches
-            if not isinstance(patches, list) or not all(isinstance(p, str) for p in patches):
-                raise ValueError(f"patch[{key!r}]: {json.dumps(patches)} is not a patch name or a list of them "
-                                 "(names in ndweave.dmodule.plans.BUILTIN_PATCHES)")
-            plan["patch"][key] = patches
+            patches = [patches] if isinstance(patches, (str, dict)) else patches
+            plan["patch"][key] = _patch_entries(key, patches, ValueError)
     return plan
 
 
 def _format(data: dict[str, Any]) -> str:
     """JSON with one plan entry per line: diffable, and readable by people who edit plans."""
     lines = ["{", f'  "ndweave_plan_format": {json.dumps(data["ndweave_plan_format"])}']
-    for section in _SECTIONS:
+    for section in SECTIONS:
         if section in data:
             entries = [f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in data[section].items()]
             body = ("{\n" + ",\n".join(entries) + "\n  }") if entries else "{}"
@@ -206,7 +222,7 @@ def load_plan(path_or_file: str | os.PathLike | IO[str]) -> dict[str, Any]:
         raise ValueError(f"plan file {name}, line {error.lineno} column {error.colno}: not valid JSON "
                          f"({error.msg})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"plan file {name}: a JSON plan is an object with sections {list(_SECTIONS)}, "
+        raise ValueError(f"plan file {name}: a JSON plan is an object with sections {list(SECTIONS)}, "
                          f"got {type(data).__name__}")
     try:
         return decode_plan(data)
@@ -216,7 +232,7 @@ def load_plan(path_or_file: str | os.PathLike | IO[str]) -> dict[str, Any]:
 
 def _line_of(text: str, data: dict[str, Any], message: str) -> str:
     """``", line N"`` for the plan entry the error names (``section['key']...``), or ``""``."""
-    for section in _SECTIONS:
+    for section in SECTIONS:
         for key in data.get(section) or {}:
             if message.startswith(f"{section}[{key!r}]"):
                 for number, line in enumerate(text.splitlines(), 1):

@@ -1,5 +1,6 @@
-"""Patches the zoo's plans name, and ``BUILTIN_PATCHES``: the name -> callable table the core looks
-plan patches up in (plans name their patches so they stay JSON).
+"""``vocab_parallel_embedding``: the patch every language-model plan of the zoo names (the per-model
+patches live beside their plan), registered in ``ndweave.dmodule.patches`` under that name (plans
+name their patches so they stay JSON).
 
 A patch is ``patch(module, device_mesh, fqn) -> None``; it runs after the module's parameters are
 distributed and before forward hooks, and may replace ``module.forward``.
@@ -7,19 +8,19 @@ distributed and before forward hooks, and may replace ``module.forward``.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from ndweave.dmodule.patches import register_patch
 from ndweave.mesh.torch_compat import local_shape_and_offset
 
-__all__ = ["BUILTIN_PATCHES", "vocab_parallel_embedding"]
+__all__ = ["vocab_parallel_embedding"]
 
 
+@register_patch("vocab_parallel_embedding")
 def vocab_parallel_embedding(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
     """Make an ``nn.Embedding`` whose weight is ``Shard(0)`` (rows = vocabulary) look up only its
     local rows.
@@ -64,17 +65,3 @@ def vocab_parallel_embedding(module: nn.Module, device_mesh: DeviceMesh, fqn: st
     module.forward = forward
     module.vocab_range = (start, stop)  # for dump/debugging: the rows this rank holds
 
-
-def _builtin_patches() -> dict[str, Callable[[nn.Module, DeviceMesh, str], None]]:
-    from ndweave.dmodule.plans import hf_gpt2, hf_llama, nanogpt
-
-    return {
-        "vocab_parallel_embedding": vocab_parallel_embedding,
-        "nanogpt_attention_heads": nanogpt.check_attention_heads,
-        "hf_llama_attention_heads": hf_llama.check_attention_heads,
-        "hf_gpt2_attention_local_heads": hf_gpt2.attention_local_heads,
-        "hf_gpt2_fused_qkv": hf_gpt2.fused_qkv_colwise,
-    }
-
-
-BUILTIN_PATCHES: dict[str, Callable[[nn.Module, DeviceMesh, str], None]] = _builtin_patches()

@@ -1,0 +1,159 @@
+"""``auto_plan(model)``: a tensor / sequence-parallel plan derived from one traced forward.
+
+    from ndweave.dmodule import parallelize_module
+    from ndweave.dmodule.plans import get_plan
+
+    model = parallelize_module(model, tp_mesh, get_plan("auto", model, sequence_parallel=True))
+
+Steps, each its own module: trace one forward of a meta copy (``ndweave.mesh.trace``: no weights
+copied, nothing computed) -> find the linears and embeddings (``linears``) -> find the Megatron
+blocks in the dataflow (``patterns``) -> check each block on the shapes every rank would see, and
+find the head-count attributes its forward reshapes with (``verify``) -> write the zoo's layout for
+them (``emit``). Everything not in a block stays replicated; :func:`derive` says why for each.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ndweave.dmodule.infer.attention import emit_torch_attention, find_torch_attention
+from ndweave.dmodule.infer.emit import block_module, emit_blocks, emit_embeddings, emit_replicated
+from ndweave.dmodule.infer.entries import Entries
+from ndweave.dmodule.infer.linears import find_embeddings
+from ndweave.dmodule.infer.modules import Boundaries
+from ndweave.dmodule.infer.patterns import Block, Failure, find_blocks
+from ndweave.dmodule.infer.verify import Verdict, verify_block
+from ndweave.mesh.trace import Trace, meta_copy, trace
+
+__all__ = ["Derivation", "auto_plan", "derive", "guess_inputs"]
+
+_BATCH, _SEQ = 2, 8
+
+
+@dataclass
+class Derivation:
+    """What :func:`derive` found: the entries (with reasons) and what stays replicated."""
+
+    entries: Entries
+    replicated: list[str] = field(default_factory=list)
+    """One line per linear or embedding left replicated: its parameter and why."""
+    trace: Trace | None = None
+    seconds: float = 0.0
+    """Time taken (trace and analysis)."""
+    modules: list[str] = field(default_factory=list)
+    """Every module FQN of the model (plan keys are matched against them)."""
+
+    def plan(self) -> dict[str, Any]:
+        return self.entries.plan(self.modules)
+
+
+def _verified_blocks(recorded: Trace, boundaries: Boundaries, twin: nn.Module
+                     ) -> tuple[list[Block], list[Failure], dict[str, tuple[tuple[str, ...], str]]]:
+    """Blocks that pass :func:`verify_block` (others fail and the walk runs again without them), and
+    the attributes each block's module needs divided. Blocks of one module class with the same
+    relative layout and input shapes (the layers of a stack) are verified once."""
+    excluded: dict[int, str] = {}
+    verdicts: dict[tuple, Verdict] = {}
+    while True:
+        blocks, failures = find_blocks(recorded, excluded)
+        attributes: dict[str, tuple[tuple[str, ...], str]] = {}
+        failed = False
+        for block in blocks:
+            if not (block.reshaping or block.pieces):
+                continue
+            key = _signature(block, boundaries, twin)
+            if key not in verdicts:
+                verdicts[key] = verify_block(block, boundaries, twin)
+            verdict = verdicts[key]
+            if verdict.attributes is None:
+                excluded.update({c.op: f"{block_module(block) or '<root>'}: {verdict.why}" for c in block.columns})
+                failed = True
+            elif verdict.attributes:
+                attributes[block_module(block)] = (verdict.attributes, verdict.why)
+        if not failed:
+            return blocks, failures, attributes
+
+
+def _signature(block: Block, b: Boundaries, twin: nn.Module) -> tuple:
+    fqn = block_module(block)
+    prefix = len(fqn) + 1 if fqn else 0
+    call = b.calls.get(fqn)
+    shapes = tuple(b.trace.values[v].shape for v in call.outputs) if call else ()
+    layout = tuple((lin.module[prefix:], lin.out_dim, lin.in_dim) for lin in (*block.columns, *block.rows))
+    return (type(twin.get_submodule(fqn)), layout, tuple(sorted((k, tuple(v)) for k, v in block.pieces.items()
+                                                                 if False)), shapes, tuple(sorted(block.sizes)))
+
+
+def guess_inputs(model: nn.Module) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` on meta for a trace: token ids ``(2, 8)`` when the model's first module with
+    parameters is an ``nn.Embedding``, else activations ``(2, 8, in_features)`` for a first
+    ``nn.Linear``. Anything else needs ``example_inputs=`` (any device: only shapes are used)."""
+    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    if isinstance(first, nn.Embedding):
+        return (torch.zeros(_BATCH, _SEQ, dtype=torch.long, device="meta"),), {}
+    if isinstance(first, nn.Linear):
+        return (torch.zeros(_BATCH, _SEQ, first.in_features, dtype=first.weight.dtype, device="meta"),), {}
+    raise ValueError(f"auto plan: cannot guess the inputs of {type(model).__name__} (its first module with "
+                     f"parameters is a {type(first).__name__}); pass example_inputs=(args, kwargs) with tensors of "
+                     "the shapes it takes (any device: only shapes are read)")
+
+
+def _to_meta(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_meta(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to_meta(v) for k, v in obj.items()}
+    return obj
+
+
+def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False,
+           example_inputs: tuple[tuple, dict] | None = None) -> Derivation:
+    """Trace ``model`` on meta and derive its plan entries (see the module docstring)."""
+    start = time.perf_counter()
+    twin = meta_copy(model)
+    args, kwargs = _to_meta(example_inputs) if example_inputs is not None else guess_inputs(twin)
+    try:
+        with torch.no_grad():
+            recorded = trace(twin, *args, **kwargs)
+    except Exception as error:
+        raise ValueError(f"auto plan: {type(model).__name__}'s forward failed on meta inputs "
+                         f"{[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]} ({type(error).__name__}: "
+                         f"{error}); pass example_inputs=(args, kwargs) it accepts") from error
+    boundaries = Boundaries(recorded)
+    blocks, failures, attributes = _verified_blocks(recorded, boundaries, twin)
+    entries = Entries(aliases={names[0]: names for names in recorded.aliases().values()})
+    gathered = [b for b in blocks if b.gathered]
+    if loss_parallel and not gathered:
+        raise ValueError("auto plan: loss_parallel=True shards logits over the vocabulary, but no column-wise "
+                         f"output of {type(model).__name__} reaches its outputs (no LM head found)")
+    replicated = emit_embeddings(entries, list(find_embeddings(recorded).values()), boundaries, twin,
+                                 sequence_parallel=sequence_parallel)
+    emit_blocks(entries, blocks, boundaries, twin, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    for module, (names, why) in attributes.items():
+        entries.add("patch", module, "", {"name": "divide_attributes", "args": {"names": list(names)}},
+                    f"its forward reshapes with these literal sizes: {why}")
+    attention, skipped = find_torch_attention(recorded)
+    emit_torch_attention(entries, attention, sequence_parallel=sequence_parallel)
+    inside = {op.index for op in recorded.ops if op.parent in {a.op for a in attention}}
+    failures = [f for f in failures if f.linear.op not in inside]
+    replicated += list(skipped.values())
+    emit_replicated(entries, list(dict.fromkeys(f.linear.weight for f in failures)), twin)
+    replicated += [f"{f.linear.weight}: replicated ({f.reason})" for f in failures]
+    modules = [fqn for fqn, _ in model.named_modules()]
+    return Derivation(entries, list(dict.fromkeys(replicated)), recorded, time.perf_counter() - start, modules)
+
+
+def auto_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False, loss_parallel: bool = False,
+              example_inputs: tuple[tuple, dict] | None = None) -> dict[str, Any]:
+    """The plan :func:`derive` finds for ``model``: an ordinary plan dict (edit it, ``save_plan`` it)."""
+    if model is None:
+        raise ValueError('get_plan("auto") derives the plan from the model: pass it, get_plan("auto", model)')
+    return derive(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                  example_inputs=example_inputs).plan()
