@@ -13,9 +13,10 @@ import torch
 
 from ndweave.mesh import init_device_mesh
 from ndweave.mesh.testing import assert_close, distributed
-from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage, generate
+from ndweave.pipeline import PipeEngine, PipelineParallelPlan, PipelineStageError, construct_pipeline_stage, generate
 from pipeline_any_models import AttrLM, TupleLM
-from pipeline_models import SEQ, assert_same_training, batches, loss_fn, train_pipeline, train_reference
+from pipeline_models import SEQ, TinyLM, assert_same_training, batches, loss_fn, train_pipeline, train_reference
+from test_pipeline_faults import Faulty
 
 STEPS = 3
 
@@ -44,9 +45,14 @@ def test_blocks_as_attributes_split_at_every_boundary_match_one_process():
                                     activation_recompute=point is None)
         actual = train_pipeline(model, plan, mesh, data, loss=lm_loss, example_inputs=example)
         assert_same_training(actual, expected, f"AttrLM split at {point or 'uniform'}")
+    # by measured time: each rank times the layers, the mean decides, so both cut the same stages
+    plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=4, split_method="time")
+    actual = train_pipeline(model, plan, mesh, data, loss=lm_loss, example_inputs=example)
+    assert_same_training(actual, expected, "AttrLM split by time")
 
 
 @pytest.mark.parity
+@pytest.mark.heavy
 @distributed(world_size=4, timeout=400)
 def test_every_schedule_on_models_without_layer_containers_and_multi_value_cuts():
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("PP",))
@@ -123,3 +129,23 @@ def _generate_one_process(model, prompt, new_tokens, temperature=0.0, generator=
                 nxt = scores.argmax(-1, keepdim=True)
             tokens = torch.cat([tokens, nxt], 1)
     return tokens
+
+
+@distributed(world_size=2, timeout=90)
+def test_evaluation_and_generation_that_raise_on_one_stage_raise_on_both():
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("PP",))
+    model, faulty = TinyLM(num_layers=4), Faulty()
+    model.layers[3] = faulty
+    plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=2, split_points=["layers.2"])
+    (x, y), = batches(1, 4)
+    for name, run in [("evaluate", lambda engine: engine.evaluate(x, y)),
+                      ("generate", lambda engine: generate(engine, x[:, :2], 3))]:
+        engine = PipeEngine(construct_pipeline_stage(model, plan, mesh), mesh, loss_fn, plan)
+        faulty.fail_in = "forward"
+        with pytest.raises(PipelineStageError, match=r"failed on PP rank 1 \(rank 1\), in the forward of .*stage 1"
+                                                     r".*in module layers.3.fc: RuntimeError: mat1 and mat2"):
+            run(engine)
+        faulty.fail_in = None
+        with pytest.raises(PipelineStageError, match="an earlier step failed"):
+            run(engine)

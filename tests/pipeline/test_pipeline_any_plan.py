@@ -120,6 +120,17 @@ class SharedScaleLM(nn.Module):
         return self.block2(self.block1(self.wte(idx)) * self.scale) * self.scale
 
 
+class FunctionalHeadLM(nn.Module):
+    """Ties its head to the embedding by reading the embedding's weight in the root forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.block1, self.block2 = nn.Embedding(VOCAB, WIDTH), Block(), Block()
+
+    def forward(self, idx):
+        return self.block2(self.block1(self.wte(idx))) @ self.wte.weight.T
+
+
 def test_forwards_that_cannot_be_cut_there_name_the_value_and_a_split_that_works():
     with pytest.raises(ValueError, match=r"cannot be cut before 'head': sqrt \(math.sqrt; test_pipeline_any_plan.py:\d+ "
                                          r"`temperature = math.sqrt\(h.shape\[1\]\)`\) is needed after the cut and holds "
@@ -130,6 +141,8 @@ def test_forwards_that_cannot_be_cut_there_name_the_value_and_a_split_that_works
         _stages(ReuseLM(), 2, split_points=["block2"])
     with pytest.raises(ValueError, match=r"parameter 'scale' is read by the forward on stages \[0, 1\]"):
         _stages(SharedScaleLM(), 2, split_points=["block2"])
+    with pytest.raises(ValueError, match=r"reads 'wte.weight' on stage 1, but its layer 'wte' is on stage 0"):
+        _stages(FunctionalHeadLM(), 2, split_points=["block2"])
     with pytest.raises(ValueError, match=r"'block9' names no module of AttrLM; nearest FQNs: \['block4', 'block3'"):
         _stages(AttrLM(), 2, split_points=["block9"])
     with pytest.raises(ValueError, match=r"'block2' runs before 'block3'"):
@@ -140,3 +153,44 @@ def test_without_example_inputs_a_model_without_containers_is_told_to_trace():
     with pytest.raises(ValueError, match="has no ModuleList.*pass example_inputs= to construct_pipeline_stage"):
         _stages(AttrLM(), 2, example=None)
     assert _stages(TinyLM(num_layers=2), 2, example=None)[1].stage_io == [None, None]  # the skeleton path
+
+
+class SlowBlock(nn.Module):
+    """Few parameters, much compute: one small matmul repeated."""
+
+    def __init__(self, repeats: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.repeats = repeats
+
+    def forward(self, x):
+        for _ in range(self.repeats):
+            x = torch.tanh(self.fc(x))
+        return x
+
+
+class Unbalanced(nn.Module):
+    """A large embedding and three small quick blocks, then a small block that takes most of the time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4096, WIDTH)
+        self.quick1, self.quick2, self.quick3 = SlowBlock(1), SlowBlock(1), SlowBlock(1)
+        self.slow = SlowBlock(200)
+
+    def forward(self, idx):
+        return self.slow(self.quick3(self.quick2(self.quick1(self.embed(idx)))))
+
+
+def test_split_by_measured_time_balances_what_parameter_counts_cannot():
+    model = Unbalanced()
+    by_params = _stages(model, 2)[0]
+    assert by_params.stage_layers == [["embed"], ["quick1", "quick2", "quick3", "slow"]]
+    assert by_params.stage_seconds is None
+    by_time = _stages(model, 2, split_method="time")[0]
+    assert by_time.stage_layers == [["embed", "quick1", "quick2", "quick3"], ["slow"]], by_time.stage_seconds
+    assert all(p.grad is None for p in model.parameters())  # timing left no grads behind
+    with pytest.raises(ValueError, match="split_method='time' runs the layers on the example: pass real"):
+        _stages(model, 2, example=IDS.to("meta"), split_method="time")
+    with pytest.raises(ValueError, match="'time' times the layers of the traced forward: pass example_inputs="):
+        _stages(model, 2, example=None, split_method="time")

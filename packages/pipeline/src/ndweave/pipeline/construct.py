@@ -27,13 +27,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import finish_grad_sync, mark_removed_modules
 from ndweave.mesh.torch_compat import local_tensor
-from ndweave.pipeline.order import ExecutionOrder
+from ndweave.pipeline.cut import TracedCut
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
-from ndweave.pipeline.program import StageProgram, run_as_stage
-from ndweave.pipeline.split import assign_stages, cut_traced, model_layers, traced_layers
-from ndweave.pipeline.stage_io import StageIO, build_stage_io
+from ndweave.pipeline.program import run_as_stage
+from ndweave.pipeline.split import assign_stages, model_layers
+from ndweave.pipeline.stage_io import StageIO
 from ndweave.pipeline.ties import SharedParam, find_shared_params
-from ndweave.pipeline.trace import trace_forward
 
 __all__ = ["PipeModule", "StagePlaceholder", "construct_pipeline_stage"]
 
@@ -78,7 +77,8 @@ class PipeModule(nn.Module):
     """
 
     def __init__(self, chunks: list[nn.Module], stage_indices: list[int], stage_layers: list[list[str]],
-                 resolved: ResolvedPlan, shared_params: list[SharedParam], stage_io: list[StageIO | None]) -> None:
+                 resolved: ResolvedPlan, shared_params: list[SharedParam], stage_io: list[StageIO | None],
+                 stage_seconds: list[float] | None = None) -> None:
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
         self.stage_indices = tuple(stage_indices)
@@ -87,6 +87,8 @@ class PipeModule(nn.Module):
         self.resolved_plan = resolved
         self.shared_params = shared_params
         """Weights held by several stages (tied embedding and LM head), all stages' view."""
+        self.stage_seconds = stage_seconds
+        """Each stage's measured forward + backward seconds on the example (``split_method="time"``)."""
         self.stage_io = stage_io
         """What crosses each cut of a traced model: ``stage_io[s]`` is what stage ``s`` receives
         (``None`` for stage 0, and for every stage of a model cut without ``example_inputs``)."""
@@ -174,57 +176,21 @@ def construct_pipeline_stage(model: nn.Module, plan: PipelineParallelPlan,
     _check_shared_modules(model, plan)
     mine = resolved.stages_of(pp_mesh.get_local_rank())
     if example_inputs is None:
+        if plan.split_points is None and plan.split_method == "time":
+            raise ValueError("split_method='time' times the layers of the traced forward: pass example_inputs= "
+                             "to construct_pipeline_stage")
         layers = model_layers(model)
         stage_layers = assign_stages(model, resolved.num_stages, plan.split_points)
         chunks = [_build_chunk(model, layers, stage_layers, stage) for stage in mine]
         stage_io: list[StageIO | None] = [None] * resolved.num_stages
+        seconds = None
     else:
-        traced = _TracedSplit(model, resolved.num_stages, plan.split_points, example_inputs)
-        layers, stage_layers, stage_io = traced.layers, traced.stage_layers, traced.stage_io
+        traced = TracedCut(model, resolved.num_stages, plan, example_inputs, pp_mesh.device_type)
+        layers, stage_layers, stage_io, seconds = traced.layers, traced.stage_layers, traced.stage_io, traced.stage_seconds
         chunks = [run_as_stage(_build_chunk(model, layers, stage_layers, stage, traced.unread_params(stage)),
                                traced.programs[stage]) for stage in mine]
     shared = find_shared_params(model, stage_layers, plan.shared_modules)
-    return PipeModule(chunks, mine, stage_layers, resolved, shared, stage_io)
-
-
-class _TracedSplit:
-    """A traced model cut into stages: each stage's layers, program and incoming values."""
-
-    def __init__(self, model: nn.Module, num_stages: int, split_points, example_inputs) -> None:
-        example = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-        self.layers = traced_layers(model, split_points)
-        order = ExecutionOrder(trace_forward(model, example, self.layers))
-        cuts = cut_traced(model, order, num_stages, split_points)
-        self.stage_layers: list[list[str]] = [[] for _ in range(num_stages)]
-        for fqn, calls in order.calls.items():
-            stages = sorted({order.stage_of(cuts, call) for call in calls})
-            if len(stages) > 1 and _has_params(model.get_submodule(fqn)):
-                raise ValueError(f"layer {fqn!r} runs on stages {stages} (the forward calls it {len(calls)} times) "
-                                 "but its parameters can live on one; choose split points that keep its calls together")
-            self.stage_layers[stages[0]].append(fqn)
-        self.stage_layers[0] += [fqn for fqn in self.layers if fqn not in order.calls]  # never called: kept
-        self.stage_io = [None] + [build_stage_io(order, cuts[s], s, self.stage_layers[s][0]) for s in range(1, num_stages)]
-        self.programs = [StageProgram(order, cuts, s, self.stage_io[s], self.stage_io[s + 1] if s + 1 < num_stages else None)
-                         for s in range(num_stages)]
-        self._own_params = self._params_read_by_stage(model)
-
-    def _params_read_by_stage(self, model: nn.Module) -> dict[str, int]:
-        """Parameters outside every layer (owned by the root, read by its forward): the stage reading each."""
-        outside = [name for name, _ in model.named_parameters()
-                   if not any(name.startswith(layer + ".") for layer in self.layers)]
-        owner: dict[str, int] = {}
-        for name in outside:
-            readers = [p.stage for p in self.programs
-                       if any(n.op == "get_attr" and n.target == name for n in p.graph.nodes)]
-            if len(readers) > 1:
-                raise ValueError(f"parameter {name!r} is read by the forward on stages {readers}; a weight outside "
-                                 "the layers can live on one stage: move the split points or the weight into a layer")
-            owner[name] = readers[0] if readers else 0
-        return owner
-
-    def unread_params(self, stage: int) -> list[str]:
-        """Parameters outside the layers that ``stage`` does not own (dropped from its chunk)."""
-        return [name for name, owner in self._own_params.items() if owner != stage]
+    return PipeModule(chunks, mine, stage_layers, resolved, shared, stage_io, seconds)
 
 
 def _build_chunk(model: nn.Module, layers: list[str], stage_layers: list[list[str]], stage: int,

@@ -3,7 +3,8 @@
 torch's schedules run forward-only through ``schedule.eval(...)`` (torchtitan's ``validate.py``
 does the same): the micro-batches flow through the stages as in training, with no backward and no
 activations kept for one (the engine runs it under ``no_grad``, so a data-parallel wrapper counts no
-forward it would wait a backward for). torch re-infers the stages' buffers when a schedule switches
+forward it would wait a backward for). A failure on one PP rank raises ``PipelineStageError`` on
+every PP rank, as in training. torch re-infers the stages' buffers when a schedule switches
 between training and evaluation, so an evaluation batch may have another shape than the training
 batch; every evaluation batch must have the first one's.
 """
@@ -26,13 +27,17 @@ def evaluate_batch(engine: PipeEngine, inputs: torch.Tensor | None, targets: tor
     """What :meth:`PipeEngine.evaluate` returns: the mean micro-batch loss on every PP rank when the
     last stage is given ``targets``, else the last stage's outputs (the micro-batches' concatenated
     along dim 0) on the rank holding it and ``None`` on the others."""
+    engine._check_usable()
     first = 0 in engine.module.stage_indices
     last = engine.resolved.num_stages - 1 in engine.module.stage_indices
     inputs_shape, with_targets = _agree_on_batch(engine, inputs, targets, first, last)
     _check_same_shape(engine, inputs_shape)
     recording, engine.recorder.enabled = engine.recorder.enabled, False  # the timeline is training's
+    engine._blame.reset()
     try:
         return _run(engine, (inputs,) if first else (), targets if last else None, with_targets, inputs_shape[0], last)
+    except Exception as failed:  # raised on every PP rank, as a training step's failure is
+        engine._fail(failed)
     finally:
         engine.recorder.enabled = recording
 
@@ -50,7 +55,10 @@ def _agree_on_batch(engine: PipeEngine, inputs, targets, first: bool, last: bool
         error = str(local)
     shapes = (tuple(inputs.shape) if first and error is None else None,
               last and targets is not None and error is None)
-    everyone = _everyone((error, shapes), engine.pp_mesh.get_group())
+    try:
+        everyone = _everyone((error, shapes), engine._group)
+    except Exception as failed:  # a peer failed after its part of the last step
+        engine._fail(failed)
     failed = [(rank, message) for rank, (message, _) in enumerate(everyone) if message]
     if failed:
         raise ValueError(f"PipeEngine.evaluate refused on PP rank {failed[0][0]}: {failed[0][1]}")

@@ -34,28 +34,36 @@ def generate(engine: PipeEngine, idx: torch.Tensor, max_new_tokens: int, *, max_
     the model sees at most that many last tokens. Every PP rank passes the same ``idx``; it runs under
     ``no_grad``, with the chunks in the mode they are in (``module.eval()`` first).
     """
-    group = engine.pp_mesh.get_group()
+    engine._check_usable()
     asked = {"prompt shape": tuple(idx.shape), "max_new_tokens": max_new_tokens, "max_seq_len": max_seq_len,
              "temperature": temperature}
-    for rank, other in enumerate(_everyone(asked, group)):  # a rank asked for fewer tokens would leave the others waiting
+    for rank, other in enumerate(_everyone(asked, engine._group)):  # fewer tokens on one would leave the others waiting
         if other != asked:
             name = next(k for k in asked if other[k] != asked[k])
             raise ValueError(f"generate: PP rank {rank} was given {name}={other[name]}, this rank {asked[name]}; "
                              "every PP rank must pass the same prompt and arguments")
-    last = engine.resolved.num_stages - 1
-    source = engine._rank_of_stage(last)
+    engine._blame.reset()
+    try:
+        with torch.no_grad():
+            return _decode(engine, idx, max_new_tokens, max_seq_len, temperature, generator)
+    except Exception as failed:  # raised on every PP rank, as a training step's failure is
+        engine._fail(failed)
+
+
+def _decode(engine: PipeEngine, idx: torch.Tensor, max_new_tokens: int, max_seq_len: int | None,
+            temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    source = engine._rank_of_stage(engine.resolved.num_stages - 1)
     tokens = idx
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            window = tokens if max_seq_len is None else tokens[:, -max_seq_len:]
-            logits = _relay(engine, window)
-            if logits is not None:
-                nxt = _pick(logits, temperature, generator)
-            else:
-                nxt = torch.empty((idx.shape[0], 1), dtype=torch.long, device=idx.device)
-            if engine.pp_mesh.size() > 1:
-                dist.broadcast(nxt, src=source, group=group)
-            tokens = torch.cat([tokens, nxt.to(tokens.device)], dim=1)
+    for _ in range(max_new_tokens):
+        window = tokens if max_seq_len is None else tokens[:, -max_seq_len:]
+        logits = _relay(engine, window)
+        if logits is not None:
+            nxt = _pick(logits, temperature, generator)
+        else:
+            nxt = torch.empty((idx.shape[0], 1), dtype=torch.long, device=idx.device)
+        if engine.pp_mesh.size() > 1:
+            dist.broadcast(nxt, src=source, group=engine._group)
+        tokens = torch.cat([tokens, nxt.to(tokens.device)], dim=1)
     return tokens
 
 
@@ -83,6 +91,7 @@ def _relay(engine: PipeEngine, window: torch.Tensor) -> torch.Tensor | None:
             args = handed
         else:
             args = _receive(engine, stage, engine._rank_of_stage(s - 1))
+        stage.submod.micro_batch = 0  # one sequence (named so if a forward raises)
         out = stage.submod(*args)
         out = out if isinstance(out, tuple) else (out,)
         if s == last:
@@ -95,7 +104,7 @@ def _relay(engine: PipeEngine, window: torch.Tensor) -> torch.Tensor | None:
 
 
 def _send(engine: PipeEngine, tensors: tuple, dst: int) -> None:
-    group = engine.pp_mesh.get_group()
+    group = engine._group
     metas = [(tuple(t.shape), t.dtype, tuple(t.placements), t.device_mesh.mesh_dim_names, tuple(t.stride()))
              if isinstance(t, DTensor) else (tuple(t.shape), t.dtype, None, None, None) for t in tensors]
     dist.send_object_list([metas], dst=dst, group=group)
@@ -106,7 +115,7 @@ def _send(engine: PipeEngine, tensors: tuple, dst: int) -> None:
 
 
 def _receive(engine: PipeEngine, stage, src: int) -> tuple:
-    group = engine.pp_mesh.get_group()
+    group = engine._group
     box: list = [None]
     dist.recv_object_list(box, src=src, group=group)
     chunk = engine.module.chunks[list(engine.module.stage_indices).index(stage.stage_index)]

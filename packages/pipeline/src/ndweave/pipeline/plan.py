@@ -58,7 +58,8 @@ class PipelineParallelPlan:
 
     split_method: str = "uniform"
     """Used when ``split_points`` is ``None``. ``"uniform"``: contiguous stages balanced by parameter
-    count (the largest stage is as small as it can be)."""
+    count (the largest stage is as small as it can be). ``"time"`` (a traced model on a device): by
+    each layer's forward + backward time, measured once on the example inputs."""
 
     schedule_type: str = "1f1b"
     """``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"`` (torch's
@@ -91,8 +92,8 @@ class PipelineParallelPlan:
             raise ValueError(f"virtual_chunks must be >= 1, got {self.virtual_chunks}")
         if self.num_microbatches is not None and self.num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
-        if self.split_points is None and self.split_method != "uniform":
-            raise ValueError(f"split_method must be 'uniform' (or give split_points); got {self.split_method!r}")
+        if self.split_points is None and self.split_method not in ("uniform", "time"):
+            raise ValueError(f"split_method must be 'uniform' or 'time' (or give split_points); got {self.split_method!r}")
         if isinstance(self.split_points, str):
             raise TypeError(f"split_points is a list of FQNs; got the string {self.split_points!r}")
         for group in self.shared_modules:

@@ -78,15 +78,15 @@ def _walk(module: nn.Module, prefix: str, layers: list[str], refuse_params: bool
             layers.append(prefix + name)
 
 
-def cut_traced(model: nn.Module, order: ExecutionOrder, num_stages: int,
-               split_points: Sequence[str] | None) -> list[int]:
+def cut_traced(model: nn.Module, order: ExecutionOrder, num_stages: int, split_points: Sequence[str] | None,
+               cost: dict[str, float] | None = None) -> list[int]:
     """Where each stage of a traced model begins (node positions in ``order``; the first is 0): at
-    ``split_points`` (in execution order), or balanced by parameter count among the cuts that work.
-    A split point where the forward cannot be cut raises, naming the value and the nearest split
-    point that works."""
+    ``split_points`` (in execution order), or balanced among the cuts that work by each layer's
+    ``cost`` (default: its parameter count). A split point where the forward cannot be cut raises,
+    naming the value and the nearest split point that works."""
     layers = order.layers
     starts = [order.calls[fqn][0] for fqn in layers]
-    weights = [_param_numel(model.get_submodule(fqn)) for fqn in layers]
+    weights = [cost[fqn] if cost else _param_numel(model.get_submodule(fqn)) for fqn in layers]
     if split_points is None:
         cuts = _balanced_cuts(order, starts, weights, num_stages)
     else:
