@@ -111,7 +111,8 @@ def test_the_engines_stage_overrides_the_methods_torch_compat_pins():
     from ndweave.mesh.torch_compat import PIPELINE_STAGE_OVERRIDES
     from ndweave.pipeline.engine import _Stage
 
-    overridden = {name for name in vars(_Stage) if not name.startswith("_") and hasattr(PipelineStage, name)}
+    overridden = {name for name, value in vars(_Stage).items()
+                  if inspect.isfunction(value) and not name.startswith("__") and hasattr(PipelineStage, name)}
     assert overridden == set(PIPELINE_STAGE_OVERRIDES)
     for name, params in PIPELINE_STAGE_OVERRIDES.items():
         assert tuple(inspect.signature(getattr(_Stage, name)).parameters)[1:] == params, name

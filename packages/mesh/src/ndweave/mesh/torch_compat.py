@@ -263,13 +263,14 @@ def dtensor_over(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Pla
 __all__ += ["PIPELINE_STAGE_OVERRIDES", "abort_group", "pipeline_stage_kwargs"]
 
 #: The ``PipelineStage`` methods ``ndweave.pipeline``'s stage overrides, with the parameters it takes
-#: and passes on, in order. Public names without a documented contract (torch's schedules call
-#: them), so the tests pin them against the installed torch.
+#: and passes on, in order. Names without a documented contract (torch's schedules call them; one is
+#: private), so the tests pin them against the installed torch.
 PIPELINE_STAGE_OVERRIDES: dict[str, tuple[str, ...]] = {
     "forward_one_chunk": ("fwd_chunk_id", "args", "kwargs", "save_forward_output"),
     "backward_one_chunk": ("bwd_chunk_id", "loss", "full_backward", "last_backward"),
     "backward_weight_one_chunk": ("bwd_chunk_id", "last_backward"),
     "backward_maybe_with_nosync": ("backward_type", "bwd_kwargs", "last_backward"),
+    "_to_tensor": ("arg",),  # private: the shape inference's buffers (int ones zeroed by the engine)
 }
 
 
