@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
-from ndweave.mesh.testing.worker import FunctionRef, Task, WorkerConfig, worker_main
+from ndweave.mesh.testing.worker import FunctionRef, Reply, Task, WorkerConfig, worker_main
 
 __all__ = ["DistributedTestError", "RankFailure", "run_distributed", "shutdown_pools", "DEFAULT_TIMEOUT_S"]
 
@@ -103,7 +103,7 @@ class _Pool:
             self.procs.append(proc)
             self.conns.append(parent)
         replies = self._collect(_START_TIMEOUT_S, what="starting the ranks")
-        bad = [r for r, rep in replies.items() if rep[0] != "ready"]
+        bad = [r for r, rep in replies.items() if rep.status != "ready"]
         if bad or len(replies) < self.world_size:
             failures = self._failures(replies)
             self.kill()
@@ -114,21 +114,21 @@ class _Pool:
         for conn in self.conns:
             conn.send(task)
         replies = self._collect(timeout, what=ref.qualname)
-        if len(replies) == self.world_size and all(rep[0] == "ok" for rep in replies.values()):
+        if len(replies) == self.world_size and all(rep.status == "ok" for rep in replies.values()):
             for rank in range(self.world_size):
-                if replies[rank][2]:
-                    print(f"[rank {rank}] " + replies[rank][2].rstrip().replace("\n", f"\n[rank {rank}] "))
+                if replies[rank].output:
+                    print(f"[rank {rank}] " + replies[rank].output.rstrip().replace("\n", f"\n[rank {rank}] "))
             _reraise_warnings(replies)
-            return [replies[rank][1] for rank in range(self.world_size)]
+            return [replies[rank].payload for rank in range(self.world_size)]
         failures = self._failures(replies)
         self.kill()
         raise DistributedTestError(ref.qualname, self.world_size, failures)
 
-    def _collect(self, timeout: float, what: str) -> dict[int, tuple]:
+    def _collect(self, timeout: float, what: str) -> dict[int, Reply]:
         """Replies by rank (in the order they came) until all are in, the deadline passes, one rank
         raised (the others get ``STOP_AFTER_RAISE_S``) or one died (``FAILURE_GRACE_S``)."""
         deadline = time.monotonic() + timeout
-        replies: dict[int, tuple] = {}
+        replies: dict[int, Reply] = {}
         pending = {conn: rank for rank, conn in enumerate(self.conns)}
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
         while pending:
@@ -142,7 +142,7 @@ class _Pool:
                     try:
                         replies[rank] = obj.recv()
                     except (EOFError, OSError):
-                        replies[rank] = ("died", self._death_detail(rank), "")
+                        replies[rank] = self._death(rank)
                 elif sentinels.get(obj) is not None and sentinels[obj] not in replies:
                     rank = sentinels[obj]
                     # give a last message in the pipe a chance to arrive before calling it dead
@@ -150,10 +150,10 @@ class _Pool:
                     if conn.poll(0.2):
                         continue
                     pending.pop(conn, None)
-                    replies[rank] = ("died", self._death_detail(rank), "")
+                    replies[rank] = self._death(rank)
                 else:
                     continue
-                status = replies[rank][0]
+                status = replies[rank].status
                 if status not in ("ok", "ready"):
                     grace = FAILURE_GRACE_S if status == "died" else STOP_AFTER_RAISE_S
                     deadline = min(deadline, time.monotonic() + grace)
@@ -161,15 +161,14 @@ class _Pool:
                         self._request_stacks([r for r in pending.values()])
         return replies
 
-    def _failures(self, replies: dict[int, tuple]) -> list[RankFailure]:
+    def _failures(self, replies: dict[int, Reply]) -> list[RankFailure]:
         """Every failed rank: those that raised or died first, in the order they failed, then those
         still running (stopped because another raised, or timed out), with their stacks."""
         failures = []
-        for rank, (status, payload, output, *_) in replies.items():
-            if status == "err":
-                failures.append(RankFailure(rank, "raised", payload, output))
-            elif status == "died":
-                failures.append(RankFailure(rank, "died", payload, output))
+        failed = sorted((rep.failed_at, rank) for rank, rep in replies.items() if rep.status in ("err", "died"))
+        for _, rank in failed:
+            rep = replies[rank]
+            failures.append(RankFailure(rank, "raised" if rep.status == "err" else "died", rep.payload, rep.output))
         running = [r for r in range(self.world_size) if r not in replies]
         kind = "stopped" if any(f.kind == "raised" for f in failures) else "timed out"
         stacks = self._dump_stacks(running) if running else {}
@@ -194,11 +193,12 @@ class _Pool:
         time.sleep(0.05)  # the dump is written in pieces: let the last one land
         return {rank: _tail(path, 8000) or "(no stack was written)" for rank, path in paths.items()}
 
-    def _death_detail(self, rank: int) -> str:
+    def _death(self, rank: int) -> Reply:
+        when = time.time()
         proc = self.procs[rank]
         proc.join(timeout=1.0)
         log = _tail(os.path.join(self.tmpdir, f"rank{rank}.log"), 4000)
-        return f"the process exited with code {proc.exitcode}\nits log:\n{log}"
+        return Reply("died", f"the process exited with code {proc.exitcode}\nits log:\n{log}", failed_at=when)
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -222,12 +222,12 @@ class _Pool:
         self.kill()
 
 
-def _reraise_warnings(replies: dict[int, tuple]) -> None:
+def _reraise_warnings(replies: dict[int, Reply]) -> None:
     """Raise the ranks' warnings here, once each, under this process's filters (an ``error`` filter
     turns one into the test's failure, as for a warning raised in the test itself)."""
     seen = set()
     for rank in sorted(replies):
-        for w in replies[rank][3] if len(replies[rank]) > 3 else ():
+        for w in replies[rank].warnings:
             key = (w.message, w.category, w.filename, w.lineno)
             if key not in seen:
                 seen.add(key)

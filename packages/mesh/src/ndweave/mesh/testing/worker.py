@@ -9,6 +9,7 @@ rather than a torch import.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import importlib.util
 import io
@@ -16,13 +17,14 @@ import os
 import resource
 import signal
 import sys
+import time
 import traceback
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["FunctionRef", "RankWarning", "Task", "WorkerConfig", "worker_main", "resolve_function"]
+__all__ = ["FunctionRef", "RankWarning", "Reply", "Task", "WorkerConfig", "worker_main", "resolve_function"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,23 @@ class Task:
     """Where a test that creates the process group itself finds its store: a new port per test, so no
     test reads the keys of the one before (torch's ``env://`` store outlives its group while anything
     holds the group, and a new group on the same port would reuse it)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a rank sends back for each task (and once when it has started)."""
+
+    status: str
+    """``"ready"``, ``"ok"`` or ``"err"`` (the parent adds ``"died"`` for a rank that went silent)."""
+    payload: Any = None
+    """The result, or the traceback."""
+    output: str = ""
+    """What the rank printed during the task."""
+    warnings: tuple = ()
+    """The :class:`RankWarning`\\ s it raised."""
+    failed_at: float | None = None
+    """When it failed (``time.time()``: the ranks share the machine's clock), so the first failure
+    is reported first whichever reply arrives first."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +170,7 @@ def _init_pg(cfg: WorkerConfig) -> None:
     )
 
 
-def _after_task(cfg: WorkerConfig) -> None:
+def _after_task(cfg: WorkerConfig, failed: bool) -> None:
     """Put back the per-process state a test may have changed, so the next test starts clean."""
     import torch
     import torch.distributed as dist
@@ -163,7 +182,9 @@ def _after_task(cfg: WorkerConfig) -> None:
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     if not cfg.init_process_group and dist.is_initialized():
-        shutdown()  # pools that leave group creation to the test tear it down after each one
+        # pools that leave group creation to the test tear it down after each one; a rank whose test
+        # failed does not wait for the others (the pool stops them as soon as its error is in)
+        shutdown(abort=failed)
     elif cfg.init_process_group and not dist.is_initialized():
         raise RuntimeError("the test destroyed the pool's process group (shutdown() or destroy_process_group()): "
                            "give a test that ends the job @distributed(..., init_process_group=False)")
@@ -173,9 +194,9 @@ def worker_main(cfg: WorkerConfig, conn) -> None:
     try:
         _setup(cfg)
     except BaseException:
-        conn.send(("err", traceback.format_exc(), ""))
+        conn.send(Reply("err", traceback.format_exc(), failed_at=time.time()))
         return
-    conn.send(("ready", None, ""))
+    conn.send(Reply("ready"))
     while True:
         try:
             task = conn.recv()
@@ -192,19 +213,21 @@ def worker_main(cfg: WorkerConfig, conn) -> None:
                 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
                     fn = resolve_function(task.fn)
                     result = fn(*task.args, **task.kwargs)
-                reply = ("ok", result, out.getvalue())
+                reply = Reply("ok", result)
             except BaseException:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
-                reply = ("err", traceback.format_exc(), out.getvalue())
-        reply += (_rank_warnings(caught),)
+                reply = Reply("err", traceback.format_exc(), failed_at=time.time())
+        reply = dataclasses.replace(reply, output=out.getvalue(), warnings=tuple(_rank_warnings(caught)))
         try:
-            _after_task(cfg)
+            _after_task(cfg, failed=reply.status == "err")
         except BaseException:
-            failed = reply[1] + "\n" if reply[0] == "err" else ""  # the test's own error first
-            reply = ("err", failed + "cleanup after the test failed:\n" + traceback.format_exc(), out.getvalue(), reply[3])
+            failed = reply.payload + "\n" if reply.status == "err" else ""  # the test's own error first
+            reply = dataclasses.replace(reply, status="err", failed_at=reply.failed_at or time.time(),
+                                        payload=failed + "cleanup after the test failed:\n" + traceback.format_exc())
         try:
             conn.send(reply)
         except Exception:  # an unpicklable result
-            conn.send(("err", "the result could not be sent back:\n" + traceback.format_exc(), out.getvalue()))
+            conn.send(Reply("err", "the result could not be sent back:\n" + traceback.format_exc(), reply.output,
+                            failed_at=time.time()))
     import torch.distributed as dist
 
     if dist.is_initialized():
