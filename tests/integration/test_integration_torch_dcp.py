@@ -168,12 +168,14 @@ def _torch_calls_refused(folder: str) -> None:
     assert not (folder / ".metadata").exists()
 
     # torch's get_state_dict / set_state_dict map an optimizer's params to the model's by identity:
-    # the 1-D master shards DistributedOptimizer steps are none of them (KeyError, nothing saved)
+    # the 1-D master shards DistributedOptimizer steps are none of them. Refused with the calls that
+    # work (it was a bare KeyError), before anything is read or stepped
     for wrapped in (model, model.module):
-        assert _refused(lambda: get_state_dict(wrapped, optimizer)).startswith("KeyError")
+        message = _refused(lambda: get_state_dict(wrapped, optimizer))
+        assert message.startswith("TypeError") and "state_dict(format='dcp')" in message, message
     torch_like = {"state": before["state"], "param_groups": before["param_groups"]}  # FQN-keyed, as torch's
-    assert _refused(lambda: set_state_dict(model, optimizer, model_state_dict={},
-                                           optim_state_dict=torch_like)).startswith("KeyError")
+    message = _refused(lambda: set_state_dict(model, optimizer, model_state_dict={}, optim_state_dict=torch_like))
+    assert message.startswith("TypeError") and "ndweave.checkpoint.save / load" in message, message
     after = optimizer.gather_full_state_dict()
     for fqn, entry in before["state"].items():
         for key, value in entry.items():

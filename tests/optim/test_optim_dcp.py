@@ -11,7 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from ndweave.mesh.contracts import StatePiece
@@ -84,6 +89,27 @@ def test_plain_dcp_of_state_dict_is_refused_on_every_rank_before_writing(tmp_pat
     assert "optim.state.0." in _refused(lambda: dcp.load({"optim": opt.state_dict()}, checkpoint_id=tmp_path))
     after = opt.state_dict()["state"]["0.weight"]
     assert all(torch.equal(after[k].data, v) for k, v in before.items())
+
+
+@distributed(world_size=2, timeout=60)
+def test_torch_get_and_set_state_dict_are_refused_naming_the_calls_that_work():
+    """torch maps an optimizer's params to the model's by identity, and the master shards are none of
+    them: refused on every rank (it was a bare KeyError) before torch steps a never-stepped optimizer
+    to create its state, or reads anything."""
+    _, ddp = dp_setup()
+    opt = _optimizer(ddp)
+    masters = [p.detach().clone() for p in opt.get_parameters()]
+    for stepped in (False, True):
+        for call in (lambda: get_state_dict(ddp, opt), lambda: get_state_dict(ddp.module, opt),
+                     lambda: get_optimizer_state_dict(ddp, opt),
+                     lambda: set_state_dict(ddp, opt, model_state_dict={}, optim_state_dict={"state": {}}),
+                     lambda: set_optimizer_state_dict(ddp, opt, {"state": {}, "param_groups": []})):
+            with pytest.raises(TypeError, match=r"cannot serve a DistributedOptimizer.*state_dict\(format='dcp'\)"):
+                call()
+        if not stepped:  # nothing was stepped to make state
+            assert not opt.inner.state and all(torch.equal(m, p) for m, p in zip(masters, opt.get_parameters()))
+            train(ddp, opt, 1, dist.get_rank(), 2)
+    assert opt.state is opt.inner.state  # everyone else reads the state as before
 
 
 @distributed(world_size=2, timeout=60)

@@ -13,6 +13,12 @@ failed afterwards ("the pieces of ... leave N of N elements uncovered"). So:
   the calls that work. DCP collects planning errors from every rank, so such a save fails on every
   rank before anything is written. (A load into them fails while DCP plans too, with DCP's own
   message: its load planner drops values it does not know before asking them anything.);
+* torch's ``get_state_dict`` / ``set_state_dict`` (and ``get_/set_optimizer_state_dict``) map an
+  optimizer's params to the model's by identity, and the 1-D master shards a ``DistributedOptimizer``
+  steps are none of them: torch failed with a bare ``KeyError`` (a parameter FQN). Their first touch
+  of the optimizer (``optim.state``, from torch's state-dict module) is refused by
+  :func:`refuse_torch_state_dict_api` instead, on every rank (each calls it), before anything is
+  read, stepped or written, naming the calls that work;
 * :func:`dcp_state_dict` is the state as torch's ``get_state_dict`` gives it for a torch optimizer of
   the same model: keyed by FQN, one tensor per parameter and state key, shaped and placed like the
   parameter (a DTensor over the parameter's mesh), its values all-gathered over the data-parallel
@@ -34,7 +40,11 @@ from ndweave.mesh.contracts import MASTER_KEY, GradBucket, ShardLayout, StatePie
 from ndweave.mesh.torch_compat import StridedShard, dtensor_over, local_tensor
 from ndweave.optim.inner import resolve_optimizer
 
-__all__ = ["GuardedPiece", "dcp_state_dict", "pieces_of_dtensors"]
+__all__ = ["GuardedPiece", "dcp_state_dict", "pieces_of_dtensors", "refuse_torch_state_dict_api"]
+
+#: torch's module of ``get_state_dict`` / ``set_state_dict`` (public, so its name is stable): a read
+#: of ``DistributedOptimizer.state`` from code in it is refused (:func:`refuse_torch_state_dict_api`).
+TORCH_STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
 
 
 def _refusal(what: str) -> str:
@@ -44,6 +54,21 @@ def _refusal(what: str) -> str:
             "get_state_dict gives for a torch optimizer; it also serves as the destination of dcp.load, after "
             "which optimizer.load_state_dict takes it), or save and load with ndweave.checkpoint.save / load, "
             "which write the ranges themselves without gathering them")
+
+
+def refuse_torch_state_dict_api(caller_globals: Mapping[str, Any]) -> None:
+    """Raise ``TypeError`` when the code reading ``DistributedOptimizer.state`` (its module globals:
+    ``caller_globals``) is torch's ``get_state_dict`` / ``set_state_dict`` family, naming what works."""
+    if caller_globals.get("__name__") != TORCH_STATE_DICT_MODULE:
+        return
+    raise TypeError(
+        "torch's get_state_dict / set_state_dict (and get_/set_optimizer_state_dict) cannot serve a "
+        "DistributedOptimizer: they map an optimizer's params to the model's by identity, and it steps 1-D "
+        "shards of fp32 master weights, none of them the model's. For the optimizer use "
+        "optimizer.state_dict(format='dcp') (per-parameter DTensors, what get_state_dict gives for a torch "
+        "optimizer; dcp.save / dcp.load handle it at any layout) and optimizer.load_state_dict(state); for the "
+        "model get_model_state_dict / set_model_state_dict work as they are. Or save and load both with "
+        "ndweave.checkpoint.save / load")
 
 
 class GuardedPiece(StatePiece):

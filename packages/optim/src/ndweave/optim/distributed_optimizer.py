@@ -21,6 +21,7 @@ memory is not 1/DP: this is not full ZeRO-2. Full-size buffers that remain per r
 from __future__ import annotations
 
 from collections.abc import Sequence
+import sys
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -43,7 +44,7 @@ from ndweave.mesh.contracts import (
     uses_distributed_optimizer,
 )
 from ndweave.optim.base import WrappedOptimizer
-from ndweave.optim.dcp_state import GuardedPiece, dcp_state_dict, pieces_of_dtensors
+from ndweave.optim.dcp_state import GuardedPiece, dcp_state_dict, pieces_of_dtensors, refuse_torch_state_dict_api
 from ndweave.optim.grad_norm import counts_replica
 from ndweave.optim.inner import check_elementwise, resolve_optimizer
 from ndweave.optim.param_gather import ParamGatherer
@@ -297,6 +298,16 @@ class DistributedOptimizer(WrappedOptimizer):
         return sum(s.master.numel() * s.master.element_size() for s in self._shards if not s.aliases_model)
 
     # ---- state ---------------------------------------------------------------------------------
+    @property
+    def state(self):  # type: ignore[override]
+        # torch's get/set_state_dict read ``optim.state`` first; refused there with the calls that work
+        refuse_torch_state_dict_api(sys._getframe(1).f_globals)
+        return self.inner.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.inner.state = value
+
     def _state_dict(self, format: Literal["pieces", "dcp"] = "pieces") -> dict[str, Any]:
         """``state_dict()``: this rank's state keyed by parameter FQN, ``{"param_groups": [{...,
         "params": [fqn, ...]}], "state": {fqn: {key: value}}}``.
