@@ -15,7 +15,10 @@ trainable param in one bucket, zero padding, one layout on every rank); with ``p
 views are the params' local tensors and that each DP rank's ``shard_range`` holds the reduced grads;
 ``finish_grad_sync()`` twice changes nothing; ``zero_grad_buffer()`` zeroes. With
 ``tensor_parallel_size > 1`` the same runs on a (DP, TP) mesh with column/row-parallel DTensor params,
-unevenly sharded.
+unevenly sharded. With ``expert_parallel_size > 1`` it runs on a (DP, EP) mesh whose two dims both
+split the batch, with one weight's rows sharded over EP the way experts are (each EP rank holds some
+rows, and every EP rank's part of the batch meets all of them), so that weight's grad is reduced over
+DP only and every other over DP x EP.
 
 Everything about reduction is read per bucket: each bucket names the group it is reduced over
 (``GradBucket.data_parallel_group``), which must hold this rank and only ranks of the data-parallel
@@ -39,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ndweave.mesh.contracts import DataParallelWrapper, GradBucket, shard_range, uses_distributed_optimizer
@@ -56,17 +59,19 @@ _MAX_LINES = 24  # problems reported (of every rank's), enough to see the patter
 
 
 def check_data_parallel(make_wrapper: MakeWrapper, *, device_type: str = "cpu", tensor_parallel_size: int = 1,
-                        num_micro_batches: int = 3) -> None:
+                        expert_parallel_size: int = 1, num_micro_batches: int = 3) -> None:
     """Assert that ``make_wrapper(module, data_parallel_mesh)`` returns a wrapper meeting
     :class:`~ndweave.mesh.contracts.DataParallelWrapper` (see the module docstring for what is checked).
 
     Call on every rank of the default process group. ``make_wrapper`` gets a float64 model on
-    ``device_type`` and the 1-D ``"DP"`` mesh, and returns the wrapped model (called as
-    ``wrapper(x)``). The data-parallel size is the world size divided by ``tensor_parallel_size``.
+    ``device_type`` and the 1-D ``"DP"`` mesh (in the expert-parallel case the 2-D ``("DP", "EP")``
+    mesh), and returns the wrapped model (called as ``wrapper(x)``). The data-parallel size is the
+    world size divided by ``tensor_parallel_size``.
     """
     world = dist.get_world_size()
-    if world % tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not divide the world size {world}")
+    for name, size in (("tensor_parallel_size", tensor_parallel_size), ("expert_parallel_size", expert_parallel_size)):
+        if world % size:
+            raise ValueError(f"{name}={size} does not divide the world size {world}")
     device = torch.device(device_type)
     dp_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("DP",))
     _check(make_wrapper, _Case("plain params", _mlp(device), None, dp_mesh), num_micro_batches)
@@ -78,6 +83,13 @@ def check_data_parallel(make_wrapper: MakeWrapper, *, device_type: str = "cpu", 
         # the column-parallel output stays a DTensor: only it knows the uneven shards' global shape
         parallelize_module(model, mesh["TP"], {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel()})
         _check(make_wrapper, _Case("DTensor (TP) params", model, reference, mesh["DP"]), num_micro_batches)
+    if expert_parallel_size > 1:
+        mesh = init_device_mesh(device_type, (world // expert_parallel_size, expert_parallel_size),
+                                mesh_dim_names=("DP", "EP"))
+        model = _mlp(device)
+        reference = copy.deepcopy(model)
+        model[2] = _RowsOverEP(model[2], mesh["EP"])
+        _check(make_wrapper, _Case("params sharded over EP", model, reference, mesh), num_micro_batches)
 
 
 @dataclass
@@ -87,6 +99,23 @@ class _Case:
     reference: torch.nn.Module | None
     """An unparallelized copy (``None``: copy ``model``, which is plain)."""
     dp_mesh: DeviceMesh
+    """The dims that split the batch: ``"DP"``, or ``("DP", "EP")``."""
+
+
+class _RowsOverEP(torch.nn.Module):
+    """A Linear whose weight rows are sharded over EP (``Shard(0)``, 7 rows: uneven) like experts,
+    while every EP rank's part of the batch meets all of them: the rows are all-gathered, and the
+    gather's backward reduce-scatters their grads, so each EP rank's shard grad sums every EP rank's
+    part of the batch, as an expert's grad does after the token all-to-all's backward."""
+
+    def __init__(self, linear: torch.nn.Linear, ep_mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach().clone(), ep_mesh, [Shard(0)]))
+        self.bias = torch.nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.redistribute(self.weight.device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        return F.linear(x, rows, self.bias)
 
 
 def _mlp(device: torch.device) -> torch.nn.Sequential:
