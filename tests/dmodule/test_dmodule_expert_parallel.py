@@ -1,6 +1,7 @@
 """Expert parallel in dmodule: ``get_plan("hf_mixtral", model, expert_parallel=True)`` on a mesh with an
-"EP" dim divides transformers' stacked experts over it (``Shard(0)`` DTensors keeping their FQNs and
-global shapes) while every other tensor stays a plain tensor, and each rank's tokens reach their
+"EP" dim and no "TP" dim divides transformers' stacked experts over it (``Shard(0)`` DTensors keeping
+their FQNs and global shapes) while every other tensor stays a plain tensor (the plan's tensor-parallel
+entries change nothing over one TP rank), and each rank's tokens reach their
 experts and come back: outputs and gradients equal one process's, in float64. And the errors."""
 
 from __future__ import annotations
@@ -99,5 +100,5 @@ def test_zoo_refuses_experts_where_there_are_none_and_top_k_beyond_the_experts()
         get_plan("hf_llama", None, expert_parallel=True)
     with pytest.raises(ValueError, match=r"top-k num_experts_per_tok=5 is more than the 4 experts"):
         get_plan("hf_mixtral", _mixtral(num_experts_per_tok=5), expert_parallel=True)
-    with pytest.raises(ValueError, match=r"expert_parallel=True.*tensor-, sequence- and loss-parallel"):
+    with pytest.raises(ValueError, match=r"divides the experts over EP \(expert_parallel=True"):
         get_plan("hf_mixtral", _mixtral())

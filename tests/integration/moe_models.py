@@ -1,9 +1,10 @@
 """MoE models for the expert-parallel tests, and the check every one of them runs on its ranks.
 
-``check_expert_parallel(build, plan, dp, ep)`` builds a model twice from one seed; one copy stays on
-this process with plain torch (``AdamW``, ``clip_grad_norm_``), the other is parallelized over a
-``("DP", "EP")`` mesh with ``plan``, wrapped in DDP and stepped by an ndweave optimizer. Each rank
-trains on its slice of the same global batch. Every step compares the loss (the mean of the ranks'
+``check_expert_parallel(build, plan, dp, ep, tp)`` builds a model twice from one seed; one copy stays
+on this process with plain torch (``AdamW``, ``clip_grad_norm_``), the other is parallelized over a
+``("DP", "EP")`` mesh (``("DP", "EP", "TP")`` with ``tp > 1``) with ``plan``, wrapped in DDP and
+stepped by an ndweave optimizer. Each DP x EP rank trains on its slice of the same global batch (its
+TP ranks on the same slice). Every step compares the loss (the mean of the ranks'
 losses), every gradient (before ZeRO), the clipped global grad norm and, after the step, every
 parameter with the one-process copy, in float64 to the strict tolerance. It also counts the
 all-to-alls of a step.
@@ -122,11 +123,13 @@ def lm_loss(model: nn.Module, batch) -> torch.Tensor:
 
 
 def check_expert_parallel(build: Callable[[], nn.Module], plan: dict, *, dp: int, ep: int, make_batch, loss_of,
-                          zero: bool, steps: int, num_moe_layers: int, float32_params: tuple[str, ...] = ()) -> None:
-    """Run on every rank of a world of ``dp * ep`` (see the module docstring). ``float32_params``: FQN
-    substrings of weights the model computes with in float32, held to :data:`FLOAT32_SUMS`."""
+                          zero: bool, steps: int, num_moe_layers: int, float32_params: tuple[str, ...] = (),
+                          tp: int = 1) -> None:
+    """Run on every rank of a world of ``dp * ep * tp`` (see the module docstring). ``float32_params``:
+    FQN substrings of weights the model computes with in float32, held to :data:`FLOAT32_SUMS`."""
     torch.set_default_dtype(STRICT_DTYPE)  # both sides (the harness resets it after the test)
-    mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("DP", "EP"))
+    names = ("DP", "EP", "TP") if tp > 1 else ("DP", "EP")
+    mesh = init_device_mesh("cpu", (dp, ep, tp)[:len(names)], mesh_dim_names=names)
     torch.manual_seed(0)
     reference = build()
     model = parallelize_module(copy.deepcopy(reference), mesh, plan)
@@ -135,7 +138,7 @@ def check_expert_parallel(build: Callable[[], nn.Module], plan: dict, *, dp: int
     make = DistributedOptimizer if zero else BasicOptimizer
     optimizer = make(torch.optim.AdamW, [model], optimizer_kwargs=kwargs)  # clipped by hand below, as torch is
     ref_optimizer = torch.optim.AdamW(reference.parameters(), **kwargs)
-    world, rank = dp * ep, dist.get_rank()
+    world, rank = dp * ep, dist.get_rank() // tp  # the data ranks; TP ranks (innermost) share a slice
     ref_params, params = dict(reference.named_parameters()), dict(model.named_parameters())
     assert list(params) == list(ref_params), "expert parallel changed the parameter names"
     for step in range(steps):
@@ -153,7 +156,7 @@ def check_expert_parallel(build: Callable[[], nn.Module], plan: dict, *, dp: int
         assert len(moves) == expected, f"step {step}: {len(moves)} all-to-alls, expected {expected}"
         total = loss.detach().clone()
         dist.all_reduce(total)
-        assert_close(total / world, ref_loss, name=f"step {step} loss")
+        assert_close(total / (world * tp), ref_loss, name=f"step {step} loss")
         if not zero:  # BasicOptimizer: every .grad is the whole reduced grad
             model.finish_grad_sync()
             for fqn, ref_p in ref_params.items():
@@ -168,8 +171,11 @@ def check_expert_parallel(build: Callable[[], nn.Module], plan: dict, *, dp: int
         for fqn, ref_p in ref_params.items():
             assert_close(full_tensor(params[fqn]), ref_p, name=f"step {step} {fqn} after the step",
                          tol=_tolerance(fqn, float32_params))
-    experts = [p for p in params.values() if isinstance(p, DTensor)]
+    experts = [p for p in params.values() if isinstance(p, DTensor) and "EP" in p.device_mesh.mesh_dim_names]
     assert len(experts) >= 2 * num_moe_layers and all(p.to_local().shape[0] * ep == p.shape[0] for p in experts)
+    tensor_parallel = [fqn for fqn, p in params.items() if isinstance(p, DTensor) and
+                       p.device_mesh.mesh_dim_names == ("TP",) and any(pl.is_shard() for pl in p.placements)]
+    assert bool(tensor_parallel) == (tp > 1), f"params sharded over TP: {tensor_parallel}"
 
 
 def _tolerance(fqn: str, float32_params: tuple[str, ...]) -> Tolerance:

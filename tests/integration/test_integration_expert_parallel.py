@@ -43,7 +43,16 @@ def test_hf_moe_families_train_like_one_process(family, dp, ep, zero):
     _check_hf(family, dp, ep, zero)
 
 
-def _check_hf(family: str, dp: int, ep: int, zero: bool) -> None:
+@pytest.mark.heavy
+@pytest.mark.parity
+@pytest.mark.parametrize("zero", [False, True], ids=["basic", "zero"])
+def test_hf_mixtral_with_tensor_parallel_trains_like_one_process(zero):
+    # ("DP", "EP", "TP") = (1, 2, 2): attention TP over "TP", experts over "EP" (whole over TP)
+    pytest.importorskip("transformers")
+    _check_hf("hf_mixtral", 1, 2, zero, tp=2)
+
+
+def _check_hf(family: str, dp: int, ep: int, zero: bool, tp: int = 1) -> None:
     build = functools.partial(build_hf_moe, family)
     plan = get_plan(family, build(), expert_parallel=True)
     steps, layers, float32_params = 3, 2, ()
@@ -52,6 +61,6 @@ def _check_hf(family: str, dp: int, ep: int, zero: bool) -> None:
         # router's grads are float32 sums over the tokens the ranks split (compared at float32
         # precision), and one step only: a router weight off by float32 rounding may flip a later top-k
         steps, layers, float32_params = 1, 1, ("mlp.gate.weight",)
-    run_distributed(check_expert_parallel, dp * ep, build, plan, dp=dp, ep=ep, make_batch=lm_batch,
+    run_distributed(check_expert_parallel, dp * ep * tp, build, plan, dp=dp, ep=ep, tp=tp, make_batch=lm_batch,
                     loss_of=lm_loss, zero=zero, steps=steps, num_moe_layers=layers, float32_params=float32_params,
                     timeout=300)

@@ -68,11 +68,16 @@ def parallelize_experts(module: nn.Module, ep_mesh: DeviceMesh, *, fqn: str = ""
     local_forward = module.forward  # the module's own (class) forward, on whichever weights it sees
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        # under tensor parallel the block hands in Replicate DTensors: every TP rank routes the same tokens
+        layout = (hidden_states.device_mesh, hidden_states.placements) if isinstance(hidden_states, DTensor) else None
+        hidden_states, top_k_index, top_k_weights = (_replicated_local(t, fqn) for t in
+                                                     (hidden_states, top_k_index, top_k_weights))
         rows, local_ids, routing = dispatch(hidden_states, top_k_index, num_experts, group)
         unit = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
         with _local_experts(module, list(stacked), num_experts // ep):
             out = local_forward(rows, local_ids.unsqueeze(-1), unit)
-        return combine(out, top_k_weights, routing)
+        out = combine(out, top_k_weights, routing)
+        return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
 
     module.forward = forward
     return module
@@ -113,6 +118,16 @@ def _stacked_params(module: nn.Module, ep: int, fqn: str) -> dict[str, nn.Parame
         raise ValueError(f"{EXPERT_PATCH} on {fqn!r}: {num_experts} experts do not divide over {ep} EP ranks; pick an "
                          f"EP size that divides {num_experts}")
     return params
+
+
+def _replicated_local(t: torch.Tensor, fqn: str) -> torch.Tensor:
+    """A plain tensor as is; a DTensor's local tensor, which must be the whole value (``Replicate``)."""
+    if not isinstance(t, DTensor):
+        return t
+    if not all(p.is_replicate() for p in t.placements):
+        raise ValueError(f"{EXPERT_PATCH} on {fqn!r}: the experts take every token whole on each tensor-parallel "
+                         f"rank, got a DTensor {list(t.placements)}; plan the MoE block's input [[Replicate()]]")
+    return t.to_local()
 
 
 def _whole(param: torch.Tensor, name: str) -> torch.Tensor:
