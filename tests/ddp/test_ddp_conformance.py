@@ -33,3 +33,16 @@ def test_ddp_meets_the_contract_without_overlap_or_sync_in_backward(use_distribu
                                     finish_grad_sync_in_backward=False,
                                     use_distributed_optimizer=use_distributed_optimizer),
     )
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
+@pytest.mark.parametrize("average_grads", [True, False])
+@distributed(world_size=4, timeout=120)
+def test_ddp_meets_the_contract_on_dp_x_ep(use_distributed_optimizer, average_grads):
+    # DDP given the (DP, EP) mesh: the EP-sharded weight over DP, the rest over DP x EP, all averaged over 4
+    check_data_parallel(
+        lambda module, data_mesh: DDP(module, data_mesh, bucket_size=16, average_grads=average_grads,
+                                      use_distributed_optimizer=use_distributed_optimizer),
+        expert_parallel_size=2,
+    )

@@ -19,7 +19,18 @@ ALL = [(name, sp) for name in ["mlp", "nanogpt", "hf_llama", "hf_gpt2"] for sp i
 
 
 def test_list_plans_names_the_zoo():
-    assert list_plans() == ["auto", "hf_gpt2", "hf_llama", "mlp", "nanogpt"]
+    assert list_plans() == ["auto", "hf_deepseek_v3", "hf_gpt2", "hf_llama", "hf_mixtral", "hf_qwen2_moe", "hf_qwen3_moe",
+                            "mlp", "nanogpt"]
+
+
+@pytest.mark.parametrize("name", ["hf_mixtral", "hf_qwen2_moe", "hf_qwen3_moe", "hf_deepseek_v3"])
+def test_every_moe_plan_is_valid_data_that_saves_and_loads(name, tmp_path):
+    plan = get_plan(name, expert_parallel=True)
+    normalize_plan(plan, None, None, None)
+    assert plan["patch"][r"model.layers.\d+.mlp.experts"] == ["expert_parallel"]
+    assert "expert_parallel" in registered_patches()
+    save_plan(plan, tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json") == plan
 
 
 def test_unknown_plan_lists_the_known_ones():

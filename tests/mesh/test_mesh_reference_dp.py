@@ -23,6 +23,7 @@ from ndweave.mesh.contracts import (
     uses_distributed_optimizer,
 )
 from ndweave.mesh.testing import ReferenceDataParallel, check_data_parallel, distributed
+from ndweave.mesh.torch_compat import flatten_mesh
 
 
 # ---------------------------------------------------------------------- layout rules
@@ -176,3 +177,26 @@ def test_the_check_fails_a_wrapper_whose_tp_peers_disagree_on_the_layout():
     with pytest.raises(AssertionError, match="DTensor .TP. params:\n.*lay their buckets out differently"):
         check_data_parallel(lambda module, dp_mesh: _IgnoresPeerShards(module, dp_mesh, bucket_size=16),
                             tensor_parallel_size=2)
+
+
+class _ClaimsTheWorld(ReferenceDataParallel):
+    def _build_bucket(self, chunk, grad_dtype):
+        bucket = super()._build_bucket(chunk, grad_dtype)  # labelled with the world, outside the DP mesh
+        return GradBucket(bucket.params, bucket.grad_data, bucket.param_data, dist.group.WORLD)
+
+
+@distributed(world_size=4)
+def test_the_check_fails_a_bucket_reduced_outside_the_data_parallel_mesh():
+    with pytest.raises(AssertionError, match=r"DTensor .TP. params:\n.*reduced over ranks \[0, 1, 2, 3\], which is not"):
+        check_data_parallel(lambda module, dp_mesh: _ClaimsTheWorld(module, dp_mesh, bucket_size=16),
+                            tensor_parallel_size=2)
+
+
+@distributed(world_size=4)
+def test_the_check_fails_a_wrapper_that_reduces_ep_sharded_params_over_ep():
+    # every grad over DP x EP: the EP ranks' different rows of the sharded weight get summed together
+    def over_everything(module, data_mesh):
+        return ReferenceDataParallel(module, flatten_mesh(data_mesh, "DP_EP"), bucket_size=16)
+
+    with pytest.raises(AssertionError, match=r"params sharded over EP, no_sync\(\):\nrank 0: bucket 1 grad_data of 2.weight"):
+        check_data_parallel(over_everything, expert_parallel_size=2)

@@ -145,6 +145,8 @@ def test_dtensor_internals():
     assert torch.equal(full[offset[0]: offset[0] + shape[0], offset[1]: offset[1] + shape[1]], local)
     flat = tc.flatten_mesh(mesh.device_mesh, "DPTP_compat")
     assert flat.ndim == 1 and flat.size() == 4 and flat.get_local_rank() == dist.get_rank()
+    assert tc.root_mesh(mesh["TP"]) == mesh.device_mesh and tc.root_mesh(flat) == mesh.device_mesh
+    assert tc.root_mesh(mesh.device_mesh) is mesh.device_mesh
     strided = distribute_tensor(full, mesh["TP"], [tc.StridedShard(1, split_factor=3)])
     pieces = tc.split_tensor(tc.StridedShard(1, split_factor=3), full, 2)
     assert torch.equal(tc.local_tensor(strided), pieces[mesh.lookup_rank("TP")])

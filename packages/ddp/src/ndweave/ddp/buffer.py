@@ -1,6 +1,7 @@
 """Flat gradient (and parameter) buffers, split into buckets.
 
-Layout (Megatron's): parameters are grouped by (device, param dtype, grad dtype); inside a group
+Layout (Megatron's): parameters are grouped by (device, param dtype, grad dtype, the group their grads
+are reduced over: dense and expert params apart, as Megatron keeps expert buffers apart); inside a group
 they are laid out in *reverse registration order*, which is roughly the order backward produces
 their grads, and cut into buckets of at least ``bucket_size`` elements (a parameter is never split
 between buckets). The two layout rules every data-parallel wrapper shares come from
@@ -19,6 +20,7 @@ every parameter's (local) tensor is re-pointed into it, so a sharded optimizer c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,13 +48,16 @@ class ParamSlot:
     """Index into the wrapper's global bucket list (launch order)."""
     main_grad: torch.Tensor
     """Plain view of the grad buffer, shaped like the param's local tensor (grad dtype)."""
+    reduced_over: int = 1
+    """Ranks the bucket's collective sums over (its group's size; 1 without one)."""
     dp_mesh_dim: int | None = None
-    """Which dim of a DTensor param's mesh is the data-parallel dim, if its mesh includes it."""
+    """Which dim of a DTensor param's mesh spans the bucket's group, if its mesh includes it."""
     grad_placements: tuple | None = None
     """Placements grads are accumulated in: the param's, except ``Partial`` kept where the param is
     ``Replicate`` (those are reduced at ``finish_grad_sync``). Fixed by the first grad seen."""
     scale: float = 1.0
-    """Factor applied when a grad is accumulated into the buffer (1/dp_size when averaging)."""
+    """Factor applied when a grad is accumulated into the buffer (1 / the ranks that split the batch,
+    when averaging)."""
     carry_scale: float = 1.0
     """Factor for a grad carried over from the last step (undoes every sum the sync applies)."""
     fresh: bool = True
@@ -89,26 +94,27 @@ def build_buckets(
     *,
     bucket_size: int | None,
     grad_dtype_of,
-    data_parallel_group: dist.ProcessGroup | None,
-    dp_size: int,
+    group_of: Callable[[str, torch.nn.Parameter], dist.ProcessGroup | None],
     with_param_data: bool,
 ) -> tuple[list[GradBucket], list[ParamSlot], list[torch.Tensor]]:
     """Lay ``named_params`` out in flat buffers; return (buckets, slots, group grad buffers).
 
-    ``named_params`` are in registration order; they are laid out reversed. With ``with_param_data``
-    the params' local tensors are moved into the new parameter buffers (values preserved).
+    ``named_params`` are in registration order; they are laid out reversed. ``group_of(name, param)``
+    is the group its grad is reduced over (``None``: no collective). With ``with_param_data`` the
+    params' local tensors are moved into the new parameter buffers (values preserved).
     """
     groups: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}
     for name, p in reversed(named_params):
         local = local_tensor(p)
-        key = (local.device, p.dtype, grad_dtype_of(p.dtype))
+        key = (local.device, p.dtype, grad_dtype_of(p.dtype), group_of(name, p))
         groups.setdefault(key, []).append((name, p))
 
     buckets: list[GradBucket] = []
     slots: list[ParamSlot] = []
     grad_buffers: list[torch.Tensor] = []
     limit = math.inf if bucket_size is None else max(1, int(bucket_size))
-    for (device, param_dtype, grad_dtype), members in groups.items():
+    for (device, param_dtype, grad_dtype, data_parallel_group), members in groups.items():
+        dp_size = 1 if data_parallel_group is None else dist.get_world_size(data_parallel_group)
         # plan: [(start, padded_end, [(name, param, offset_in_bucket, numel)])]
         plan, current, size, start = [], [], 0, 0
         for name, p in members:
@@ -134,7 +140,8 @@ def build_buckets(
             for name, p, offset, n in entries:
                 local = local_tensor(p)
                 view = grad_data[offset : offset + n].view(local.shape)
-                slots.append(ParamSlot(name=name, param=p, bucket_index=bucket_index, main_grad=view))
+                slots.append(ParamSlot(name=name, param=p, bucket_index=bucket_index, main_grad=view,
+                                       reduced_over=dp_size))
                 if param_data is not None:
                     move_param_into(p, param_data, offset)
             buckets.append(

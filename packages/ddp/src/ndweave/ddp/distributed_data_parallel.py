@@ -13,8 +13,9 @@ from torch.distributed.tensor import DTensor
 
 from ndweave.ddp import sync
 from ndweave.ddp.buffer import ParamSlot, build_buckets
+from ndweave.ddp.data_dims import resolve_data_mesh
 from ndweave.ddp.desync import SyncCounters, check_same_wrap
-from ndweave.mesh import ParallelMesh, resolve_mesh
+from ndweave.mesh import ParallelMesh
 from ndweave.mesh.contracts import GradBucket, GradReduction, MicroBatchControl
 from ndweave.mesh.torch_compat import dtensor_over, local_tensor, queue_backward_callback
 
@@ -51,11 +52,15 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         loss = model(x).sum(); loss.backward()   # grads reduced when backward returns
         optimizer.step(); optimizer.zero_grad()
 
+    Expert parallel: given a mesh with an ``"EP"`` dim (``DDP(model, mesh)``, mesh ``("DP", "EP")``
+    or ``("DP", "EP", "TP")``), EP splits the batch too, so dense grads are reduced over DP x EP and
+    experts (sharded over EP) over DP, all averaged over DP x EP (``data_dims.py``).
+
     Args:
         module: the model (plain, or with DTensor parameters on meshes that may include the DP dim).
         data_mesh_or_group: a 1-D ``DeviceMesh`` (``DEVICE_MESH["DP"]``), a ``ParallelMesh`` or
-            multi-dim ``DeviceMesh`` (its ``dim`` dim is used), a ``ProcessGroup``, or ``None`` for
-            the default ``DEVICE_MESH``'s ``dim`` dim.
+            multi-dim ``DeviceMesh`` (its ``dim`` dim is used, and its ``"EP"`` dim if it has one), a
+            ``ProcessGroup``, or ``None`` for the default ``DEVICE_MESH``'s ``dim`` (and ``"EP"``) dim.
         dim: name of the data-parallel mesh dim (default ``"DP"``).
         bucket_size: elements per bucket (a bucket closes once it holds at least this many);
             ``None`` for one bucket per dtype.
@@ -106,9 +111,10 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         _check_materialized(module)
         super().__init__()
         self.module = module
-        self.data_parallel_mesh = _resolve_data_mesh(data_mesh_or_group, dim)
-        self.data_parallel_size = self.data_parallel_mesh.size()
-        self.data_parallel_group = self.data_parallel_mesh.get_group() if self.data_parallel_size > 1 else None
+        data = resolve_data_mesh(data_mesh_or_group, dim)
+        self.data_parallel_mesh = data.mesh
+        self.data_parallel_size = data.size()
+        self.data_parallel_group = data.group()
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_grad_reduce = overlap_grad_reduce
         self.average_grads = average_grads
@@ -126,28 +132,34 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         # frozen when wrapped, so never synced: unfreezing one later would train it apart on each rank
         chosen = {x if isinstance(x, str) else id(x) for x in params_to_ignore}
         self._frozen = [(n, p) for n, p in named if not p.requires_grad and not {n, id(p)} & chosen]
+        ignored_ids = {id(p) for _, p in self._ignored if p.requires_grad}
+        states = [(n, p) for n, p in named if id(p) not in ignored_ids] + list(module.named_buffers())
+        # the group each param and buffer is reduced and broadcast over (its checks run before any collective)
+        group_of = {id(t): data.group(data.reduction_dims(n, t)) for n, t in states}
         check_same_wrap(self.data_parallel_group, _fingerprint(
             module, synced_ids, bucket_size=bucket_size, use_distributed_optimizer=use_distributed_optimizer,
             accumulate_allreduce_grads_in_fp32=accumulate_allreduce_grads_in_fp32, detect_desync=detect_desync))
         if broadcast_params and self.data_parallel_group is not None:
-            ignored_ids = {id(p) for _, p in self._ignored if p.requires_grad}
-            states = [p for _, p in named if id(p) not in ignored_ids] + list(module.buffers())
-            sync.broadcast_from_first(states, self.data_parallel_group)
+            by_group: dict[dist.ProcessGroup | None, list[torch.Tensor]] = {}
+            for _, t in states:  # an expert from its own DP rank 0: each EP rank holds other experts
+                by_group.setdefault(group_of[id(t)], []).append(t)
+            for group, tensors in by_group.items():
+                if group is not None:
+                    sync.broadcast_from_first(tensors, group)
 
         fp32 = accumulate_allreduce_grads_in_fp32
         self._buckets, self._slots, self._grad_buffers = build_buckets(
             synced,
             bucket_size=bucket_size,
             grad_dtype_of=lambda dt: torch.promote_types(dt, torch.float32) if fp32 and dt.is_floating_point else dt,
-            data_parallel_group=self.data_parallel_group,
-            dp_size=self.data_parallel_size,
+            group_of=lambda name, p: group_of[id(p)],
             with_param_data=use_distributed_optimizer,
         )
         self._bucket_slots: list[list[ParamSlot]] = [[] for _ in self._buckets]
         for slot in self._slots:
             self._bucket_slots[slot.bucket_index].append(slot)
-            slot.dp_mesh_dim = sync.data_parallel_mesh_dim(slot.param, self.data_parallel_group)
-            slot.scale = self._base_scale()
+            slot.dp_mesh_dim = sync.data_parallel_mesh_dim(slot.param, group_of[id(slot.param)])
+            slot.scale = self._scale(slot.reduced_over)
         self._num_ready = [0] * len(self._buckets)
         self._next_bucket = 0
         self._works: list[dist.Work] = []
@@ -346,11 +358,14 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             work = dist.all_reduce(bucket.grad_data, op=op, group=bucket.data_parallel_group, async_op=True)
         self._works.append(work)
 
-    def _base_scale(self) -> float:
-        """Factor applied to grads as they are accumulated (before any Partial-on-DP correction)."""
-        if self.average_grads and not self.average_in_collective and self.data_parallel_group is not None:
-            return 1.0 / self.data_parallel_size
-        return 1.0
+    def _scale(self, reduced_over: int) -> float:
+        """Factor applied to the grads of a bucket summed over ``reduced_over`` ranks as they are
+        accumulated (before any Partial-on-DP correction): averaging divides by every rank that splits
+        the batch (DP x EP), whatever the bucket's group; ``ReduceOp.AVG`` divides by that group's size
+        itself, so then only the rest is applied here."""
+        if not self.average_grads or self.data_parallel_group is None:
+            return 1.0
+        return (reduced_over if self.average_in_collective else 1) / self.data_parallel_size
 
 
 DDP = DistributedDataParallel
@@ -395,19 +410,6 @@ def _check_not_wrapped(module: torch.nn.Module) -> None:
         raise ValueError(
             f"submodule {inner[0]!r} is already data-parallel; wrap either the whole model or its parts, not both"
         )
-
-
-def _resolve_data_mesh(mesh_or_group, dim: str) -> DeviceMesh:
-    try:
-        mesh = resolve_mesh(mesh_or_group, dim)
-    except KeyError as err:
-        raise ValueError(
-            f"DistributedDataParallel runs over the {dim!r} mesh dim, and {err.args[0] if err.args else err}; "
-            f"pass the data-parallel submesh (mesh[{dim!r}]) or name the dim with dim=..."
-        ) from None
-    if mesh.ndim != 1:
-        raise ValueError(f"the data-parallel mesh must be 1-D; got {mesh.ndim}-D {mesh}; pass mesh[{dim!r}]")
-    return mesh
 
 
 def _fingerprint(module: torch.nn.Module, synced_ids: set[int], **arguments: Any) -> dict[str, str]:

@@ -204,7 +204,7 @@ def _fix_grad_placements(slot: ParamSlot, grad: DTensor, ddp) -> None:
         placements.append(g_pl if keep else p_pl)
     slot.grad_placements = tuple(placements)
     if slot.dp_mesh_dim is not None and placements[slot.dp_mesh_dim].is_partial() and ddp.average_grads:
-        slot.scale = ddp._base_scale() * ddp.data_parallel_size
+        slot.scale = ddp._scale(slot.reduced_over) * ddp.data_parallel_size
 
 
 def _differ(grad: DTensor, placements: tuple) -> bool:
@@ -217,8 +217,8 @@ def _differ(grad: DTensor, placements: tuple) -> bool:
 def _carry_scale(slot: ParamSlot, ddp) -> float:
     """1 / (factor by which the sync multiplies a value identical on every rank)."""
     scale = 1.0
-    if ddp.data_parallel_group is not None and not ddp.average_in_collective:
-        scale /= ddp.data_parallel_size  # summed over DP (averaging scales new grads only)
+    if not ddp.average_in_collective:
+        scale /= slot.reduced_over  # summed over the bucket's group (averaging scales new grads only)
     if slot.grad_placements is not None:
         mesh = slot.param.device_mesh
         for i, pl in enumerate(slot.grad_placements):

@@ -9,6 +9,10 @@ Order of work (each step sees the result of the previous one):
    ``forward``;
 3. forward resharding hooks are installed (inputs, outputs, weights);
 4. the root's class is swapped for its DModule subclass.
+
+On a mesh with an ``"EP"`` dim the plan's ``expert_parallel`` patches divide experts over it
+(``experts/parallel.py``); without a ``"TP"`` dim too, tensor parallelism has one rank: every tensor
+stays a plain tensor and only those patches run.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from ndweave.dmodule.deferred_init import is_deferred, replay, storage_key, take_program
 from ndweave.dmodule.dmodule import DModuleState, make_dmodule
+from ndweave.dmodule.experts.parallel import EXPERT_DIM, EXPERT_PATCH, expert_parallel
 from ndweave.dmodule.factory import FactoryArg, install_factory
 from ndweave.dmodule.hooks import install_forward_hooks, install_local_output_hook
-from ndweave.dmodule.patches import resolve_patch
+from ndweave.dmodule.patches import patch_name, resolve_patch
 from ndweave.dmodule.plan import check_placements, match_modules, names_removed_module, no_match_error
 from ndweave.dmodule.sharded import sharded_global_shapes
 from ndweave.dmodule.spec import IO_LEAVES, PlacementSpec, Plan, normalize_plan, plan_specs, split_key
@@ -53,7 +58,9 @@ def parallelize_module(
 
     - ``device_mesh``: a ``DeviceMesh`` of any ndim (nD TP: one placement per mesh dim), a
       ``ParallelMesh`` (its ``"TP"`` dim; one without is an error), or ``None`` (the default mesh's
-      ``"TP"``).
+      ``"TP"``). A mesh with an ``"EP"`` dim (``("DP", "EP")``, ``("DP", "EP", "TP")``): tensor
+      parallel over its ``"TP"`` dim, experts over ``"EP"`` by the plan's ``expert_parallel``
+      patches; without a ``"TP"`` dim every tensor stays plain and only those patches run.
     - ``sharding_plan``: ``{"parameter": {...}, "forward": {...}, "patch": {...}}``;
       ``param_sharding_plan`` / ``fwd_resharding_plan`` / ``patches`` are merged into its sections.
       Keys are ``<regex fully matching a module FQN>.<leaf>``; see the package README.
@@ -81,12 +88,16 @@ def parallelize_module(
     """
     _check_arguments(module, sharding_plan, param_sharding_plan, fwd_resharding_plan, patches,
                      is_model_sharded, use_local_output)
-    mesh = _resolve(device_mesh)
+    mesh, tensor_parallel = _resolve(device_mesh)
 
     def validate() -> tuple[tuple[Plan, list[_Layout], _PatchTargets], dict[str, Any]]:
         plan = normalize_plan(sharding_plan, param_sharding_plan, fwd_resharding_plan, patches)
-        layouts = _choose_layouts(module, mesh, plan.parameter, is_model_sharded)
+        _check_experts_planned(device_mesh, plan)
+        layouts = _choose_layouts(module, mesh, plan.parameter if tensor_parallel else {}, is_model_sharded,
+                                  keep_plain=not tensor_parallel)
         targets = _patch_targets(module, plan.patch)
+        if not tensor_parallel:  # tensor parallel over one rank changes nothing: only experts move
+            targets = [t for t in targets if getattr(t[2], "func", t[2]) is expert_parallel]
         return (plan, layouts, targets), _fingerprint(plan, layouts, is_model_sharded, factory, use_local_output)
 
     # every check that needs no communication runs first, then the ranks agree on the outcome, so a
@@ -98,7 +109,7 @@ def parallelize_module(
         patch(m, mesh, fqn)
     factory_mode, factory_handles = install_factory(module, mesh, factory)
     state = DModuleState(mesh=mesh, factory_mode=factory_mode)
-    state.hook_handles = _install_forward_plan(module, mesh, plan.forward) + factory_handles
+    state.hook_handles = (_install_forward_plan(module, mesh, plan.forward) if tensor_parallel else []) + factory_handles
     if use_local_output:
         state.hook_handles.append(install_local_output_hook(module))
     return make_dmodule(module, state)
@@ -122,13 +133,20 @@ def _check_arguments(module: Any, sharding_plan: Any, param_sharding_plan: Any, 
             raise TypeError(f"parallelize_module: {name} must be True or False, got {value!r}")
 
 
-def _resolve(device_mesh: Any) -> DeviceMesh:
+def _resolve(device_mesh: Any) -> tuple[DeviceMesh, bool]:
+    """``(the mesh tensors are laid out on, whether it is tensor parallel)``."""
+    names = _dim_names(device_mesh)
+    if EXPERT_DIM in names:  # experts over "EP" (the patches find it); tensors over "TP", if any
+        whole = resolve_mesh(device_mesh)
+        if "TP" in names:
+            return whole["TP"], True
+        return (whole if names == (EXPERT_DIM,) else whole[EXPERT_DIM]), False
     # a torch DeviceMesh is taken whole (any ndim: nD tensor parallel over all its dims); a
     # ParallelMesh, a DeviceMesh too, is narrowed to its "TP" dim
     if isinstance(device_mesh, DeviceMesh) and not isinstance(device_mesh, ParallelMesh):
-        return device_mesh
+        return device_mesh, True
     try:
-        return resolve_mesh(device_mesh, "TP")
+        return resolve_mesh(device_mesh, "TP"), True
     except KeyError:
         # sharding over every dim of a (DP, PP, ...) mesh is never what was meant: say so
         mesh = DEVICE_MESH if device_mesh is None else device_mesh
@@ -139,6 +157,28 @@ def _resolve(device_mesh: Any) -> DeviceMesh:
             f"the dim to parallelize over, mesh[\"<dim>\"] (e.g. mesh[{names[-1]!r}]), or a DeviceMesh "
             "(used whole: one placement per mesh dim)"
         ) from None
+
+
+def _dim_names(device_mesh: Any) -> tuple[str, ...]:
+    if device_mesh is None:
+        return tuple(DEVICE_MESH.mesh_dim_names) if DEVICE_MESH.is_initialized() else ()
+    return tuple(device_mesh.mesh_dim_names or ()) if isinstance(device_mesh, DeviceMesh) else ()
+
+
+def _check_experts_planned(device_mesh: Any, plan: Plan) -> None:
+    """A mesh whose ``"EP"`` dim has several ranks needs a plan that divides experts over it: a model
+    without experts has nothing to put there (its EP ranks would only duplicate DP's work, unsaid)."""
+    names = _dim_names(device_mesh)
+    if EXPERT_DIM not in names:
+        return
+    size = resolve_mesh(device_mesh).size(names.index(EXPERT_DIM))
+    if size > 1 and not any(patch_name(e) == EXPERT_PATCH for entries in plan.patch.values() for e in entries):
+        raise ValueError(
+            f"parallelize_module: the mesh has an {EXPERT_DIM!r} dim of {size} ranks, but the plan divides no experts "
+            f"over it (no {EXPERT_PATCH!r} patch in its 'patch' section). Name the module that stacks the experts "
+            f"(get_plan(..., expert_parallel=True), or {{'patch': {{'<experts FQN regex>': ['{EXPERT_PATCH}']}}}}); "
+            f"a model without experts has no use for an {EXPERT_DIM!r} dim: make those ranks data parallel ('DP')"
+        )
 
 
 # ---------------------------------------------------------------------------------------- parameters
@@ -164,7 +204,7 @@ class _Layout:
 
 
 def _choose_layouts(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str, PlacementSpec],
-                    is_model_sharded: bool) -> list[_Layout]:
+                    is_model_sharded: bool, *, keep_plain: bool = False) -> list[_Layout]:
     # Every (module, leaf) slot holding each tensor: tied weights share one tensor, hence one plan.
     slots: dict[int, list[tuple[str, nn.Module, str]]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -213,7 +253,7 @@ def _choose_layouts(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str, Pla
         # An unplanned non-persistent buffer is a cache the model rebuilds from its config (a RoPE
         # table) and combines with whatever its forward computes, often local tensors (local
         # attention heads): it stays a plain tensor, the whole value on every rank.
-        plain = tid not in chosen and _non_persistent_buffer(slots[tid])
+        plain = keep_plain or (tid not in chosen and _non_persistent_buffer(slots[tid]))
         layouts.append(_Layout(t, slots[tid], placements, plain))
     return layouts
 

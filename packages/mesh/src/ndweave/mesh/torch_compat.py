@@ -61,6 +61,7 @@ __all__ = [
     "local_tensor",
     "mesh_without_groups",
     "queue_backward_callback",
+    "root_mesh",
     "set_group_timeout",
     "split_indices",
     "split_tensor",
@@ -121,6 +122,12 @@ def local_shape_and_offset(global_shape: Sequence[int], mesh: DeviceMesh,
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """A 1-D mesh over every rank of ``mesh``, registered under ``name`` (``DeviceMesh._flatten``)."""
     return mesh._flatten(name)
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced (or flattened) from, itself if none (``DeviceMesh._get_root_mesh``):
+    how a patch handed ``mesh["TP"]`` finds the mesh's other dims (``"EP"``)."""
+    return mesh._get_root_mesh()
 
 
 def flatten_state_dict(state_dict: dict) -> tuple[dict, dict]:

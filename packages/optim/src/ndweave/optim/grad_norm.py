@@ -6,7 +6,9 @@ decided so each element of the global model is counted exactly once:
 
 * data parallelism: with :class:`~ndweave.optim.DistributedOptimizer` each rank holds a disjoint
   range of every grad bucket, so all ranks count their range; with
-  :class:`~ndweave.optim.BasicOptimizer` the grads are replicated, so only DP rank 0 counts them;
+  :class:`~ndweave.optim.BasicOptimizer` the grads are replicated, so only DP rank 0 counts them.
+  Both read the group from each bucket: with expert parallelism dense buckets are reduced over
+  DP x EP and experts' over DP (the EP ranks hold different experts, so each counts its own);
 * tensor parallelism (and any other DTensor mesh dim): ``Shard`` placements hold different elements
   on each rank, so every rank counts its local tensor; on a ``Replicate`` mesh dim only coordinate 0
   counts (no double counting of replicated LayerNorm weights and the like);
@@ -35,8 +37,9 @@ __all__ = ["counts_replica", "global_norm", "clip_by_norm"]
 
 def counts_replica(t: torch.Tensor, skip_ranks: tuple[int, ...] | None = None) -> bool:
     """Whether this rank counts ``t``'s local values: ``False`` on a non-zero coordinate of a
-    ``Replicate`` mesh dim. A mesh dim whose group's ranks are ``skip_ranks`` (the DP group, whose
-    ownership the caller decides) is ignored."""
+    ``Replicate`` mesh dim. A mesh dim whose group's ranks all lie within ``skip_ranks`` (the group of
+    the bucket holding ``t``, whose ranks own disjoint ranges of it: the caller decides ownership
+    there) is ignored: e.g. a dense param replicated over EP, reduced in a DP x EP bucket."""
     if not isinstance(t, DTensor):
         return True
     mesh = t.device_mesh
@@ -44,7 +47,7 @@ def counts_replica(t: torch.Tensor, skip_ranks: tuple[int, ...] | None = None) -
     for dim, placement in enumerate(t.placements):
         if not placement.is_replicate() or coordinate[dim] == 0:
             continue
-        if skip_ranks is not None and tuple(dist.get_process_group_ranks(mesh.get_group(dim))) == skip_ranks:
+        if skip_ranks is not None and set(dist.get_process_group_ranks(mesh.get_group(dim))) <= set(skip_ranks):
             continue
         return False
     return True

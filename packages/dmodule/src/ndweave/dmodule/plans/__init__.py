@@ -5,9 +5,9 @@
 
     model = parallelize_module(model, tp_mesh, get_plan("hf_llama", model, sequence_parallel=True))
 
-``get_plan(name, model=None, *, sequence_parallel=False, loss_parallel=False)`` returns a fresh plan
-(edit it freely); ``model`` lets the plan read its config (biases, head counts) and fail early with
-a clear message.
+``get_plan(name, model=None, *, sequence_parallel=False, loss_parallel=False, expert_parallel=False)``
+returns a fresh plan (edit it freely); ``model`` lets the plan read its config (biases, head counts)
+and fail early with a clear message.
 Plans are for a 1-D tensor-parallel mesh (or a 1-D submesh of a ``ParallelMesh``). The patches a
 plan needs are named inside it (``"patch"`` section) and registered with
 ``ndweave.dmodule.register_patch`` as the zoo's modules are defined, so a plan is plain data: ``save_plan`` / ``load_plan`` write and read it as JSON.
@@ -18,17 +18,20 @@ plan needs are named inside it (``"patch"`` section) and registered with
 | "nanogpt" | ``examples/gpt/model.py``'s GPT          | ``plans.nanogpt`` |
 | "hf_llama"| transformers ``LlamaForCausalLM``        | ``plans.hf_llama``|
 | "hf_gpt2" | transformers ``GPT2LMHeadModel``         | ``plans.hf_gpt2`` |
+| "hf_mixtral", "hf_qwen2_moe", "hf_qwen3_moe", "hf_deepseek_v3" | transformers' MoE models, experts over EP | ``plans.hf_moe`` |
 | "auto"    | any model: derived from one traced forward | ``infer.auto``  |
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 from ndweave.dmodule.infer.auto import auto_plan
 from ndweave.dmodule.infer.explain import explain_plan
 from ndweave.dmodule.plans.hf_gpt2 import hf_gpt2_plan
 from ndweave.dmodule.plans.hf_llama import hf_llama_plan
+from ndweave.dmodule.plans.hf_moe import MOE_FAMILIES, hf_moe_plan
 from ndweave.dmodule.plans.mlp import mlp_plan
 from ndweave.dmodule.plans.nanogpt import nanogpt_plan
 from ndweave.dmodule.plans.serialization import load_plan, save_plan
@@ -42,6 +45,7 @@ _PLANS: dict[str, Callable[..., dict[str, Any]]] = {
     "nanogpt": nanogpt_plan,
     "hf_llama": hf_llama_plan,
     "hf_gpt2": hf_gpt2_plan,
+    **{name: functools.partial(hf_moe_plan, name) for name in MOE_FAMILIES},
 }
 
 
@@ -51,10 +55,14 @@ def list_plans() -> list[str]:
 
 
 def get_plan(name: str, model: Any = None, *, sequence_parallel: bool = False,
-             loss_parallel: bool = False) -> dict[str, Any]:
+             loss_parallel: bool = False, expert_parallel: bool = False) -> dict[str, Any]:
     """A ``sharding_plan`` (``{"parameter": ..., "forward": ..., "patch": ...}``) for model family
     ``name``: tensor parallel, plus sequence parallel on the residual stream when
     ``sequence_parallel=True``. Pass ``model`` to size the plan from its config (biases, heads).
+
+    ``expert_parallel=True`` (the MoE families): the experts are divided over the mesh's ``"EP"``
+    dim (``parallelize_module(model, mesh, plan)`` with a mesh holding ``"EP"``); a family without
+    experts refuses it.
 
     ``loss_parallel=True`` (the language models): the logits stay ``Shard(-1)`` DTensors over the
     vocabulary instead of being gathered; compute the loss outside the model and run it AND its
@@ -71,4 +79,11 @@ def get_plan(name: str, model: Any = None, *, sequence_parallel: bool = False,
         make = _PLANS[name]
     except KeyError:
         raise KeyError(f"no plan named {name!r}; the zoo has {list_plans()}") from None
+    if name in MOE_FAMILIES:
+        return make(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                    expert_parallel=expert_parallel)
+    if expert_parallel:
+        raise ValueError(f"get_plan({name!r}, expert_parallel=True): {name!r} models have no experts to divide over "
+                         f"an 'EP' dim; the zoo's MoE plans are {sorted(MOE_FAMILIES)} (without experts, make the "
+                         "'EP' ranks data parallel)")
     return make(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)

@@ -41,21 +41,30 @@ from torch.distributed.tensor import Replicate, Shard
 from ndweave.dmodule.patches import register_patch
 from ndweave.dmodule.plans.common import config_of, local, logits_output, require, seq_or_replicate
 
-__all__ = ["hf_llama_plan", "check_attention_heads"]
+__all__ = ["hf_llama_plan", "check_attention_heads", "llama_like_plan"]
 
 _L = r"model.layers.\d+"
 
 
 def hf_llama_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False,
                   loss_parallel: bool = False) -> dict[str, Any]:
+    return llama_like_plan(model, "hf_llama", "LlamaAttention", dense_mlp=True, sequence_parallel=sequence_parallel,
+                           loss_parallel=loss_parallel)
+
+
+def llama_like_plan(model: nn.Module | None, name: str, attention_class: str, *, dense_mlp: bool,
+                    sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Any]:
+    """The plan of a Llama-like decoder (plan ``name``, attention class ``attention_class``). Its MLP
+    is Llama's (``dense_mlp``) or another module taking the norm's output back ``Replicate`` (an MoE
+    block, whose experts the ``expert_parallel`` patch places)."""
     attention_bias = mlp_bias = False  # Llama's defaults
     if model is not None:
-        config = config_of(model, "hf_llama")
-        require(hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(model, "lm_head"), "hf_llama",
-                f"{type(model).__name__} does not look like LlamaForCausalLM (model.layers, lm_head)")
+        config = config_of(model, name)
+        require(hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(model, "lm_head"), name,
+                f"{type(model).__name__} does not look like a Llama-like causal LM (model.layers, lm_head)")
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        require(heads % kv_heads == 0, "hf_llama",
+        require(heads % kv_heads == 0, name,
                 f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         attention_bias = bool(getattr(config, "attention_bias", False))
         mlp_bias = bool(getattr(config, "mlp_bias", False))
@@ -65,14 +74,15 @@ def hf_llama_plan(model: nn.Module | None = None, *, sequence_parallel: bool = F
         "model.embed_tokens.weight": [Shard(0)],
         rf"{_L}.self_attn.(q_proj|k_proj|v_proj).weight": [Shard(0)],
         rf"{_L}.self_attn.o_proj.weight": [Shard(1)],
-        rf"{_L}.mlp.(gate_proj|up_proj).weight": [Shard(0)],
-        rf"{_L}.mlp.down_proj.weight": [Shard(1)],
         "lm_head.weight": [Shard(0)],
     }
+    if dense_mlp:
+        parameter[rf"{_L}.mlp.(gate_proj|up_proj).weight"] = [Shard(0)]
+        parameter[rf"{_L}.mlp.down_proj.weight"] = [Shard(1)]
     if attention_bias:
         parameter[rf"{_L}.self_attn.(q_proj|k_proj|v_proj).bias"] = [Shard(0)]
         parameter[rf"{_L}.self_attn.o_proj.bias"] = [Replicate()]
-    if mlp_bias:
+    if mlp_bias and dense_mlp:
         parameter[rf"{_L}.mlp.(gate_proj|up_proj).bias"] = [Shard(0)]
         parameter[rf"{_L}.mlp.down_proj.bias"] = [Replicate()]
 
@@ -81,9 +91,10 @@ def hf_llama_plan(model: nn.Module | None = None, *, sequence_parallel: bool = F
         rf"{_L}.self_attn.(q_proj|k_proj|v_proj).output": [local([Shard(-1)])],
         rf"{_L}.self_attn.o_proj.input": [[Shard(-1)]],
         rf"{_L}.self_attn.o_proj.output": [stream],
-        rf"{_L}.mlp.down_proj.output": [stream],
         "lm_head.output": logits_output(loss_parallel),
     }
+    if dense_mlp:
+        forward[rf"{_L}.mlp.down_proj.output"] = [stream]
     norms = rf"{_L}.(input_layernorm|post_attention_layernorm)"
     if sequence_parallel:
         forward[f"{norms}.output"] = [[Replicate()]]
@@ -101,7 +112,7 @@ def hf_llama_plan(model: nn.Module | None = None, *, sequence_parallel: bool = F
 
     patch = {
         "model.embed_tokens": ["vocab_parallel_embedding"],
-        "class:LlamaAttention": ["hf_llama_attention_heads"],
+        f"class:{attention_class}": ["hf_llama_attention_heads"],
     }
     return {"parameter": parameter, "forward": forward, "patch": patch}
 

@@ -11,11 +11,21 @@ split over the data-parallel ranks, and compares what the wrapper holds after ``
 with the gradient one process computes on the whole batch (:data:`~ndweave.mesh.testing.STRICT`
 tolerance): accumulation with ``no_sync()``, with ``set_is_last_microbatch()`` and with one
 micro-batch; the mean or the sum over DP as ``grad_reduction`` declares; the bucket layout (every
-trainable param in one bucket, numel divisible by the DP size, zero padding, one layout on every
-rank); with ``param_data``, that its views are the params' local tensors and that each DP rank's
-``shard_range`` holds the reduced grads; ``finish_grad_sync()`` twice changes nothing;
-``zero_grad_buffer()`` zeroes. With ``tensor_parallel_size > 1`` the same runs on a (DP, TP) mesh with
-column/row-parallel DTensor params, unevenly sharded.
+trainable param in one bucket, zero padding, one layout on every rank); with ``param_data``, that its
+views are the params' local tensors and that each DP rank's ``shard_range`` holds the reduced grads;
+``finish_grad_sync()`` twice changes nothing; ``zero_grad_buffer()`` zeroes. With
+``tensor_parallel_size > 1`` the same runs on a (DP, TP) mesh with column/row-parallel DTensor params,
+unevenly sharded. With ``expert_parallel_size > 1`` it runs on a (DP, EP) mesh whose two dims both
+split the batch, with one weight's rows sharded over EP the way experts are (each EP rank holds some
+rows, and every EP rank's part of the batch meets all of them), so that weight's grad is reduced over
+DP only and every other over DP x EP.
+
+Everything about reduction is read per bucket: each bucket names the group it is reduced over
+(``GradBucket.data_parallel_group``), which must hold this rank and only ranks of the data-parallel
+mesh; its numel divides by that group's size and its ``shard_range`` is this rank's range in that
+group. A wrapper may reduce different params over different groups (expert parallelism reduces
+experts over fewer ranks than dense params). Its ``grad_data`` may be the whole bucket or only this
+rank's range of it (a gradient shard, as ZeRO-2 keeps), when ``param_data`` holds the whole bucket.
 
 Every rank reaches every collective; problems are gathered and raised as one ``AssertionError`` on
 all ranks together, naming the rank, the model, the run and the tensor.
@@ -32,10 +42,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ndweave.mesh.contracts import DataParallelWrapper, uses_distributed_optimizer
+from ndweave.mesh.contracts import DataParallelWrapper, GradBucket, shard_range, uses_distributed_optimizer
 from ndweave.mesh.testing.parity import STRICT, STRICT_DTYPE, assert_close
 from ndweave.mesh.torch_compat import local_shape_and_offset, local_tensor
 
@@ -49,17 +59,19 @@ _MAX_LINES = 24  # problems reported (of every rank's), enough to see the patter
 
 
 def check_data_parallel(make_wrapper: MakeWrapper, *, device_type: str = "cpu", tensor_parallel_size: int = 1,
-                        num_micro_batches: int = 3) -> None:
+                        expert_parallel_size: int = 1, num_micro_batches: int = 3) -> None:
     """Assert that ``make_wrapper(module, data_parallel_mesh)`` returns a wrapper meeting
     :class:`~ndweave.mesh.contracts.DataParallelWrapper` (see the module docstring for what is checked).
 
     Call on every rank of the default process group. ``make_wrapper`` gets a float64 model on
-    ``device_type`` and the 1-D ``"DP"`` mesh, and returns the wrapped model (called as
-    ``wrapper(x)``). The data-parallel size is the world size divided by ``tensor_parallel_size``.
+    ``device_type`` and the 1-D ``"DP"`` mesh (in the expert-parallel case the 2-D ``("DP", "EP")``
+    mesh), and returns the wrapped model (called as ``wrapper(x)``). The data-parallel size is the
+    world size divided by ``tensor_parallel_size``.
     """
     world = dist.get_world_size()
-    if world % tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not divide the world size {world}")
+    for name, size in (("tensor_parallel_size", tensor_parallel_size), ("expert_parallel_size", expert_parallel_size)):
+        if world % size:
+            raise ValueError(f"{name}={size} does not divide the world size {world}")
     device = torch.device(device_type)
     dp_mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("DP",))
     _check(make_wrapper, _Case("plain params", _mlp(device), None, dp_mesh), num_micro_batches)
@@ -71,6 +83,13 @@ def check_data_parallel(make_wrapper: MakeWrapper, *, device_type: str = "cpu", 
         # the column-parallel output stays a DTensor: only it knows the uneven shards' global shape
         parallelize_module(model, mesh["TP"], {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel()})
         _check(make_wrapper, _Case("DTensor (TP) params", model, reference, mesh["DP"]), num_micro_batches)
+    if expert_parallel_size > 1:
+        mesh = init_device_mesh(device_type, (world // expert_parallel_size, expert_parallel_size),
+                                mesh_dim_names=("DP", "EP"))
+        model = _mlp(device)
+        reference = copy.deepcopy(model)
+        model[2] = _RowsOverEP(model[2], mesh["EP"])
+        _check(make_wrapper, _Case("params sharded over EP", model, reference, mesh), num_micro_batches)
 
 
 @dataclass
@@ -80,6 +99,23 @@ class _Case:
     reference: torch.nn.Module | None
     """An unparallelized copy (``None``: copy ``model``, which is plain)."""
     dp_mesh: DeviceMesh
+    """The dims that split the batch: ``"DP"``, or ``("DP", "EP")``."""
+
+
+class _RowsOverEP(torch.nn.Module):
+    """A Linear whose weight rows are sharded over EP (``Shard(0)``, 7 rows: uneven) like experts,
+    while every EP rank's part of the batch meets all of them: the rows are all-gathered, and the
+    gather's backward reduce-scatters their grads, so each EP rank's shard grad sums every EP rank's
+    part of the batch, as an expert's grad does after the token all-to-all's backward."""
+
+    def __init__(self, linear: torch.nn.Linear, ep_mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(distribute_tensor(linear.weight.detach().clone(), ep_mesh, [Shard(0)]))
+        self.bias = torch.nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.redistribute(self.weight.device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        return F.linear(x, rows, self.bias)
 
 
 def _mlp(device: torch.device) -> torch.nn.Sequential:
@@ -97,7 +133,7 @@ def _check(make_wrapper: MakeWrapper, case: _Case, k: int) -> None:
     where = f"{type(wrapper).__name__} on {case.name}"
     _agree(where, _check_interface(wrapper))
     _agree(where, _check_layout(wrapper, case))
-    dp_size, dp_rank = case.dp_mesh.size(), case.dp_mesh.get_local_rank()
+    dp_size, dp_rank = case.dp_mesh.size(), _rank_in(case.dp_mesh)
     runs = [("no_sync()", k, "no_sync"), ("set_is_last_microbatch()", k, "flag"), ("one micro-batch", 1, "no_sync")]
     for step, (run, num, mode) in enumerate(runs):
         x, y = _batch(step, dp_size * num, case.model[0].weight.device)
@@ -118,6 +154,14 @@ def _check(make_wrapper: MakeWrapper, case: _Case, k: int) -> None:
         wrapper.zero_grad_buffer()
         dirty = [i for i, b in enumerate(wrapper.grad_buckets()) if b.grad_data.any()]
         _agree(f"{where}, {run}", [f"zero_grad_buffer() left bucket {i}'s grad_data non-zero" for i in dirty])
+
+
+def _rank_in(mesh: DeviceMesh) -> int:
+    """This rank's index in ``mesh`` counted row-major (its slice of the global batch)."""
+    index = 0
+    for size, coordinate in zip(mesh.shape, mesh.get_coordinate()):
+        index = index * size + coordinate
+    return index
 
 
 def _batch(step: int, num_micro_batches: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,22 +191,21 @@ def _check_interface(wrapper) -> list[str]:
 def _check_layout(wrapper: DataParallelWrapper, case: _Case) -> list[str]:
     problems = []
     names = {id(p): n for n, p in case.model.named_parameters()}
-    dp_size = case.dp_mesh.size()
     try:
         sharded = uses_distributed_optimizer(wrapper)
     except ValueError as err:
         return [str(err)]
     seen: dict[int, str] = {}
+    mesh_ranks = set(case.dp_mesh.mesh.flatten().tolist())
     for index, bucket in enumerate(wrapper.grad_buckets()):
-        data, numel = bucket.grad_data, bucket.grad_data.numel()
-        if data.dim() != 1 or numel % dp_size:
-            problems.append(f"bucket {index}: grad_data of shape {tuple(data.shape)} is not 1-D with a numel "
-                            f"divisible by the DP size {dp_size}")
-        if bucket.data_parallel_size != dp_size:
-            problems.append(f"bucket {index}: data_parallel_size is {bucket.data_parallel_size}, the DP mesh {dp_size}")
-        if sharded and bucket.param_data.shape != data.shape:
-            problems.append(f"bucket {index}: param_data {tuple(bucket.param_data.shape)} and grad_data "
-                            f"{tuple(data.shape)} differ in shape")
+        problems += _check_group(index, bucket, mesh_ranks)
+        numel, size = _bucket_numel(bucket), bucket.data_parallel_size
+        if bucket.grad_data.dim() != 1 or numel % size:
+            problems.append(f"bucket {index}: grad_data of shape {tuple(bucket.grad_data.shape)} is not 1-D with a "
+                            f"numel divisible by the DP size {size} of the group it is reduced over")
+        elif sharded and bucket.grad_data.numel() not in (numel, numel // size):
+            problems.append(f"bucket {index}: grad_data of {bucket.grad_data.numel()} elements is neither the whole "
+                            f"bucket (param_data's {numel}) nor one rank's range of it ({numel // size})")
         end = 0
         for bp in sorted(bucket.params, key=lambda bp: bp.offset):
             local = local_tensor(bp.param)
@@ -181,13 +224,43 @@ def _check_layout(wrapper: DataParallelWrapper, case: _Case) -> list[str]:
                 if not (local.is_contiguous() and local.dtype == view.dtype and local.data_ptr() == view.data_ptr()):
                     problems.append(f"bucket {index}: the local tensor of {bp.name} is not the param_data view "
                                     f"at offset {bp.offset}")
+    return problems + _check_coverage(wrapper, case, seen)
+
+
+def _check_group(index: int, bucket: GradBucket, mesh_ranks: set[int]) -> list[str]:
+    """The group a bucket is reduced over holds this rank and only ranks of the data-parallel mesh."""
+    if bucket.data_parallel_group is None:
+        return []
+    ranks = dist.get_process_group_ranks(bucket.data_parallel_group)
+    if dist.get_rank() not in ranks or not set(ranks) <= mesh_ranks:
+        return [f"bucket {index}: reduced over ranks {ranks}, which is not a group of this rank within the "
+                f"data-parallel mesh's ranks {sorted(mesh_ranks)}"]
+    return []
+
+
+def _bucket_numel(bucket: GradBucket) -> int:
+    """Elements of the whole bucket (``param_data`` holds them all where a grad shard may not)."""
+    return (bucket.param_data if bucket.param_data is not None else bucket.grad_data).numel()
+
+
+def _reduced(bucket: GradBucket, sharded: bool) -> tuple[int, int, torch.Tensor]:
+    """``(lo, hi, values)``: the range of the bucket this rank holds reduced, and its values."""
+    numel = _bucket_numel(bucket)
+    if not sharded:
+        return 0, numel, bucket.grad_data
+    lo, hi = shard_range(numel, bucket.data_parallel_size, bucket.data_parallel_rank)
+    return lo, hi, bucket.grad_data if bucket.grad_data.numel() == hi - lo else bucket.grad_data[lo:hi]
+
+
+def _check_coverage(wrapper: DataParallelWrapper, case: _Case, seen: dict[int, str]) -> list[str]:
+    problems = []
     trainable = {id(p): n for n, p in case.model.named_parameters() if p.requires_grad}
     if any(id(bp.param) not in trainable for b in wrapper.grad_buckets() for bp in b.params):
         problems.append("a bucket holds a parameter that is not a trainable param of the wrapped model")
     missing = sorted(n for i, n in trainable.items() if i not in seen)
     if missing:
         problems.append(f"trainable params in no bucket: {missing}")
-    layout = [(b.grad_data.numel(), [(bp.name, bp.offset) for bp in b.params]) for b in wrapper.grad_buckets()]
+    layout = [(_bucket_numel(b), [(bp.name, bp.offset) for bp in b.params]) for b in wrapper.grad_buckets()]
     layouts: list = [None] * dist.get_world_size()
     dist.all_gather_object(layouts, layout)
     if any(other != layout for other in layouts):
@@ -219,15 +292,15 @@ def _compare(wrapper: DataParallelWrapper, sharded: bool, expected: dict[int, to
     """Problems of this rank's reduced grads (local work only: no collectives)."""
     problems = []
     for index, bucket in enumerate(wrapper.grad_buckets()):
-        lo, hi = bucket.shard_range() if sharded else (0, bucket.grad_data.numel())
-        covered = torch.zeros(bucket.grad_data.numel(), dtype=torch.bool)
+        lo, hi, reduced = _reduced(bucket, sharded)
+        covered = torch.zeros(_bucket_numel(bucket), dtype=torch.bool)
         for bp in bucket.params:
             full = expected[id(bp.param)] * factor
             want = _local_part(bp.param, full).reshape(-1)
             start, end = max(lo, bp.offset), min(hi, bp.offset + bp.numel)
             covered[bp.offset : bp.offset + bp.numel] = True
             if start < end:
-                problems += _close(bucket.grad_data[start:end], want[start - bp.offset : end - bp.offset],
+                problems += _close(reduced[start - lo:end - lo], want[start - bp.offset : end - bp.offset],
                                    f"bucket {index} grad_data of {bp.name} [{start}, {end})")
             if not sharded:
                 got = published[id(bp.param)]
@@ -235,7 +308,7 @@ def _compare(wrapper: DataParallelWrapper, sharded: bool, expected: dict[int, to
                     problems.append(f".grad of {bp.name} is None after finish_grad_sync()")
                 else:
                     problems += _close(got, full, f".grad of {bp.name}")
-        padding = bucket.grad_data[lo:hi][~covered[lo:hi].to(bucket.grad_data.device)]
+        padding = reduced[~covered[lo:hi].to(reduced.device)]
         if padding.any():
             problems.append(f"bucket {index}: {int(padding.count_nonzero())} padding elements in [{lo}, {hi}) are not zero")
     return problems
