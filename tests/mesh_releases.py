@@ -2,10 +2,11 @@
 ``ndweave-mesh>=X`` floor offers every name it imports (a floor that only works with a newer mesh
 installs fine and breaks at import).
 
-``python tests/mesh_releases.py`` rewrites ``mesh_releases.json`` from git: for every commit that set
-mesh's ``__version__``, the top-level names of each ``ndweave.mesh`` module at that commit. Run it
-after a mesh release to record it (until then the working tree stands for a version newer than those
-recorded; a name added without a version bump belongs to no release).
+``python tests/mesh_releases.py`` rewrites ``mesh_releases.json`` from git: for every mesh
+``__version__``, the top-level names of each ``ndweave.mesh`` module at the last commit on main's
+first-parent line that had it (what main shipped under that version: names added after the bump
+commit count). Run it after a mesh release to record it (until then the working tree stands for a
+version newer than those recorded; a name added without a version bump belongs to no release).
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ def _git(*args: str) -> str:
 def _write() -> None:
     init = f"{SRC}/ndweave/mesh/__init__.py"
     releases: dict[str, dict[str, list[str]]] = {}
-    for commit in reversed(_git("log", "--format=%H", "--", init).split()):
+    for commit in reversed(_git("log", "--first-parent", "--format=%H", "--", SRC).split()):  # oldest first: the last one wins
         version = re.search(r'__version__ = "([^"]+)"', _git("show", f"{commit}:{init}"))
-        if version is None or version[1] in releases:
+        if version is None:
             continue
         files = [p for p in _git("ls-tree", "-r", "--name-only", commit, f"{SRC}/ndweave/mesh").split() if p.endswith(".py")]
         releases[version[1]] = {_module(p): sorted(module_names(_git("show", f"{commit}:{p}"))) for p in files}
