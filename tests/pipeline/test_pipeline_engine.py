@@ -33,6 +33,40 @@ def test_timeline_shows_every_action_and_the_bubble():
 
 
 @distributed(world_size=2, timeout=120)
+def test_stage_report_shows_each_stages_time_and_memory():
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("PP",))
+    (x, y), = batches(1, 8)
+    peaks = {}
+    for schedule, recompute in [("gpipe", False), ("1f1b", False), ("1f1b", True)]:
+        # unbalanced on purpose: the embedding and five blocks, then one block, the norm and the head
+        plan = PipelineParallelPlan(schedule_type=schedule, num_microbatches=4, split_points=["layers.5"],
+                                    activation_recompute=recompute)
+        module = construct_pipeline_stage(TinyLM(num_layers=6), plan, mesh)
+        engine = PipeEngine(module, mesh, loss_fn)
+        with pytest.raises(RuntimeError, match="no step recorded: set engine.recorder.enabled = True"):
+            engine.stage_report()
+        engine.recorder.enabled = True
+        engine(x, y)
+        report = engine.stage_report()
+        print(report.text())
+        first, last = report.stages
+        assert [(s.stage, s.pp_rank) for s in report.stages] == [(0, 0), (1, 1)]
+        assert all(s.forward_seconds > 0 and s.backward_seconds > 0 for s in report.stages) and report.imbalance >= 1
+        mine = report.stages[mesh["PP"].get_local_rank()]
+        assert mine.param_bytes == sum(p.numel() * 8 for p in module.parameters()) > 0
+        assert first.param_bytes > 4 * last.param_bytes / 2  # five blocks and the embedding vs one block
+        assert (first.sent_bytes, last.sent_bytes) == (4 * 2 * 4 * 8 * 8, 0)  # 4 micro-batches of (2, 4, 8) float64
+        peaks[schedule, recompute] = first.peak_activation_bytes, last.peak_activation_bytes
+        assert f"imbalance (slowest stage / mean): {report.imbalance:.2f}" in report.text()
+    # GPipe holds all 4 micro-batches on both stages; 1F1B 2 on the first stage, 1 on the last
+    (gpipe_first, gpipe_last), (first, last) = peaks["gpipe", False], peaks["1f1b", False]
+    assert gpipe_first == 2 * first > 0 and gpipe_last == 4 * last > 0, peaks
+    assert peaks["1f1b", True][0] < first / 4, peaks  # recomputed: only the chunk's inputs are kept
+
+
+@distributed(world_size=2, timeout=120)
 def test_p2p_dtype_and_batch_errors():
     torch.set_default_dtype(torch.float64)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("PP",))

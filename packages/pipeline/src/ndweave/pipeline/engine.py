@@ -43,6 +43,7 @@ from ndweave.pipeline.evaluate import evaluate_batch
 from ndweave.pipeline.faults import Blame, Failure, FailureRecord, PipelineStageError, detach_traceback
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
 from ndweave.pipeline.program import stage_program
+from ndweave.pipeline.report import ActivationMeter, PipelineReport, build_stage_reports, gather_report
 from ndweave.pipeline.ties import HookGate, TiedGradSync, check_shared_params
 from ndweave.pipeline.timeline import ScheduleTimeline, TimelineRecorder
 
@@ -103,6 +104,7 @@ class PipeEngine:
         self.resolved = resolved
         self.pp_mesh = pp_mesh
         self.recorder = TimelineRecorder()
+        self._meter = ActivationMeter(self.recorder)
         self._first_batch: BatchShapes | None = None
         self._failure: Failure | None = None
         self._record = FailureRecord(engine_id, pp_mesh.get_local_rank(), pp_mesh.size())
@@ -119,7 +121,7 @@ class PipeEngine:
             for stage, chunk in zip(module.stage_indices, module.chunks)
         ]
         for index, stage in enumerate(self.stages):
-            stage.configure(module.chunks[index], index in deferred, self._gate, self.recorder, self._blame)
+            stage.configure(module.chunks[index], index in deferred, self._gate, self.recorder, self._meter, self._blame)
         kwargs = dict(n_microbatches=resolved.num_microbatches, loss_fn=self._micro_batch_loss, scale_grads=False)
         cls = resolved.schedule
         self.schedule = cls(self.stages[0], **kwargs) if resolved.single_stage else cls(self.stages, **kwargs)
@@ -152,6 +154,7 @@ class PipeEngine:
         self._ties.begin()
         try:
             self.recorder.start()
+            self._meter.start()
             self.schedule.step(*((inputs,) if first else ()), target=targets if last else None, losses=losses,
                                return_outputs=False)
             self.recorder.stop()
@@ -245,6 +248,21 @@ class PipeEngine:
         rank after a step with ``engine.recorder.enabled = True``); see :class:`ScheduleTimeline`."""
         self._check_usable()
         return self.recorder.gather(self._group, self.resolved)
+
+    def stage_report(self) -> PipelineReport:
+        """Each stage's time and memory in the last step recorded with ``engine.recorder.enabled =
+        True``: forward and backward seconds, parameter bytes, the peak bytes its micro-batches held
+        for backward, the bytes it sent on (call on every PP rank: it gathers)::
+
+            print(engine.stage_report().text())   # one row per stage, then the imbalance
+
+        See :class:`~ndweave.pipeline.report.PipelineReport`."""
+        self._check_usable()
+        if not self.recorder.actions:
+            raise RuntimeError("no step recorded: set engine.recorder.enabled = True, then run a step")
+        chunks = dict(zip(self.module.stage_indices, self.module.chunks))
+        return gather_report(build_stage_reports(self.recorder.actions, self._meter, chunks,
+                                                 self.pp_mesh.get_local_rank()), self._group)
 
 
 class _StageModule(nn.Module):
@@ -349,11 +367,12 @@ class _Stage(PipelineStage):
     ``ndweave.mesh.torch_compat.PIPELINE_STAGE_OVERRIDES``)."""
 
     def configure(self, chunk: nn.Module, defer_sync: bool, gate: HookGate, recorder: TimelineRecorder,
-                  blame: Blame) -> None:
+                  meter: ActivationMeter, blame: Blame) -> None:
         self._data_parallel = chunk if isinstance(chunk, DataParallelWrapper) else None
         self._defer_sync = defer_sync  # a shared weight's copy: the sync waits for the cross-stage sum
         self._gate = gate
         self._recorder = recorder
+        self._meter = meter
         self._blame = blame
 
     def _to_tensor(self, arg):
@@ -366,19 +385,28 @@ class _Stage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         self.submod.micro_batch = fwd_chunk_id
-        with self._recorder.action(self.stage_index, "F", fwd_chunk_id):
-            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        with (self._recorder.action(self.stage_index, "F", fwd_chunk_id),
+              self._meter.forward(self.stage_index, fwd_chunk_id, self.submod)):
+            output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        if not self.is_last:
+            self._meter.output(self.stage_index, output)
+        return output
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         with (self._recorder.action(self.stage_index, "B" if full_backward else "I", bwd_chunk_id),
               self._blame.running("backward" if full_backward else "input-grad backward", self.stage_index,
                                   bwd_chunk_id)):
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            result = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        if full_backward:
+            self._meter.release(self.stage_index, bwd_chunk_id)
+        return result
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         with (self._recorder.action(self.stage_index, "W", bwd_chunk_id),
               self._blame.running("weight-grad backward", self.stage_index, bwd_chunk_id)):
-            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+            result = super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        self._meter.release(self.stage_index, bwd_chunk_id)
+        return result
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         if self._data_parallel is not None:
