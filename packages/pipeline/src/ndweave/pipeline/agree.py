@@ -64,7 +64,8 @@ class BatchShapes:
     """The shapes of the first step's batch: torch's stages fix their activation buffers from them."""
 
     inputs: tuple[int, ...]
-    targets: tuple[int, ...]
+    targets: tuple[int, ...] | None
+    """``None`` for a ``loss_fn(output)`` that takes no targets."""
 
 
 def _batch_row(error: str | None, shapes: tuple[tuple[int, ...] | None, ...]) -> list[int]:
@@ -107,8 +108,9 @@ def agree_on_batch(error: str | None, inputs: torch.Tensor | None, targets: torc
         messages = _everyone(error, group)
         raise ValueError(f"PipeEngine step refused on PP rank {failed[0]}: {messages[failed[0]]}")
     inputs_shape = next(s for s in (_shape_of(r, 0) for r in rows) if s is not None)
-    targets_shape = next(s for s in (_shape_of(r, 1) for r in rows) if s is not None)
-    if targets_shape[0] % inputs_shape[0]:
+    # None: a loss_fn(output) without targets
+    targets_shape = next((s for s in (_shape_of(r, 1) for r in rows) if s is not None), None)
+    if targets_shape is not None and targets_shape[0] % inputs_shape[0]:
         raise ValueError(
             f"PipeEngine: targets of shape {targets_shape} (last stage) do not belong to inputs of shape "
             f"{inputs_shape} (first stage): the targets' dim 0 must hold the inputs' samples (or a multiple: "

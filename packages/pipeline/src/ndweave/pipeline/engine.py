@@ -24,6 +24,7 @@ group. The engine adds what composition needs:
 from __future__ import annotations
 
 import gc
+import inspect
 from typing import NoReturn
 
 import torch
@@ -71,7 +72,8 @@ class PipeEngine:
         mesh: the mesh with the ``"PP"`` dim (a ``ParallelMesh``, a named ``DeviceMesh``, or ``None``
             for the default ``DEVICE_MESH``).
         loss_fn: ``loss_fn(output, target)`` on the last stage's output for one micro-batch; for grads
-            equal to one device's, a mean over the micro-batch.
+            equal to one device's, a mean over the micro-batch. A ``loss_fn(output)`` of one argument
+            needs no targets (``engine(x)``).
         plan: the plan the module was built with (default: that one).
     """
 
@@ -101,6 +103,7 @@ class PipeEngine:
         resolved, engine_id = agree_on_plan(plan or module.resolved_plan.plan, pp_mesh.get_group(), local_checks)
         self.module = module
         self.loss_fn = loss_fn
+        self._loss_takes_targets = _takes_targets(loss_fn)
         self.resolved = resolved
         self.pp_mesh = pp_mesh
         self.recorder = TimelineRecorder()
@@ -136,7 +139,10 @@ class PipeEngine:
         last = self.resolved.num_stages - 1 in self.module.stage_indices
         try:
             self._check_batch("inputs", inputs, needed=first)
-            self._check_batch("targets", targets, needed=last)
+            self._check_batch("targets", targets, needed=last and self._loss_takes_targets)
+            if last and not self._loss_takes_targets and targets is not None:
+                raise ValueError("loss_fn takes the output alone (loss_fn(output)), yet targets were given; pass "
+                                 "none, or a loss_fn(output, targets)")
             error = None
         except ValueError as local:
             error = str(local)
@@ -155,6 +161,8 @@ class PipeEngine:
         try:
             self.recorder.start()
             self._meter.start()
+            if last and not self._loss_takes_targets:  # torch's schedule splits a target: give it rows to split
+                targets = torch.empty((self.resolved.num_microbatches, 0), device=self.stages[0].device)
             self.schedule.step(*((inputs,) if first else ()), target=targets if last else None, losses=losses,
                                return_outputs=False)
             self.recorder.stop()
@@ -186,7 +194,8 @@ class PipeEngine:
         # miss grads a data-parallel wrapper keeps in its own buckets)
         stage = next(s for s in self.stages if s.is_last)
         with self._blame.running("loss_fn", stage.stage_index, stage.submod.micro_batch):
-            return self.loss_fn(output, target) / self.resolved.num_microbatches
+            loss = self.loss_fn(output, target) if self._loss_takes_targets else self.loss_fn(output)
+            return loss / self.resolved.num_microbatches
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -320,6 +329,17 @@ class _StageModule(nn.Module):
             # use_local_output): it is Replicate over the TP mesh, and the next chunk's layers expect that
             activation = DTensor.from_local(activation, self.tp_mesh, [Replicate()] * self.tp_mesh.ndim, run_check=False)
         return activation
+
+
+def _takes_targets(loss_fn) -> bool:
+    """Whether ``loss_fn`` is ``loss_fn(output, targets)``; ``False`` for a loss of the output alone
+    (one positional parameter: veScale's ``loss_fn(output)``, a loss the model computed)."""
+    try:
+        params = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the usual two arguments
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return any(p.kind == p.VAR_POSITIONAL for p in params) or len(positional) != 1
 
 
 def _first_tensor(output):

@@ -82,7 +82,7 @@ def _run(engine: PipeEngine, args: tuple, targets, with_targets: bool, batch: in
         return outputs if last else None
 
 
-def _no_loss(output, target) -> torch.Tensor:
+def _no_loss(output, target=None) -> torch.Tensor:
     return torch.zeros(())
 
 
