@@ -95,8 +95,9 @@ def _engine(num_microbatches=4):
 @distributed(world_size=2, timeout=60)
 def test_plan_that_differs_by_pp_rank_raises_on_every_rank():
     # construct_pipeline_stage is local; the engine is where the ranks meet (torch's schedule would wait)
-    with pytest.raises(ValueError, match=r"PP rank 1 was given a plan with num_microbatches=2, PP rank 0 "
-                                         r"num_microbatches=4; every PP rank must build the engine from the same"):
+    with pytest.raises(ValueError, match=r"PipeEngine: rank 1 was given another plan than rank 0: 'num_microbatches' "
+                                         r"is 4 on rank 0 but 2 on rank 1; every PP rank must build the engine from "
+                                         r"the same PipelineParallelPlan"):
         _engine(num_microbatches=4 if torch.distributed.get_rank() == 0 else 2)
 
 
