@@ -3,11 +3,13 @@ batches that do not split or are missing where needed."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from ndweave.mesh import init_device_mesh
-from ndweave.mesh.testing import distributed
+from ndweave.mesh.testing import assert_close, distributed
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage
 from pipeline_models import TinyLM, batches, loss_fn
 
@@ -83,6 +85,24 @@ def test_p2p_dtype_and_batch_errors():
         engine(x[:6], y[:6])
     with pytest.raises(ValueError, match="refused on PP rank 0: it holds the first stage and needs inputs"):
         engine(None, None)
+
+
+@distributed(world_size=2, timeout=120)
+def test_a_loss_of_the_output_alone_needs_no_targets():
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = TinyLM(num_layers=2)
+    (x, _), = batches(1, 8)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("PP",))
+    plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=4)
+
+    def mean_logit(output):  # veScale's tests put the loss in a function of the output alone
+        return output.mean()
+
+    engine = PipeEngine(construct_pipeline_stage(copy.deepcopy(model), plan, mesh), mesh, mean_logit)
+    assert_close(engine(x), mean_logit(model(x)), name="loss without targets")
+    with pytest.raises(ValueError, match=r"refused on PP rank 1: loss_fn takes the output alone .*targets were given"):
+        engine(x, x)
 
 
 # ------------------------------------------------------------------ faults: one error on every PP rank, in seconds
