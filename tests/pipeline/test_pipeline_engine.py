@@ -3,11 +3,13 @@ batches that do not split or are missing where needed."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from ndweave.mesh import init_device_mesh
-from ndweave.mesh.testing import distributed
+from ndweave.mesh.testing import assert_close, distributed
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage
 from pipeline_models import TinyLM, batches, loss_fn
 
@@ -33,6 +35,40 @@ def test_timeline_shows_every_action_and_the_bubble():
 
 
 @distributed(world_size=2, timeout=120)
+def test_stage_report_shows_each_stages_time_and_memory():
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("PP",))
+    (x, y), = batches(1, 8)
+    peaks = {}
+    for schedule, recompute in [("gpipe", False), ("1f1b", False), ("1f1b", True)]:
+        # unbalanced on purpose: the embedding and five blocks, then one block, the norm and the head
+        plan = PipelineParallelPlan(schedule_type=schedule, num_microbatches=4, split_points=["layers.5"],
+                                    activation_recompute=recompute)
+        module = construct_pipeline_stage(TinyLM(num_layers=6), plan, mesh)
+        engine = PipeEngine(module, mesh, loss_fn)
+        with pytest.raises(RuntimeError, match="no step recorded: set engine.recorder.enabled = True"):
+            engine.stage_report()
+        engine.recorder.enabled = True
+        engine(x, y)
+        report = engine.stage_report()
+        print(report.text())
+        first, last = report.stages
+        assert [(s.stage, s.pp_rank) for s in report.stages] == [(0, 0), (1, 1)]
+        assert all(s.forward_seconds > 0 and s.backward_seconds > 0 for s in report.stages) and report.imbalance >= 1
+        mine = report.stages[mesh["PP"].get_local_rank()]
+        assert mine.param_bytes == sum(p.numel() * 8 for p in module.parameters()) > 0
+        assert first.param_bytes > 4 * last.param_bytes / 2  # five blocks and the embedding vs one block
+        assert (first.sent_bytes, last.sent_bytes) == (4 * 2 * 4 * 8 * 8, 0)  # 4 micro-batches of (2, 4, 8) float64
+        peaks[schedule, recompute] = first.peak_activation_bytes, last.peak_activation_bytes
+        assert f"imbalance (slowest stage / mean): {report.imbalance:.2f}" in report.text()
+    # GPipe holds all 4 micro-batches on both stages; 1F1B 2 on the first stage, 1 on the last
+    (gpipe_first, gpipe_last), (first, last) = peaks["gpipe", False], peaks["1f1b", False]
+    assert gpipe_first == 2 * first > 0 and gpipe_last == 4 * last > 0, peaks
+    assert peaks["1f1b", True][0] < first / 4, peaks  # recomputed: only the chunk's inputs are kept
+
+
+@distributed(world_size=2, timeout=120)
 def test_p2p_dtype_and_batch_errors():
     torch.set_default_dtype(torch.float64)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("PP",))
@@ -51,6 +87,24 @@ def test_p2p_dtype_and_batch_errors():
         engine(None, None)
 
 
+@distributed(world_size=2, timeout=120)
+def test_a_loss_of_the_output_alone_needs_no_targets():
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = TinyLM(num_layers=2)
+    (x, _), = batches(1, 8)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("PP",))
+    plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=4)
+
+    def mean_logit(output):  # veScale's tests put the loss in a function of the output alone
+        return output.mean()
+
+    engine = PipeEngine(construct_pipeline_stage(copy.deepcopy(model), plan, mesh), mesh, mean_logit)
+    assert_close(engine(x), mean_logit(model(x)), name="loss without targets")
+    with pytest.raises(ValueError, match=r"refused on PP rank 1: loss_fn takes the output alone .*targets were given"):
+        engine(x, x)
+
+
 # ------------------------------------------------------------------ faults: one error on every PP rank, in seconds
 def _engine(num_microbatches=4):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("PP",))
@@ -61,8 +115,9 @@ def _engine(num_microbatches=4):
 @distributed(world_size=2, timeout=60)
 def test_plan_that_differs_by_pp_rank_raises_on_every_rank():
     # construct_pipeline_stage is local; the engine is where the ranks meet (torch's schedule would wait)
-    with pytest.raises(ValueError, match=r"PP rank 1 was given a plan with num_microbatches=2, PP rank 0 "
-                                         r"num_microbatches=4; every PP rank must build the engine from the same"):
+    with pytest.raises(ValueError, match=r"PipeEngine: rank 1 was given another plan than rank 0: 'num_microbatches' "
+                                         r"is 4 on rank 0 but 2 on rank 1; every PP rank must build the engine from "
+                                         r"the same PipelineParallelPlan"):
         _engine(num_microbatches=4 if torch.distributed.get_rank() == 0 else 2)
 
 

@@ -74,6 +74,6 @@ def test_torchs_other_schedules_match_one_process():
         plan = PipelineParallelPlan(schedule_type=schedule, virtual_chunks=2, num_microbatches=4)
         assert_same_training(train_pipeline(model, plan, mesh, data), expected, f"PP=2 {schedule}")
     # the rank holding both copies refuses before any communication, and every rank raises its error
-    with pytest.raises(NotImplementedError, match=r"failed on PP rank 0: .*two stages \[0, 3\] of this rank.*"
+    with pytest.raises(NotImplementedError, match=r"PipeEngine failed on rank 0: .*two stages \[0, 3\] of this rank.*"
                                                   r"data-parallel wrappers"):
         train_pipeline(model, plan, mesh, data, wrap=ReferenceDataParallel)

@@ -12,12 +12,13 @@ from ndweave.pipeline.engine import PipeEngine
 from ndweave.pipeline.generate import generate
 from ndweave.pipeline.faults import Failure, PipelineStageError
 from ndweave.pipeline.plan import SCHEDULE_NAMES, PipelineParallelPlan
+from ndweave.pipeline.report import PipelineReport, StageReport
 from ndweave.pipeline.split import model_layers
 from ndweave.pipeline.stage_io import CrossingValue, StageIO
 from ndweave.pipeline.ties import SharedParam
 from ndweave.pipeline.timeline import Action, ScheduleTimeline
 
-__version__ = "0.2.1"
+__version__ = "0.3.0"
 
 __all__ = [
     "Action",
@@ -26,11 +27,13 @@ __all__ = [
     "PipeEngine",
     "PipeModule",
     "PipelineParallelPlan",
+    "PipelineReport",
     "PipelineStageError",
     "SCHEDULE_NAMES",
     "ScheduleTimeline",
     "SharedParam",
     "StageIO",
+    "StageReport",
     "StagePlaceholder",
     "__version__",
     "construct_pipeline_stage",

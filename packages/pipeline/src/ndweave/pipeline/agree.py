@@ -4,9 +4,9 @@ torch's schedules trust every rank to hold the same plan and batch: a rank built
 micro-batch count waits forever for a message that never comes, and a batch whose shape differs from
 the first step's (when torch inferred the activation shapes) is received into buffers of the old size
 (gloo aborts the process, or a smaller one is read silently). Each rank sends what it holds (its plan,
-its batch's shapes, or the error its own checks raised) to every PP rank: the plan once with
-``all_gather_object``, the batch every step as a few ints in one ``all_gather``; every rank then
-reaches the same verdict.
+its batch's shapes, or the error its own checks raised) to every PP rank: the plan once through
+``ndweave.mesh.agree.agree_or_raise``, the batch every step as a few ints in one ``all_gather``;
+every rank then reaches the same verdict.
 """
 
 from __future__ import annotations
@@ -19,44 +19,31 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["BatchShapes", "agree_on_batch", "agree_on_plan"]
+from ndweave.mesh.agree import agree_or_raise, gather
+
+__all__ = ["BatchShapes", "agree_on_batch", "agree_on_plan", "every_pp_rank"]
 
 T = TypeVar("T")
 _MAX_DIMS = 8  # of a batch tensor, in the per-step gather
 
 
-def _everyone(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    if group is None or dist.get_world_size(group) == 1:
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
+def every_pp_rank(value: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank of ``group``'s ``value``, indexed by its rank in the group (the PP rank)."""
+    table = gather(group, value)
+    return [table[rank] for rank in dist.get_process_group_ranks(group)] if len(table) > 1 else list(table.values())
 
 
-def agree_on_plan(plan: Any, group: dist.ProcessGroup | None, local_checks: Callable[[], T]) -> tuple[T, str]:
-    """Run ``local_checks()`` (no communication), then agree with every PP rank: raise on every rank
-    the first failing rank's error (its type, the rank named), or a ``ValueError`` naming the rank and
-    the plan field that differs. Returns what ``local_checks`` returned, and PP rank 0's random id for
-    the engine (the same on every PP rank: its failure record's key)."""
+def agree_on_plan(plan: Any, group: dist.ProcessGroup, local_checks: Callable[[], T]) -> tuple[T, str]:
+    """Run ``local_checks()`` (no communication), then agree with every PP rank
+    (:func:`ndweave.mesh.agree.agree_or_raise`): raise on every rank the first failing rank's error
+    (its type, the rank named), or a ``RankMismatchError`` (a ``ValueError``) naming the ranks and the
+    plan field that differs. Returns what ``local_checks`` returned, and the lowest rank's random id
+    for the engine (the same on every PP rank: its failure record's key)."""
     fields = {f.name: repr(getattr(plan, f.name)) for f in dataclasses.fields(plan)}
-    try:
-        result, error = local_checks(), None
-    except (ValueError, TypeError, NotImplementedError, RuntimeError) as raised:
-        result, error = None, raised
-    everyone = _everyone((fields, None if error is None else (type(error), str(error)), uuid.uuid4().hex), group)
-    failed = [(rank, e) for rank, (_, e, _) in enumerate(everyone) if e is not None]
-    if failed:
-        rank, (cls, message) = failed[0]
-        raise cls(f"PipeEngine failed on PP rank {rank}: {message}") from error
-    for rank, (other, _, _) in enumerate(everyone[1:], 1):
-        for name, value in everyone[0][0].items():
-            if other[name] != value:
-                raise ValueError(
-                    f"PipeEngine: PP rank {rank} was given a plan with {name}={other[name]}, PP rank 0 {name}={value}; "
-                    "every PP rank must build the engine from the same PipelineParallelPlan (a schedule over "
-                    "different plans waits forever)"
-                )
-    return result, everyone[0][2]
+    result, ids = agree_or_raise(group, "PipeEngine", lambda: (local_checks(), {"plan": fields, "local": uuid.uuid4().hex}),
+                                 hint="every PP rank must build the engine from the same PipelineParallelPlan (a "
+                                      "schedule over different plans waits forever)")
+    return result, ids[min(ids)]
 
 
 @dataclasses.dataclass
@@ -64,7 +51,8 @@ class BatchShapes:
     """The shapes of the first step's batch: torch's stages fix their activation buffers from them."""
 
     inputs: tuple[int, ...]
-    targets: tuple[int, ...]
+    targets: tuple[int, ...] | None
+    """``None`` for a ``loss_fn(output)`` that takes no targets."""
 
 
 def _batch_row(error: str | None, shapes: tuple[tuple[int, ...] | None, ...]) -> list[int]:
@@ -104,11 +92,12 @@ def agree_on_batch(error: str | None, inputs: torch.Tensor | None, targets: torc
         rows = [t.tolist() for t in gathered]
     failed = [rank for rank, row in enumerate(rows) if row[0]]
     if failed:
-        messages = _everyone(error, group)
+        messages = every_pp_rank(error, group)
         raise ValueError(f"PipeEngine step refused on PP rank {failed[0]}: {messages[failed[0]]}")
     inputs_shape = next(s for s in (_shape_of(r, 0) for r in rows) if s is not None)
-    targets_shape = next(s for s in (_shape_of(r, 1) for r in rows) if s is not None)
-    if targets_shape[0] % inputs_shape[0]:
+    # None: a loss_fn(output) without targets
+    targets_shape = next((s for s in (_shape_of(r, 1) for r in rows) if s is not None), None)
+    if targets_shape is not None and targets_shape[0] % inputs_shape[0]:
         raise ValueError(
             f"PipeEngine: targets of shape {targets_shape} (last stage) do not belong to inputs of shape "
             f"{inputs_shape} (first stage): the targets' dim 0 must hold the inputs' samples (or a multiple: "

@@ -29,7 +29,7 @@ from ndweave.mesh.contracts import finish_grad_sync, mark_removed_modules
 from ndweave.mesh.torch_compat import local_tensor
 from ndweave.pipeline.cut import TracedCut
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
-from ndweave.pipeline.program import run_as_stage
+from ndweave.pipeline.program import run_as_stage, stage_program
 from ndweave.pipeline.split import assign_stages, model_layers
 from ndweave.pipeline.stage_io import StageIO
 from ndweave.pipeline.ties import SharedParam, find_shared_params
@@ -113,11 +113,17 @@ class PipeModule(nn.Module):
         """Run one chunk directly (veScale's ``forward(x, chunk_id=)``): ``chunk_id`` indexes this
         rank's chunks and may be left out when there is one. A traced chunk takes what its stage
         receives (the model's inputs on the first stage, ``stage_io``'s tensors later) and returns what
-        it sends (the model's output on the last stage). Training runs through ``PipeEngine``."""
+        it sends (a tensor, or a tuple when several cross; the model's output on the last stage).
+        Training runs through ``PipeEngine``."""
         if chunk_id is None and len(self.chunks) > 1:
             raise ValueError(f"this rank holds {len(self.chunks)} chunks (stages {list(self.stage_indices)}); "
                              "pass chunk_id=")
-        return self.chunks[chunk_id or 0](*args, **kwargs)
+        chunk = self.chunks[chunk_id or 0]
+        out = chunk(*args, **kwargs)
+        program = stage_program(chunk)
+        if program is not None and program.outputs is not None and len(out) == 1:
+            return out[0]  # one tensor crossing: itself, as the model computed it
+        return out
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """Every chunk's parameters under their original FQNs."""
@@ -199,9 +205,13 @@ def _build_chunk(model: nn.Module, layers: list[str], stage_layers: list[list[st
     removed = [fqn for fqn in layers if stage_of[fqn] != stage and _has_params(model.get_submodule(fqn))]
     root = _skeleton(model)
     copies: dict[str, nn.Module] = {"": root}
+    aliases: dict[int, list[str]] = {}  # a module held under several names (veScale's FourMLP: mlp1 and sequence.0)
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(fqn)
     for fqn in removed:
-        parent_fqn, _, name = fqn.rpartition(".")
-        _copied_path(copies, parent_fqn)._modules[name] = StagePlaceholder(fqn, stage_of[fqn])
+        for path in aliases[id(model.get_submodule(fqn))]:
+            parent_fqn, _, name = path.rpartition(".")
+            _copied_path(copies, parent_fqn)._modules[name] = StagePlaceholder(fqn, stage_of[fqn])
     for fqn in unread_params:
         parent_fqn, _, name = fqn.rpartition(".")
         del _copied_path(copies, parent_fqn)._parameters[name]

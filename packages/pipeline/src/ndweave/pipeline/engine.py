@@ -24,6 +24,7 @@ group. The engine adds what composition needs:
 from __future__ import annotations
 
 import gc
+import inspect
 from typing import NoReturn
 
 import torch
@@ -43,6 +44,7 @@ from ndweave.pipeline.evaluate import evaluate_batch
 from ndweave.pipeline.faults import Blame, Failure, FailureRecord, PipelineStageError, detach_traceback
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
 from ndweave.pipeline.program import stage_program
+from ndweave.pipeline.report import ActivationMeter, PipelineReport, build_stage_reports, gather_report
 from ndweave.pipeline.ties import HookGate, TiedGradSync, check_shared_params
 from ndweave.pipeline.timeline import ScheduleTimeline, TimelineRecorder
 
@@ -70,7 +72,8 @@ class PipeEngine:
         mesh: the mesh with the ``"PP"`` dim (a ``ParallelMesh``, a named ``DeviceMesh``, or ``None``
             for the default ``DEVICE_MESH``).
         loss_fn: ``loss_fn(output, target)`` on the last stage's output for one micro-batch; for grads
-            equal to one device's, a mean over the micro-batch.
+            equal to one device's, a mean over the micro-batch. A ``loss_fn(output)`` of one argument
+            needs no targets (``engine(x)``).
         plan: the plan the module was built with (default: that one).
     """
 
@@ -100,9 +103,11 @@ class PipeEngine:
         resolved, engine_id = agree_on_plan(plan or module.resolved_plan.plan, pp_mesh.get_group(), local_checks)
         self.module = module
         self.loss_fn = loss_fn
+        self._loss_takes_targets = _takes_targets(loss_fn)
         self.resolved = resolved
         self.pp_mesh = pp_mesh
         self.recorder = TimelineRecorder()
+        self._meter = ActivationMeter(self.recorder)
         self._first_batch: BatchShapes | None = None
         self._failure: Failure | None = None
         self._record = FailureRecord(engine_id, pp_mesh.get_local_rank(), pp_mesh.size())
@@ -119,7 +124,7 @@ class PipeEngine:
             for stage, chunk in zip(module.stage_indices, module.chunks)
         ]
         for index, stage in enumerate(self.stages):
-            stage.configure(module.chunks[index], index in deferred, self._gate, self.recorder, self._blame)
+            stage.configure(module.chunks[index], index in deferred, self._gate, self.recorder, self._meter, self._blame)
         kwargs = dict(n_microbatches=resolved.num_microbatches, loss_fn=self._micro_batch_loss, scale_grads=False)
         cls = resolved.schedule
         self.schedule = cls(self.stages[0], **kwargs) if resolved.single_stage else cls(self.stages, **kwargs)
@@ -134,7 +139,10 @@ class PipeEngine:
         last = self.resolved.num_stages - 1 in self.module.stage_indices
         try:
             self._check_batch("inputs", inputs, needed=first)
-            self._check_batch("targets", targets, needed=last)
+            self._check_batch("targets", targets, needed=last and self._loss_takes_targets)
+            if last and not self._loss_takes_targets and targets is not None:
+                raise ValueError("loss_fn takes the output alone (loss_fn(output)), yet targets were given; pass "
+                                 "none, or a loss_fn(output, targets)")
             error = None
         except ValueError as local:
             error = str(local)
@@ -152,6 +160,9 @@ class PipeEngine:
         self._ties.begin()
         try:
             self.recorder.start()
+            self._meter.start()
+            if last and not self._loss_takes_targets:  # torch's schedule splits a target: give it rows to split
+                targets = torch.empty((self.resolved.num_microbatches, 0), device=self.stages[0].device)
             self.schedule.step(*((inputs,) if first else ()), target=targets if last else None, losses=losses,
                                return_outputs=False)
             self.recorder.stop()
@@ -183,7 +194,8 @@ class PipeEngine:
         # miss grads a data-parallel wrapper keeps in its own buckets)
         stage = next(s for s in self.stages if s.is_last)
         with self._blame.running("loss_fn", stage.stage_index, stage.submod.micro_batch):
-            return self.loss_fn(output, target) / self.resolved.num_microbatches
+            loss = self.loss_fn(output, target) if self._loss_takes_targets else self.loss_fn(output)
+            return loss / self.resolved.num_microbatches
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -246,6 +258,21 @@ class PipeEngine:
         self._check_usable()
         return self.recorder.gather(self._group, self.resolved)
 
+    def stage_report(self) -> PipelineReport:
+        """Each stage's time and memory in the last step recorded with ``engine.recorder.enabled =
+        True``: forward and backward seconds, parameter bytes, the peak bytes its micro-batches held
+        for backward, the bytes it sent on (call on every PP rank: it gathers)::
+
+            print(engine.stage_report().text())   # one row per stage, then the imbalance
+
+        See :class:`~ndweave.pipeline.report.PipelineReport`."""
+        self._check_usable()
+        if not self.recorder.actions:
+            raise RuntimeError("no step recorded: set engine.recorder.enabled = True, then run a step")
+        chunks = dict(zip(self.module.stage_indices, self.module.chunks))
+        return gather_report(build_stage_reports(self.recorder.actions, self._meter, chunks,
+                                                 self.pp_mesh.get_local_rank()), self._group)
+
 
 class _StageModule(nn.Module):
     """What a ``PipelineStage`` runs for one chunk: feeds the received activations the way the model
@@ -304,6 +331,17 @@ class _StageModule(nn.Module):
         return activation
 
 
+def _takes_targets(loss_fn) -> bool:
+    """Whether ``loss_fn`` is ``loss_fn(output, targets)``; ``False`` for a loss of the output alone
+    (one positional parameter: veScale's ``loss_fn(output)``, a loss the model computed)."""
+    try:
+        params = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the usual two arguments
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return any(p.kind == p.VAR_POSITIONAL for p in params) or len(positional) != 1
+
+
 def _first_tensor(output):
     """The tensor a stage hands on: the output itself, or the first tensor in a tuple / list / dict /
     HF ``ModelOutput`` (``(logits, loss)`` -> logits)."""
@@ -349,11 +387,12 @@ class _Stage(PipelineStage):
     ``ndweave.mesh.torch_compat.PIPELINE_STAGE_OVERRIDES``)."""
 
     def configure(self, chunk: nn.Module, defer_sync: bool, gate: HookGate, recorder: TimelineRecorder,
-                  blame: Blame) -> None:
+                  meter: ActivationMeter, blame: Blame) -> None:
         self._data_parallel = chunk if isinstance(chunk, DataParallelWrapper) else None
         self._defer_sync = defer_sync  # a shared weight's copy: the sync waits for the cross-stage sum
         self._gate = gate
         self._recorder = recorder
+        self._meter = meter
         self._blame = blame
 
     def _to_tensor(self, arg):
@@ -366,19 +405,28 @@ class _Stage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         self.submod.micro_batch = fwd_chunk_id
-        with self._recorder.action(self.stage_index, "F", fwd_chunk_id):
-            return super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        with (self._recorder.action(self.stage_index, "F", fwd_chunk_id),
+              self._meter.forward(self.stage_index, fwd_chunk_id, self.submod)):
+            output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        if not self.is_last:
+            self._meter.output(self.stage_index, output)
+        return output
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         with (self._recorder.action(self.stage_index, "B" if full_backward else "I", bwd_chunk_id),
               self._blame.running("backward" if full_backward else "input-grad backward", self.stage_index,
                                   bwd_chunk_id)):
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            result = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        if full_backward:
+            self._meter.release(self.stage_index, bwd_chunk_id)
+        return result
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         with (self._recorder.action(self.stage_index, "W", bwd_chunk_id),
               self._blame.running("weight-grad backward", self.stage_index, bwd_chunk_id)):
-            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+            result = super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        self._meter.release(self.stage_index, bwd_chunk_id)
+        return result
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         if self._data_parallel is not None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ndweave.pipeline.agree import _everyone
+from ndweave.pipeline.agree import every_pp_rank
 
 if TYPE_CHECKING:
     from ndweave.pipeline.engine import PipeEngine
@@ -56,7 +56,7 @@ def _agree_on_batch(engine: PipeEngine, inputs, targets, first: bool, last: bool
     shapes = (tuple(inputs.shape) if first and error is None else None,
               last and targets is not None and error is None)
     try:
-        everyone = _everyone((error, shapes), engine._group)
+        everyone = every_pp_rank((error, shapes), engine._group)
     except Exception as failed:  # a peer failed after its part of the last step
         engine._fail(failed)
     failed = [(rank, message) for rank, (message, _) in enumerate(everyone) if message]
@@ -82,7 +82,7 @@ def _run(engine: PipeEngine, args: tuple, targets, with_targets: bool, batch: in
         return outputs if last else None
 
 
-def _no_loss(output, target) -> torch.Tensor:
+def _no_loss(output, target=None) -> torch.Tensor:
     return torch.zeros(())
 
 

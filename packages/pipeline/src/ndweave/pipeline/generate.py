@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from ndweave.mesh.torch_compat import local_shape_and_offset
 
-from ndweave.pipeline.agree import _everyone
+from ndweave.pipeline.agree import every_pp_rank
 from ndweave.pipeline.engine import PipeEngine, _mesh_lookup
 
 __all__ = ["generate"]
@@ -37,7 +37,7 @@ def generate(engine: PipeEngine, idx: torch.Tensor, max_new_tokens: int, *, max_
     engine._check_usable()
     asked = {"prompt shape": tuple(idx.shape), "max_new_tokens": max_new_tokens, "max_seq_len": max_seq_len,
              "temperature": temperature}
-    for rank, other in enumerate(_everyone(asked, engine._group)):  # fewer tokens on one would leave the others waiting
+    for rank, other in enumerate(every_pp_rank(asked, engine._group)):  # fewer tokens on one would leave the others waiting
         if other != asked:
             name = next(k for k in asked if other[k] != asked[k])
             raise ValueError(f"generate: PP rank {rank} was given {name}={other[name]}, this rank {asked[name]}; "

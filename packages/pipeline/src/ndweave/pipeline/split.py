@@ -62,7 +62,9 @@ def traced_layers(model: nn.Module, split_points: Sequence[str] | None) -> list[
     return layers
 
 
-def _walk(module: nn.Module, prefix: str, layers: list[str], refuse_params: bool = False) -> None:
+def _walk(module: nn.Module, prefix: str, layers: list[str], refuse_params: bool = False,
+          seen: set[int] | None = None) -> None:
+    seen = set() if seen is None else seen
     for name, _ in module.named_parameters(recurse=False):
         if refuse_params:
             raise ValueError(
@@ -73,8 +75,9 @@ def _walk(module: nn.Module, prefix: str, layers: list[str], refuse_params: bool
     entries_are_layers = isinstance(module, _LISTS)
     for name, child in module.named_children():
         if not entries_are_layers and _holds_container(child):
-            _walk(child, prefix + name + ".", layers, refuse_params)
-        else:
+            _walk(child, prefix + name + ".", layers, refuse_params, seen)
+        elif id(child) not in seen:  # a layer held under two names is one layer, by its first name
+            seen.add(id(child))
             layers.append(prefix + name)
 
 

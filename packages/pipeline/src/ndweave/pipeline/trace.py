@@ -64,7 +64,8 @@ def trace_forward(model: nn.Module, example_inputs: Sequence[Any], layers: Seque
 
 def _to_meta(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+        # requires_grad kept: what the forward does with it (``x.retain_grad()``) is answered as for real
+        return torch.empty(value.shape, dtype=value.dtype, device="meta", requires_grad=value.requires_grad)
     return value
 
 
