@@ -42,6 +42,7 @@ from ndweave.ddp import DistributedDataParallel as DDP  # noqa: E402
 from ndweave.dmodule import get_plan, parallelize_module  # noqa: E402
 from ndweave.mesh import ParallelMesh, init_mesh_from_spec, resolve_spec, shutdown  # noqa: E402
 from ndweave.mesh.elastic import lost_ranks, restart_count  # noqa: E402
+from ndweave.mesh.testing import train_one_process  # noqa: E402
 from ndweave.optim import DistributedOptimizer  # noqa: E402
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage, generate  # noqa: E402
 
@@ -348,41 +349,31 @@ def _steps(history: torch.Tensor) -> dict[int, float]:
 
 def train_single_device(args: argparse.Namespace, micro_batches: int = 1, last: int | None = None) -> RunResult:
     """The same run on this one process with plain torch (AdamW, clip_grad_norm_, the same lr
-    schedule and data); ``micro_batches > 1`` accumulates each batch's gradient in that many parts:
-    the same math, summed in another order. bf16 parameters get fp32 masters, as in the parallel run."""
+    schedule and data), through the reference loop every parity test uses; ``micro_batches > 1``
+    accumulates each batch's gradient in that many parts: the same math, summed in another order.
+    bf16 parameters get fp32 masters, as in the parallel run."""
     model = build_model(args)
-    params = list(model.parameters())
-    masters = [p.detach().float().requires_grad_() if p.dtype == torch.bfloat16 else p for p in params]
-    optimizer = torch.optim.AdamW(masters, **adamw_kwargs(args))
-    scheduler, data, position = lr_schedule(optimizer, args), TextData(args.block_size, args.seed), DataPosition()
-    losses, val_losses, end = {}, {}, last or args.steps
-    for step in range(1, end + 1):
-        x, y = (t.to(args.device) for t in data.batch(position, args.global_batch))
-        optimizer.zero_grad()
-        model.zero_grad()
-        total = 0.0
-        for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
-            loss = loss_fn(model(xs)[0], ys) / micro_batches
-            loss.backward()
-            total += loss.item()
-        for p, master in zip(params, masters):
-            if master is not p:
-                master.grad = p.grad.float()
-        if args.clip:
-            torch.nn.utils.clip_grad_norm_(masters, args.clip)
-        optimizer.step()
-        with torch.no_grad():
-            for p, master in zip(params, masters):
-                if master is not p:
-                    p.copy_(master)
-        scheduler.step()
-        position.advance(args.global_batch)
-        losses[step] = total
+    data, position, end = TextData(args.block_size, args.seed), DataPosition(), last or args.steps
+    val_losses: dict[int, float] = {}
+
+    def batches():
+        for _ in range(end):
+            yield tuple(t.to(args.device) for t in data.batch(position, args.global_batch))
+            position.advance(args.global_batch)
+
+    def validate(index: int, model: nn.Module) -> None:
+        step = index + 1
         if args.eval_every and (step % args.eval_every == 0 or step == end):
             with torch.no_grad():
                 vx, vy = (t.to(args.device) for t in data.validation(args.global_batch))
                 val_losses[step] = loss_fn(model(vx)[0], vy).item()
-    final = {n: p.detach().cpu().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+    run = train_one_process(model, batches(), optimizer=lambda params: torch.optim.AdamW(params, **adamw_kwargs(args)),
+                            loss_fn=lambda output, y: loss_fn(output[0], y), micro_batches=micro_batches,
+                            clip=args.clip, fp32_masters=True, scheduler=lambda opt: lr_schedule(opt, args),
+                            on_step=validate)
+    losses = {step: loss for step, loss in enumerate(run.losses, start=1)}
+    final = {n: p.cpu() for n, p in run.final.items()}
     return RunResult(losses, final, val_losses=val_losses, sample=_sample_one_process(model, args) if args.sample else "")
 
 

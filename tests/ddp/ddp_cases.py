@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ndweave.mesh import init_device_mesh
-from ndweave.mesh.testing import STRICT_DTYPE
+from ndweave.mesh.testing import STRICT_DTYPE, train_one_process
 
 GLOBAL_BATCH = 24
 SEQ, HIDDEN, FFN = 4, 8, 16
@@ -54,17 +54,10 @@ def micro_batches(ddp, k: int, mode: str = "no_sync"):
 
 def _reference_run(model, batch_fn, num_steps: int, lr: float, momentum: float):
     """Single-process training on the full batch: the params after every step and the first grads."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    history, first_grads = [], None
-    for step in range(num_steps):
-        x, y = batch_fn(step)
-        F.mse_loss(model(x), y).backward()
-        if first_grads is None:
-            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        history.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return history, first_grads
+    run = train_one_process(model, (batch_fn(step) for step in range(num_steps)), loss_fn=F.mse_loss,
+                            optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum),
+                            keep_grads=True, keep_params="every")
+    return run.params, run.grads[0]
 
 
 def reference_mlp_run(num_steps: int, lr: float = 0.05, momentum: float = 0.9):

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ndweave.mesh.testing import train_one_process
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -65,14 +67,5 @@ def loss_of(output) -> torch.Tensor:
 
 
 def train_reference(model: nn.Module, data, opt_cls, opt_kwargs, clip: float) -> list[float]:
-    optimizer = opt_cls(model.parameters(), **opt_kwargs)
-    losses = []
-    for x, y in data:
-        optimizer.zero_grad()
-        loss = loss_of(model(x, y))
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return train_one_process(model, data, optimizer=lambda params: opt_cls(params, **opt_kwargs),
+                             model_loss=lambda m, x, y: loss_of(m(x, y)), clip=clip).losses

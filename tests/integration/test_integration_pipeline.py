@@ -22,7 +22,7 @@ from integration_models import batches, build, load_example
 from ndweave.ddp import DistributedDataParallel as DDP
 from ndweave.dmodule import deferred_init, get_plan, parallelize_module
 from ndweave.mesh import init_device_mesh
-from ndweave.mesh.testing import STRICT_DTYPE, assert_close, distributed
+from ndweave.mesh.testing import STRICT_DTYPE, assert_close, distributed, train_one_process
 from ndweave.optim import BasicOptimizer, DistributedOptimizer
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage
 
@@ -41,17 +41,9 @@ def _plan(schedule: str, virtual: int) -> PipelineParallelPlan:
 
 
 def _reference(model, data):
-    model = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for x, y in data:
-        optimizer.zero_grad()
-        loss = loss_fn(model(x)[0], y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        losses.append(loss.detach())
-    return losses, dict(model.named_parameters(remove_duplicate=False))
+    run = train_one_process(model, data, optimizer=lambda params: torch.optim.AdamW(params, lr=LR),
+                            loss_fn=lambda output, y: loss_fn(output[0], y), clip=CLIP, copy_model=True)
+    return [torch.tensor(value) for value in run.losses], run.final
 
 
 def _train(module, mesh, plan, make_optimizer, data, dp_mesh=None):

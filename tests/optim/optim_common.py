@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ndweave.mesh.testing import STRICT_DTYPE, ReferenceDataParallel, Tolerance, assert_close
+from ndweave.mesh.testing import STRICT_DTYPE, ReferenceDataParallel, Tolerance, assert_close, train_one_process, train_one_process
 
 IN, HIDDEN, OUT = 8, 16, 4
 GLOBAL_BATCH = 16
@@ -86,15 +86,8 @@ def train(ddp, opt, steps: int, dp_rank: int, dp_size: int, first_step: int = 0,
 
 
 def train_reference(model, opt, steps: int, clip: float = 0.0, first_step: int = 0, scheduler=None) -> None:
-    for step in range(first_step, first_step + steps):
-        opt.zero_grad()
-        x, y = batch(step)
-        loss_fn(model(x), y).backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        if scheduler is not None:
-            scheduler.step()
+    train_one_process(model, (batch(step) for step in range(first_step, first_step + steps)), optimizer=opt,
+                      loss_fn=loss_fn, clip=clip, scheduler=scheduler)
 
 
 def mean_micro_batch_grads(reference: nn.Module, step: int, dp_size: int, dtype=STRICT_DTYPE,

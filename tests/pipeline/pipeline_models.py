@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ndweave.mesh.contracts import DataParallelWrapper
-from ndweave.mesh.testing import assert_close, measured_tolerance
+from ndweave.mesh.testing import assert_close, measured_tolerance, train_one_process, train_one_process
 from ndweave.pipeline import PipeEngine, construct_pipeline_stage
 
 VOCAB, WIDTH, SEQ = 16, 8, 4
@@ -62,20 +62,9 @@ def train_reference(model: nn.Module, data, loss=loss_fn, lr: float = 0.05, micr
     """One process, the usual loop: per step the loss and {fqn: grad}; then the final {fqn: param}.
     ``micro_batches > 1``: the same math summed in another order (each step's mean loss and its grads
     accumulated over that many equal micro-batches)."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, grads = [], []
-    for x, y in data:
-        opt.zero_grad()
-        value = 0.0
-        for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
-            micro = loss(model(xs), ys) / micro_batches
-            micro.backward()
-            value = value + micro.detach()
-        losses.append(value)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)})
-        opt.step()
-    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    run = train_one_process(model, data, optimizer=lambda params: torch.optim.AdamW(params, lr=lr), loss_fn=loss,
+                            micro_batches=micro_batches, keep_grads=True, copy_model=True)
+    return [torch.tensor(value) for value in run.losses], run.grads, run.final
 
 
 def one_process_run(num_layers: int, steps: int, batch: int = 8):

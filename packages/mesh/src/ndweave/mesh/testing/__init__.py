@@ -1,6 +1,7 @@
 """Test harness for distributed code: real ranks (gloo processes, reused across tests) or a fake
 process group in one process; plus a reference data-parallel wrapper and the contract check any
-data-parallel wrapper can be run through (``ReferenceDataParallel``, ``check_data_parallel``).
+data-parallel wrapper can be run through (``ReferenceDataParallel``, ``check_data_parallel``); and
+the one single-process reference loop parity is checked against (``train_one_process``).
 
     from ndweave.mesh.testing import distributed, run_distributed, fake_world
 
@@ -25,6 +26,7 @@ from ndweave.mesh.testing.parity import (
     measured_tolerance,
 )
 from ndweave.mesh.testing.pool import DistributedTestError, RankFailure, run_distributed, shutdown_pools
+from ndweave.mesh.testing.reference import ReferenceRun, train_one_process
 from ndweave.mesh.testing.reference_dp import ReferenceDataParallel
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "DistributedTestError",
     "RankFailure",
     "ReferenceDataParallel",
+    "ReferenceRun",
     "assert_close",
     "check_data_parallel",
     "distributed",
@@ -44,4 +47,5 @@ __all__ = [
     "measured_tolerance",
     "run_distributed",
     "shutdown_pools",
+    "train_one_process",
 ]
