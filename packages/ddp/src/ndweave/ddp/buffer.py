@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ndweave.mesh.contracts import BucketParam, GradBucket, move_param_into, padded_bucket_numel, slot_numel
 from ndweave.mesh.torch_compat import local_tensor
 
-__all__ = ["ParamSlot", "build_buckets"]
+__all__ = ["BucketPlan", "ParamSlot", "build_buckets", "plan_buckets"]
 
 
 @dataclass(eq=False)
@@ -89,6 +89,44 @@ class ParamSlot:
         return self.param.stride()
 
 
+@dataclass(frozen=True)
+class BucketPlan:
+    """Where one bucket lies in its group's flat buffer, computed before any buffer exists."""
+
+    start: int
+    """First element of the bucket in the group's buffer."""
+    end: int
+    """One past its last element, padding included (``end - start`` is ``padded_bucket_numel``)."""
+    entries: tuple[tuple[str, int, int], ...]
+    """``(name, offset in the bucket, local numel)`` of each parameter, in layout order."""
+
+
+def plan_buckets(sizes: list[tuple[str, int, int]], *, data_parallel_size: int,
+                 bucket_size: int | None) -> list[BucketPlan]:
+    """The bucket layout of one buffer group: pure arithmetic, so a memory estimate computes exactly
+    what :func:`build_buckets` allocates (it calls this).
+
+    ``sizes``: ``(name, local numel, slot numel)`` per parameter in layout order (reverse
+    registration); a bucket closes once it holds ``bucket_size`` slot elements (``None``: one bucket)
+    and is padded for ``data_parallel_size`` ranks (:func:`~ndweave.mesh.contracts.padded_bucket_numel`).
+
+        plan_buckets([("fc2.weight", 32, 32), ("fc1.weight", 64, 64)], data_parallel_size=2, bucket_size=40)
+    """
+    limit = math.inf if bucket_size is None else max(1, int(bucket_size))
+    plans: list[BucketPlan] = []
+    current: list[tuple[str, int, int]] = []
+    size = start = 0
+    for name, numel, slot in sizes:
+        current.append((name, size, numel))
+        size += slot
+        if size >= limit:
+            plans.append(BucketPlan(start, start + padded_bucket_numel(size, data_parallel_size), tuple(current)))
+            start, current, size = plans[-1].end, [], 0
+    if current:
+        plans.append(BucketPlan(start, start + padded_bucket_numel(size, data_parallel_size), tuple(current)))
+    return plans
+
+
 def build_buckets(
     named_params: list[tuple[str, torch.nn.Parameter]],
     *,
@@ -112,30 +150,19 @@ def build_buckets(
     buckets: list[GradBucket] = []
     slots: list[ParamSlot] = []
     grad_buffers: list[torch.Tensor] = []
-    limit = math.inf if bucket_size is None else max(1, int(bucket_size))
     for (device, param_dtype, grad_dtype, data_parallel_group), members in groups.items():
         dp_size = 1 if data_parallel_group is None else dist.get_world_size(data_parallel_group)
-        # plan: [(start, padded_end, [(name, param, offset_in_bucket, numel)])]
-        plan, current, size, start = [], [], 0, 0
-        for name, p in members:
-            n = local_tensor(p).numel()
-            current.append((name, p, size, n))
-            size += slot_numel(p)
-            if size >= limit:
-                padded = padded_bucket_numel(size, dp_size)
-                plan.append((start, start + padded, current))
-                start, current, size = start + padded, [], 0
-        if current:
-            padded = padded_bucket_numel(size, dp_size)
-            plan.append((start, start + padded, current))
-            start += padded
-
+        params = iter(p for _, p in members)  # the plan keeps members' order
+        plan = plan_buckets([(name, local_tensor(p).numel(), slot_numel(p)) for name, p in members],
+                            data_parallel_size=dp_size, bucket_size=bucket_size)
+        start = plan[-1].end if plan else 0
         grad_buffer = torch.zeros(start, dtype=grad_dtype, device=device)
         param_buffer = torch.zeros(start, dtype=param_dtype, device=device) if with_param_data else None
         grad_buffers.append(grad_buffer)
-        for b_start, b_end, entries in plan:
-            grad_data = grad_buffer[b_start:b_end]
-            param_data = param_buffer[b_start:b_end] if param_buffer is not None else None
+        for bucket in plan:
+            grad_data = grad_buffer[bucket.start:bucket.end]
+            entries = [(name, next(params), offset, n) for name, offset, n in bucket.entries]
+            param_data = param_buffer[bucket.start:bucket.end] if param_buffer is not None else None
             bucket_index = len(buckets)
             for name, p, offset, n in entries:
                 local = local_tensor(p)

@@ -1,0 +1,45 @@
+"""The bucket layout is computed before anything is allocated (``plan_buckets``), and DDP allocates
+exactly that: a memory estimate calling the same function cannot drift from what is built."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ndweave.ddp import DistributedDataParallel as DDP
+from ndweave.ddp.buffer import plan_buckets
+from ndweave.mesh import init_device_mesh
+from ndweave.mesh.contracts import padded_bucket_numel
+from ndweave.mesh.testing import distributed
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(37, 12), nn.Linear(12, 30), nn.GELU(), nn.Linear(30, 7, bias=False))
+
+
+def test_plan_packs_and_pads_each_bucket():
+    sizes = [("c", 10, 10), ("b", 20, 20), ("a", 5, 5)]
+    plan = plan_buckets(sizes, data_parallel_size=4, bucket_size=25)
+    assert [[name for name, _, _ in b.entries] for b in plan] == [["c", "b"], ["a"]]
+    assert plan[0].entries == (("c", 0, 10), ("b", 10, 20))
+    assert (plan[0].start, plan[0].end) == (0, padded_bucket_numel(30, 4))
+    assert (plan[1].start, plan[1].end) == (plan[0].end, plan[0].end + padded_bucket_numel(5, 4))
+    assert len(plan_buckets(sizes, data_parallel_size=4, bucket_size=None)) == 1
+    assert plan_buckets([], data_parallel_size=4, bucket_size=None) == []
+
+
+@distributed(world_size=2, timeout=60)
+def test_ddp_allocates_exactly_the_planned_layout():
+    for bucket_size, zero in ((None, False), (100, True), (1, False)):
+        model = _model()
+        named = list(reversed(list(model.named_parameters())))
+        plan = plan_buckets([(n, p.numel(), p.numel()) for n, p in named], data_parallel_size=dist.get_world_size(),
+                            bucket_size=bucket_size)
+        ddp = DDP(model, init_device_mesh("cpu", (2,), mesh_dim_names=("DP",)), bucket_size=bucket_size,
+                  use_distributed_optimizer=zero)
+        buckets = ddp.grad_buckets()
+        assert [b.grad_data.numel() for b in buckets] == [b.end - b.start for b in plan]
+        assert [[(q.name, q.offset, q.numel) for q in b.params] for b in buckets] == [list(b.entries) for b in plan]
+        assert all((b.param_data is not None) == zero for b in buckets)
