@@ -293,8 +293,9 @@ def train(args: argparse.Namespace) -> RunResult:
     optimizer, scheduler = build_optimizer(chunks, args)
     data, position = TextData(args.block_size, args.seed), DataPosition()
     # every step's loss so far (NaN: not trained yet), so a resumed run's plot shows the whole curve
-    history = torch.full((args.steps,), float("nan"), dtype=torch.float64)
-    val_history = torch.full((args.steps,), float("nan"), dtype=torch.float64)
+    # lists, not tensors: a checkpoint's history replaces them whole, so a resumed run may go on
+    # longer (or shorter) than the run that wrote it
+    history, val_history = [math.nan] * args.steps, [math.nan] * args.steps
     fault = faults.FaultInjection(args, rank)
     state = {"model": chunks, "optimizer": optimizer, "scheduler": scheduler, "data": position, "step": 0,
              "rng": torch.get_rng_state(), "loss_history": history, "val_history": val_history}
@@ -304,8 +305,13 @@ def train(args: argparse.Namespace) -> RunResult:
     start = 0
     if resume_mode(args):
         start = manager.load_latest(state) or 0
+        if start > args.steps:  # the same checkpoint on every rank: the same verdict
+            raise SystemExit(f"error: the checkpoint in {args.checkpoint_dir} is at step {start}, past --steps "
+                             f"{args.steps}: pass --steps {start} or more to continue it, or another --checkpoint-dir")
         torch.set_rng_state(state["rng"])
-        history, val_history = state["loss_history"], state["val_history"]
+        # a longer --steps extends the run: the history grows, the lr schedule stretches to the new end
+        history, val_history = (_resized(state[key], args.steps) for key in ("loss_history", "val_history"))
+        state["loss_history"], state["val_history"] = history, val_history
         if show:
             restarted = f" (torchrun restart {restart_count()}, {mesh.size()} ranks)" if restart_count() else ""
             report.say(f"resumed from step {start} of {manager.path(start)}{restarted}" if start
@@ -326,7 +332,7 @@ def train(args: argparse.Namespace) -> RunResult:
         if args.eval_every and (step % args.eval_every == 0 or step == last):
             val_history[step - 1] = validation_loss(engine, chunks, data, mesh, args)
         report.step(bar, losses[step], args.global_batch * args.block_size, time.perf_counter() - tick,
-                    val_history[step - 1].item())
+                    val_history[step - 1])
         if step == last or (args.checkpoint_every and step % args.checkpoint_every == 0):
             state["step"], state["rng"] = step, torch.get_rng_state()
             manager.save(step, state)
@@ -342,9 +348,14 @@ def train(args: argparse.Namespace) -> RunResult:
                      " x ".join(f"{d}={mesh[d].size()}" for d in DIMS), _steps(history), _steps(val_history), text)
 
 
-def _steps(history: torch.Tensor) -> dict[int, float]:
+def _steps(history: list[float]) -> dict[int, float]:
     """A per-step history (NaN: not there) by step number."""
-    return {i + 1: v for i, v in enumerate(history.tolist()) if not math.isnan(v)}
+    return {i + 1: v for i, v in enumerate(history) if not math.isnan(v)}
+
+
+def _resized(history: list[float], steps: int) -> list[float]:
+    """A checkpoint's per-step history for a run of ``steps`` (NaN: not trained yet)."""
+    return list(history[:steps]) + [math.nan] * (steps - len(history))
 
 
 def train_single_device(args: argparse.Namespace, micro_batches: int = 1, last: int | None = None) -> RunResult:

@@ -128,6 +128,28 @@ def test_two_torchrun_nodes_on_loopback(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 
+def _resume_refused(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as refused:
+        _run(argv)
+    return str(refused.value)
+
+
+@pytest.mark.parity
+def test_resuming_with_more_steps_extends_the_run_and_fewer_is_refused(tmp_path):
+    """The most common resume: a run of 3 steps continued to 5 (the history grows, the schedule
+    stretches to the new end); a --steps short of the checkpoint's step is refused on every rank."""
+    base = [*TINY, "--mesh", "dp=2", "--checkpoint-dir", str(tmp_path)]
+    first = run_distributed(_run, 2, [*base, "--steps", "3"], timeout=300)[0]
+    longer = run_distributed(_run, 2, [*base, "--steps", "5", "--resume"], timeout=300)[0]
+    assert sorted(longer.losses) == [4, 5] and sorted(longer.history) == [1, 2, 3, 4, 5]
+    assert all(longer.history[s] == first.losses[s] for s in (1, 2, 3))
+    reference = job.train_single_device(job.parse_args([*base, "--steps", "3"]))
+    assert_close(torch.tensor(list(first.losses.values()), dtype=torch.float64),
+                 torch.tensor(list(reference.losses.values()), dtype=torch.float64), name="the first 3 steps")
+    messages = run_distributed(_resume_refused, 2, [*base, "--steps", "4", "--resume"], timeout=300)
+    assert all("at step 5, past --steps 4: pass --steps 5 or more" in m for m in messages), messages
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--steps", "0"], "--steps must be at least 1"),
     (["--global-batch", "0"], "--global-batch must be at least 1"),
