@@ -298,7 +298,8 @@ def train(args: argparse.Namespace) -> RunResult:
     history, val_history = [math.nan] * args.steps, [math.nan] * args.steps
     fault = faults.FaultInjection(args, rank)
     state = {"model": chunks, "optimizer": optimizer, "scheduler": scheduler, "data": position, "step": 0,
-             "rng": torch.get_rng_state(), "loss_history": history, "val_history": val_history}
+             "rng": torch.get_rng_state(), "loss_history": history, "val_history": val_history,
+             "settings": {"global_batch": args.global_batch, "lr": args.lr, "steps": args.steps}}
     if args.kill_rank is not None:  # its state_dict() runs inside every save: where --kill-in-save strikes
         state["fault_injection"] = fault
     manager = CheckpointManager(args.checkpoint_dir, keep_last=2)
@@ -312,7 +313,10 @@ def train(args: argparse.Namespace) -> RunResult:
         # a longer --steps extends the run: the history grows, the lr schedule stretches to the new end
         history, val_history = (_resized(state[key], args.steps) for key in ("loss_history", "val_history"))
         state["loss_history"], state["val_history"] = history, val_history
+        changes = _resume_changes(state, scheduler, args)
         if show:
+            for change in changes:
+                report.say(f"resumed with {change}")
             restarted = f" (torchrun restart {restart_count()}, {mesh.size()} ranks)" if restart_count() else ""
             report.say(f"resumed from step {start} of {manager.path(start)}{restarted}" if start
                        else "no checkpoint: fresh start")
@@ -351,6 +355,18 @@ def train(args: argparse.Namespace) -> RunResult:
 def _steps(history: list[float]) -> dict[int, float]:
     """A per-step history (NaN: not there) by step number."""
     return {i + 1: v for i, v in enumerate(history) if not math.isnan(v)}
+
+
+def _resume_changes(state: dict, scheduler: torch.optim.lr_scheduler.LambdaLR, args: argparse.Namespace) -> list[str]:
+    """Settings this run changes from the checkpoint's (allowed: the data position counts samples, the
+    schedule is recomputed): the new ones take effect from the next step; what changed, in words."""
+    saved = state["settings"]
+    changes = [f"--{key.replace('_', '-')} {value} (the checkpoint's run had {saved[key]})"
+               for key, value in (("global_batch", args.global_batch), ("lr", args.lr), ("steps", args.steps))
+               if saved.get(key, value) != value]
+    scheduler.base_lrs = [args.lr] * len(scheduler.base_lrs)  # the schedule's peak is this run's --lr
+    state["settings"] = {"global_batch": args.global_batch, "lr": args.lr, "steps": args.steps}
+    return changes
 
 
 def _resized(history: list[float], steps: int) -> list[float]:

@@ -150,6 +150,15 @@ def test_resuming_with_more_steps_extends_the_run_and_fewer_is_refused(tmp_path)
     assert all("at step 5, past --steps 4: pass --steps 5 or more" in m for m in messages), messages
 
 
+def test_a_resume_may_change_the_batch_and_lr_and_says_so():
+    args = job.parse_args([*TINY, "--global-batch", "16", "--lr", "2e-2", "--steps", "3"])
+    scheduler = job.lr_schedule(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-2), job.parse_args(TINY))
+    state = {"settings": {"global_batch": 8, "lr": 1e-2, "steps": 3}}
+    assert job._resume_changes(state, scheduler, args) == [
+        "--global-batch 16 (the checkpoint's run had 8)", "--lr 0.02 (the checkpoint's run had 0.01)"]
+    assert scheduler.base_lrs == [2e-2] and state["settings"]["lr"] == 2e-2
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--steps", "0"], "--steps must be at least 1"),
     (["--global-batch", "0"], "--global-batch must be at least 1"),
