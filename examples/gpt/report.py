@@ -5,6 +5,7 @@ of generated text."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-__all__ = ["compare", "finish", "progress", "sample", "say", "start", "step"]
+__all__ = ["compare", "finish", "metrics_line", "progress", "sample", "say", "start", "step"]
 
 
 def start(mesh: Any, model: torch.nn.Module, args: argparse.Namespace) -> None:
@@ -33,6 +34,17 @@ def say(text: str) -> None:
 
 def progress(start: int, last: int, show: bool) -> tqdm:
     return tqdm(total=last, initial=start, disable=not show, desc="train", unit="step", dynamic_ncols=True)
+
+
+def metrics_line(path: str, *, step: int, loss: float, val_loss: float, lr: float, grad_norm: float | None,
+                 seconds: float, tokens: int, peak_bytes: int) -> None:
+    """Append one step's metrics to the JSONL file ``path`` (a resumed run goes on appending; NaN
+    and a missing norm are written as null)."""
+    row = {"step": step, "loss": loss, "val_loss": None if math.isnan(val_loss) else val_loss, "lr": lr,
+           "grad_norm": grad_norm, "tokens_s": tokens / max(seconds, 1e-9), "step_s": seconds,
+           "peak_bytes": peak_bytes}
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def step(bar: tqdm, loss: float, tokens: int, seconds: float, val_loss: float = math.nan) -> None:

@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="steps between validation losses on held-out text, through the pipeline (0: none)")
     p.add_argument("--compare-single-device", action="store_true", help="also train on one process and compare")
     p.add_argument("--plot", default="gpt_loss.png", help="loss-curve PNG ('' for none)")
+    p.add_argument("--metrics", default="gpt_metrics.jsonl",
+                   help="JSON line per step, appended by rank 0: loss, val_loss, lr, grad_norm, tokens_s, step_s, "
+                        "peak_bytes ('' for none)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or report (tests)")
     faults.add_args(p)
     args = p.parse_args(argv)
@@ -329,14 +332,19 @@ def train(args: argparse.Namespace) -> RunResult:
         optimizer.zero_grad()
         loss = engine(x, y).detach().to(torch.float64)  # the mean over this DP rank's micro-batches
         optimizer.step()
+        lr = optimizer.param_groups[0]["lr"]  # the one this step used
         scheduler.step()
         position.advance(args.global_batch)
         dist.all_reduce(loss, group=mesh["DP"].get_group())  # equal slices: the global mean
         losses[step] = history[step - 1] = loss.item() / dp_size
         if args.eval_every and (step % args.eval_every == 0 or step == last):
             val_history[step - 1] = validation_loss(engine, chunks, data, mesh, args)
-        report.step(bar, losses[step], args.global_batch * args.block_size, time.perf_counter() - tick,
-                    val_history[step - 1])
+        seconds = time.perf_counter() - tick
+        report.step(bar, losses[step], args.global_batch * args.block_size, seconds, val_history[step - 1])
+        if rank == 0 and args.metrics:
+            report.metrics_line(args.metrics, step=step, loss=losses[step], val_loss=val_history[step - 1], lr=lr,
+                                grad_norm=optimizer.last_grad_norm, seconds=seconds,
+                                tokens=args.global_batch * args.block_size, peak_bytes=peak_memory(args.device))
         if step == last or (args.checkpoint_every and step % args.checkpoint_every == 0):
             state["step"], state["rng"] = step, torch.get_rng_state()
             manager.save(step, state)

@@ -15,7 +15,7 @@ needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"
 )
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16", "--global-batch", "8",
-        "--micro-batches", "2", "--steps", "4", "--dtype", "float64", "--device", "cuda", "--quiet", "--plot", ""]
+        "--micro-batches", "2", "--steps", "4", "--dtype", "float64", "--device", "cuda", "--quiet", "--plot", "", "--metrics", ""]
 
 
 def _job_on_cuda(argv: list[str]):

@@ -32,7 +32,7 @@ job = load_example("gpt/train")
 STEPS = 6
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16", "--global-batch", "8",
         "--micro-batches", "2", "--warmup", "2", "--lr", "1e-2", "--min-lr", "1e-3", "--clip", "0.5",
-        "--dtype", "float64", "--plot", "", "--steps", str(STEPS), "--checkpoint-every", "2",
+        "--dtype", "float64", "--plot", "", "--metrics", "", "--steps", str(STEPS), "--checkpoint-every", "2",
         "--mesh", "pp=2,dp=-1"]
 
 

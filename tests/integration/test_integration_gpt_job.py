@@ -11,6 +11,7 @@ harness's ranks (float64) against its own single-device run, strict:
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -25,7 +26,7 @@ from ndweave.mesh.testing import assert_close, run_distributed
 job = load_example("gpt/train")
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16", "--global-batch", "8",
         "--micro-batches", "2", "--warmup", "2", "--lr", "1e-2", "--min-lr", "1e-3", "--clip", "0.5",
-        "--dtype", "float64", "--quiet", "--plot", ""]
+        "--dtype", "float64", "--quiet", "--plot", "", "--metrics", ""]
 
 
 def _args(*extra: str):
@@ -109,8 +110,9 @@ def test_two_torchrun_nodes_on_loopback(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(p) for p in sorted((ROOT / "packages").glob("*/src"))]
                                          + [os.environ.get("PYTHONPATH", "")])}
-    train = [str(ROOT / "examples" / "gpt" / "train.py"), *TINY[:-3], "--dtype", "fp32", "--mesh", "pp=2,dp=-1",
-             "--steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--plot", str(tmp_path / "loss.png")]
+    train = [str(ROOT / "examples" / "gpt" / "train.py"), *TINY[:-5], "--dtype", "fp32", "--mesh", "pp=2,dp=-1",
+             "--steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--plot", str(tmp_path / "loss.png"),
+             "--metrics", str(tmp_path / "metrics.jsonl")]
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "gpt-job",
@@ -126,6 +128,7 @@ def test_two_torchrun_nodes_on_loopback(tmp_path):
     summary = [line for out in outputs for line in out.splitlines() if line.startswith("done: ")]
     assert len(summary) == 1 and "PP=2 x DP=2 x TP=1" in summary[0], outputs
     assert (tmp_path / "loss.png").stat().st_size > 0
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2  # rank 0 alone writes it
 
 
 def _resume_refused(argv: list[str]) -> str:
@@ -138,11 +141,15 @@ def _resume_refused(argv: list[str]) -> str:
 def test_resuming_with_more_steps_extends_the_run_and_fewer_is_refused(tmp_path):
     """The most common resume: a run of 3 steps continued to 5 (the history grows, the schedule
     stretches to the new end); a --steps short of the checkpoint's step is refused on every rank."""
-    base = [*TINY, "--mesh", "dp=2", "--checkpoint-dir", str(tmp_path)]
+    base = [*TINY, "--mesh", "dp=2", "--checkpoint-dir", str(tmp_path), "--metrics", str(tmp_path / "m.jsonl")]
     first = run_distributed(_run, 2, [*base, "--steps", "3"], timeout=300)[0]
     longer = run_distributed(_run, 2, [*base, "--steps", "5", "--resume"], timeout=300)[0]
     assert sorted(longer.losses) == [4, 5] and sorted(longer.history) == [1, 2, 3, 4, 5]
     assert all(longer.history[s] == first.losses[s] for s in (1, 2, 3))
+    # the metrics file, appended by both runs: a line per step with the loss, lr and grad norm
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and [r["loss"] for r in rows] == list(longer.history.values())
+    assert all(r["lr"] > 0 and r["grad_norm"] > 0 and r["tokens_s"] > 0 and r["peak_bytes"] > 0 for r in rows)
     reference = job.train_single_device(job.parse_args([*base, "--steps", "3"]))
     assert_close(torch.tensor(list(first.losses.values()), dtype=torch.float64),
                  torch.tensor(list(reference.losses.values()), dtype=torch.float64), name="the first 3 steps")

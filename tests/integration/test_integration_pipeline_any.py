@@ -31,7 +31,7 @@ from test_integration_pipeline import STEPS, _check, _distributed_optimizer, _re
 job = load_example("gpt/train")
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16", "--global-batch", "8",
         "--micro-batches", "2", "--warmup", "2", "--lr", "1e-2", "--min-lr", "1e-3", "--clip", "0.5",
-        "--dtype", "float64", "--quiet", "--plot", ""]
+        "--dtype", "float64", "--quiet", "--plot", "", "--metrics", ""]
 
 
 def _run(argv: list[str]):

@@ -91,6 +91,22 @@ def test_basic_optimizer_grad_norm_counts_dp_replicas_once():
     torch.testing.assert_close(opt.clip_grad_norm(1e9), torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9))
 
 
+@distributed(world_size=2, timeout=60)
+def test_last_grad_norm_is_the_steps_global_norm_before_clipping():
+    reference, ddp = dp_setup()
+    opt = DistributedOptimizer(torch.optim.SGD, [ddp], optimizer_kwargs={"lr": 0.1}, clip_grad=1e-3)
+    assert opt.last_grad_norm is None
+    x, y = local_batch(0, dist.get_rank(), 2)
+    loss_fn(ddp(x), y).backward()
+    opt.step()
+    from optim_common import batch
+
+    xf, yf = batch(0)
+    loss_fn(reference(xf), yf).backward()
+    expected = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9))
+    assert abs(opt.last_grad_norm - expected) <= 1e-12 * expected and expected > 1e-3
+
+
 @distributed(world_size=4)
 def test_basic_optimizer_on_a_tp_model_without_ddp():
     """Plain TP (no DP wrapper): the norm sums Shard placements and counts Replicate ones once."""

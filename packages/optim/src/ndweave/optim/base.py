@@ -152,6 +152,13 @@ class WrappedOptimizer(torch.optim.Optimizer):
             self._grads_ready = True
         return not self._found_inf
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global grad norm (2-norm over every rank, before clipping) the last ``step()`` computed;
+        ``None`` before the first step, or when none was computed (``on_nonfinite="unchecked"``
+        without clipping). No collective: the step already all-reduced it."""
+        return None if self._step_norm is None else float(self._step_norm)
+
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every rank's grads to a global norm of ``max_norm``; return the global norm (float64; before
         clipping, after unscaling). A collective: call it on every rank, after ``backward()`` and
