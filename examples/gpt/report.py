@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-__all__ = ["compare", "finish", "metrics_line", "progress", "sample", "say", "start", "step"]
+__all__ = ["Metrics", "compare", "finish", "progress", "sample", "say", "start", "step"]
 
 
 def start(mesh: Any, model: torch.nn.Module, args: argparse.Namespace) -> None:
@@ -36,15 +36,35 @@ def progress(start: int, last: int, show: bool) -> tqdm:
     return tqdm(total=last, initial=start, disable=not show, desc="train", unit="step", dynamic_ncols=True)
 
 
-def metrics_line(path: str, *, step: int, loss: float, val_loss: float, lr: float, grad_norm: float | None,
-                 seconds: float, tokens: int, peak_bytes: int) -> None:
-    """Append one step's metrics to the JSONL file ``path`` (a resumed run goes on appending; NaN
-    and a missing norm are written as null)."""
-    row = {"step": step, "loss": loss, "val_loss": None if math.isnan(val_loss) else val_loss, "lr": lr,
-           "grad_norm": grad_norm, "tokens_s": tokens / max(seconds, 1e-9), "step_s": seconds,
-           "peak_bytes": peak_bytes}
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+class Metrics:
+    """Where every step's metrics go on rank 0: a JSONL file (``jsonl``; a resumed run goes on
+    appending; NaN and a missing norm are written as null) and TensorBoard event files in
+    ``tensorboard`` (``torch.utils.tensorboard``, when the tensorboard package is installed)."""
+
+    def __init__(self, jsonl: str, tensorboard: str) -> None:
+        self.jsonl = jsonl
+        self.board = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # optional: check_args made sure it imports
+
+            self.board = SummaryWriter(tensorboard)
+
+    def write(self, *, step: int, loss: float, val_loss: float, lr: float, grad_norm: float | None,
+              seconds: float, tokens: int, peak_bytes: int) -> None:
+        row = {"step": step, "loss": loss, "val_loss": None if math.isnan(val_loss) else val_loss, "lr": lr,
+               "grad_norm": grad_norm, "tokens_s": tokens / max(seconds, 1e-9), "step_s": seconds,
+               "peak_bytes": peak_bytes}
+        if self.jsonl:
+            with open(self.jsonl, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if self.board is not None:
+            for key, value in row.items():
+                if key != "step" and value is not None:
+                    self.board.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
 
 
 def step(bar: tqdm, loss: float, tokens: int, seconds: float, val_loss: float = math.nan) -> None:

@@ -18,6 +18,7 @@ the model is built in.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
@@ -92,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics", default="gpt_metrics.jsonl",
                    help="JSON line per step, appended by rank 0: loss, val_loss, lr, grad_norm, tokens_s, step_s, "
                         "peak_bytes ('' for none)")
+    p.add_argument("--tensorboard", default="", metavar="DIR",
+                   help="also write the metrics as TensorBoard event files in DIR (needs the tensorboard package)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or report (tests)")
     faults.add_args(p)
     args = p.parse_args(argv)
@@ -118,6 +121,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                      f"got {args.global_batch}")
     if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
         parser.error(f"--stop-at must be between 1 and --steps {args.steps}, got {args.stop_at}")
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        parser.error(f"--tensorboard {args.tensorboard}: the tensorboard package is not installed; "
+                     "`pip install tensorboard`, or leave the flag out (--metrics writes every step as JSON lines)")
     if args.device != "cpu":
         module = getattr(torch, args.device.split(":")[0], None)
         if module is None or not hasattr(module, "is_available") or not module.is_available():
@@ -325,6 +331,7 @@ def train(args: argparse.Namespace) -> RunResult:
                        else "no checkpoint: fresh start")
     last = min(args.steps, args.stop_at or args.steps)
     losses, bar, begin = {}, report.progress(start, last, show), time.perf_counter()
+    metrics = report.Metrics(args.metrics, args.tensorboard) if rank == 0 and (args.metrics or args.tensorboard) else None
     for step in range(start + 1, last + 1):
         fault.before_step(step)
         tick = time.perf_counter()
@@ -341,10 +348,10 @@ def train(args: argparse.Namespace) -> RunResult:
             val_history[step - 1] = validation_loss(engine, chunks, data, mesh, args)
         seconds = time.perf_counter() - tick
         report.step(bar, losses[step], args.global_batch * args.block_size, seconds, val_history[step - 1])
-        if rank == 0 and args.metrics:
-            report.metrics_line(args.metrics, step=step, loss=losses[step], val_loss=val_history[step - 1], lr=lr,
-                                grad_norm=optimizer.last_grad_norm, seconds=seconds,
-                                tokens=args.global_batch * args.block_size, peak_bytes=peak_memory(args.device))
+        if rank == 0 and metrics is not None:
+            metrics.write(step=step, loss=losses[step], val_loss=val_history[step - 1], lr=lr,
+                          grad_norm=optimizer.last_grad_norm, seconds=seconds,
+                          tokens=args.global_batch * args.block_size, peak_bytes=peak_memory(args.device))
         if step == last or (args.checkpoint_every and step % args.checkpoint_every == 0):
             state["step"], state["rng"] = step, torch.get_rng_state()
             manager.save(step, state)
@@ -352,6 +359,8 @@ def train(args: argparse.Namespace) -> RunResult:
                 report.say(f"checkpoint: step {step} -> {manager.path(step)}")
     seconds = time.perf_counter() - begin
     bar.close()
+    if metrics is not None:
+        metrics.close()
     text = sample(engine, chunks, args) if args.sample else ""
     memory: list[int] = [0] * dist.get_world_size()
     dist.all_gather_object(memory, peak_memory(args.device))

@@ -11,11 +11,14 @@ harness's ranks (float64) against its own single-device run, strict:
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import os
 import socket
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -155,6 +158,43 @@ def test_resuming_with_more_steps_extends_the_run_and_fewer_is_refused(tmp_path)
                  torch.tensor(list(reference.losses.values()), dtype=torch.float64), name="the first 3 steps")
     messages = run_distributed(_resume_refused, 2, [*base, "--steps", "4", "--resume"], timeout=300)
     assert all("at step 5, past --steps 4: pass --steps 5 or more" in m for m in messages), messages
+
+
+def test_tensorboard_without_its_package_is_named_with_the_fix(capsys):
+    """TensorBoard is optional: without the package the flag is refused naming it; with it, the
+    metrics are event files (the JSONL file is written either way)."""
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(SystemExit):
+            job.parse_args([*TINY, "--tensorboard", "tb"])
+        assert "the tensorboard package is not installed; `pip install tensorboard`" in capsys.readouterr().err
+    else:
+        assert job.parse_args([*TINY, "--tensorboard", "tb"]).tensorboard == "tb"
+
+
+def test_metrics_go_to_jsonl_and_to_tensorboard(tmp_path, monkeypatch):
+    """The job's Metrics writer, with a stand-in for torch.utils.tensorboard (whose package is optional)."""
+    scalars = []
+
+    class Writer:
+        def __init__(self, folder):
+            self.folder = folder
+
+        def add_scalar(self, key, value, step):
+            scalars.append((key, value, step))
+
+        def close(self):
+            scalars.append(("closed", self.folder, None))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    metrics = job.report.Metrics(str(tmp_path / "m.jsonl"), str(tmp_path / "tb"))
+    metrics.write(step=3, loss=2.5, val_loss=math.nan, lr=1e-3, grad_norm=None, seconds=0.5, tokens=100,
+                  peak_bytes=7)
+    metrics.close()
+    assert json.loads((tmp_path / "m.jsonl").read_text()) == {
+        "step": 3, "loss": 2.5, "val_loss": None, "lr": 1e-3, "grad_norm": None, "tokens_s": 200.0, "step_s": 0.5,
+        "peak_bytes": 7}
+    assert scalars == [("loss", 2.5, 3), ("lr", 1e-3, 3), ("tokens_s", 200.0, 3), ("step_s", 0.5, 3),
+                       ("peak_bytes", 7, 3), ("closed", str(tmp_path / "tb"), None)]
 
 
 def test_a_resume_may_change_the_batch_and_lr_and_says_so():
