@@ -20,7 +20,7 @@ from ndweave.dmodule.hooks import log_redistributions
 from ndweave.dmodule.plan import PlacementSpec, PlanKeyError
 from ndweave.dmodule.plans import explain_plan, get_plan, list_plans, load_plan, save_plan
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "DModule",

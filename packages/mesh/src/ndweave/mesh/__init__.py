@@ -13,7 +13,7 @@ from ndweave.mesh.parallel_mesh import (
 from ndweave.mesh.resolve import resolve_mesh
 from ndweave.mesh.spec import init_mesh_from_spec, parse_spec, resolve_spec
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = ["DEFAULT_DIM_NAMES", "DEVICE_MESH", "ParallelMesh", "init_device_mesh", "init_mesh_from_spec", "parse_spec",
            "resolve_mesh", "resolve_spec", "__version__"]

@@ -51,10 +51,13 @@ def list_plans() -> list[str]:
 
 
 def get_plan(name: str, model: Any = None, *, sequence_parallel: bool = False,
-             loss_parallel: bool = False) -> dict[str, Any]:
+             loss_parallel: bool = False, example_inputs: tuple[tuple, dict] | None = None) -> dict[str, Any]:
     """A ``sharding_plan`` (``{"parameter": ..., "forward": ..., "patch": ...}``) for model family
     ``name``: tensor parallel, plus sequence parallel on the residual stream when
     ``sequence_parallel=True``. Pass ``model`` to size the plan from its config (biases, heads).
+
+    ``name="auto"`` derives the plan from ``model`` (one forward traced on meta; ``example_inputs=
+    (args, kwargs)`` where its inputs cannot be guessed: see ``ndweave.dmodule.infer``).
 
     ``loss_parallel=True`` (the language models): the logits stay ``Shard(-1)`` DTensors over the
     vocabulary instead of being gathered; compute the loss outside the model and run it AND its
@@ -71,4 +74,9 @@ def get_plan(name: str, model: Any = None, *, sequence_parallel: bool = False,
         make = _PLANS[name]
     except KeyError:
         raise KeyError(f"no plan named {name!r}; the zoo has {list_plans()}") from None
+    if name == "auto":  # the only plan that runs the model, and so may need its inputs
+        return make(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                    example_inputs=example_inputs)
+    if example_inputs is not None:
+        raise ValueError(f'get_plan({name!r}): example_inputs is for get_plan("auto", ...), which traces the model')
     return make(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
