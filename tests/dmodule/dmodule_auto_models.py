@@ -17,21 +17,27 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from ndweave.mesh.testing import STRICT_DTYPE, assert_close
+from ndweave.mesh.testing import STRICT, STRICT_DTYPE, Tolerance, assert_close
 
 BATCH, SEQ = 2, 16
+# transformers routes MoE tokens in float32 whatever the model's dtype (softmax(logits.float())): under
+# tensor parallelism each rank's share of the routing weights' gradient is rounded to float32 before
+# the ranks sum them, one process rounds the whole sum once; ~1e-8 relative, where a real bug is 1e-4
+ROUTED = Tolerance(rtol=1e-6, atol=1e-7)
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=64)
+            num_key_value_heads=2, max_position_embeddings=64)  # (models without grouped-query attention ignore it)
 # per model type: what its tiny config needs besides TINY (grouped-query attention where it has it)
 ARCHS: dict[str, dict] = {
     "llama": dict(num_key_value_heads=2),
     "qwen2": dict(num_key_value_heads=2),
     "mistral": dict(num_key_value_heads=2),
-    "phi3": dict(pad_token_id=0),
+    "phi3": dict(pad_token_id=0, num_key_value_heads=4),  # equal q, k, v pieces in the fused projection
     "gpt_neox": dict(),
     "gpt2": dict(),
     "falcon": dict(),
     "mixtral": dict(num_key_value_heads=2, num_local_experts=4),
+    "qwen2_moe": dict(num_key_value_heads=2, num_experts=4, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64),
 }
 
 
@@ -62,8 +68,10 @@ def _run(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> tuple[to
     return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def check_auto_parity(arch: str, *, sequence_parallel: bool = False, steps: int = 2, **overrides) -> None:
-    """Run on every rank: ``get_plan("auto", model)`` on a 1-D TP mesh matches one process."""
+def check_auto_parity(arch: str, *, sequence_parallel: bool = False, steps: int = 2, tol: Tolerance = STRICT,
+                      **overrides) -> None:
+    """Run on every rank: ``get_plan("auto", model)`` on a 1-D TP mesh matches one process (the first
+    forward strictly; gradients, parameters and later forwards within ``tol``)."""
     from ndweave.dmodule import parallelize_module
     from ndweave.dmodule.plans import get_plan
 
@@ -80,25 +88,26 @@ def check_auto_parity(arch: str, *, sequence_parallel: bool = False, steps: int 
         ids, targets = _batch(step)
         ref_logits, ref_loss = _run(reference, ids, targets)
         logits, loss = _run(model, ids, targets)
-        assert_close(logits, ref_logits, name=f"{arch} step {step} logits")
-        assert_close(loss, ref_loss, name=f"{arch} step {step} loss")
+        forward_tol = STRICT if step == 0 else tol  # (after a step, the parameters carry tol's differences)
+        assert_close(logits, ref_logits, name=f"{arch} step {step} logits", tol=forward_tol)
+        assert_close(loss, ref_loss, name=f"{arch} step {step} loss", tol=forward_tol)
         ref_loss.backward()
         loss.backward()
         model.finish_grad_sync()
-        _same_grads(params, ref_params, f"{arch} step {step}")
+        _same_grads(params, ref_params, f"{arch} step {step}", tol)
         for optimizer in (ref_opt, opt):
             optimizer.step()
             optimizer.zero_grad()
     for fqn, ref_p in ref_params.items():
-        assert_close(params[fqn], ref_p, name=f"{arch} {fqn} after {steps} steps")
+        assert_close(params[fqn], ref_p, name=f"{arch} {fqn} after {steps} steps", tol=tol)
 
 
-def _same_grads(params: dict, ref_params: dict, where: str) -> None:
+def _same_grads(params: dict, ref_params: dict, where: str, tol: Tolerance) -> None:
     for fqn, ref_p in ref_params.items():
         if ref_p.grad is None:  # (a parameter the loss does not reach, e.g. an unused pooler)
             assert params[fqn].grad is None, f"{where}: {fqn} got a gradient one process does not"
         else:
-            assert_close(params[fqn].grad, ref_p.grad, name=f"{where} {fqn}.grad")
+            assert_close(params[fqn].grad, ref_p.grad, name=f"{where} {fqn}.grad", tol=tol)
 
 
 class _Norm(nn.Module):

@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from dmodule_auto_models import check_auto_parity  # noqa: E402
+from dmodule_auto_models import ROUTED, check_auto_parity  # noqa: E402
 
 from ndweave.mesh.testing import distributed  # noqa: E402
 
@@ -24,8 +24,18 @@ def test_auto_plan_matches_one_process(arch, sequence_parallel):
 @pytest.mark.parametrize("arch,overrides", [
     ("phi3", dict(num_key_value_heads=2)),          # fused q|k|v of unequal pieces: attention replicated
     ("falcon", dict()),                             # multi-query attention: one key/value head
-    ("mixtral", dict()),                            # experts inside one module: the MoE block replicated
-], ids=["phi3_gqa", "falcon_mqa", "mixtral"])
+], ids=["phi3_gqa", "falcon_mqa"])
 @distributed(world_size=2, timeout=180)
 def test_what_cannot_be_sharded_runs_replicated(arch, overrides):
     check_auto_parity(arch, sequence_parallel=True, **overrides)
+
+
+@pytest.mark.parity
+@MODES
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@distributed(world_size=2, timeout=180)
+def test_moe_experts_are_sharded_inside_each_expert(arch, sequence_parallel):
+    """3-D expert weights: each expert's gate|up and down projections split over the ranks, the
+    experts module run whole on its shards (local_block), the router replicated. (transformers routes
+    in float32: see ROUTED.)"""
+    check_auto_parity(arch, sequence_parallel=sequence_parallel, tol=ROUTED)

@@ -26,6 +26,7 @@ from ndweave.dmodule.infer.emit import block_module, emit_blocks, emit_embedding
 from ndweave.dmodule.infer.entries import Entries
 from ndweave.dmodule.infer.linears import find_embeddings
 from ndweave.dmodule.infer.modules import Boundaries
+from ndweave.dmodule.infer.partials import partial_outputs
 from ndweave.dmodule.infer.patterns import Block, Failure, find_blocks
 from ndweave.dmodule.infer.verify import Verdict, verify_block
 from ndweave.mesh.trace import Trace, meta_copy, trace
@@ -64,7 +65,18 @@ def _verified_blocks(recorded: Trace, boundaries: Boundaries, twin: nn.Module
         attributes: dict[str, tuple[tuple[str, ...], str]] = {}
         failed = False
         for block in blocks:
-            if not (block.reshaping or block.pieces):
+            if block.container is not None:
+                block.partial_outputs, why = partial_outputs(recorded, block, boundaries.calls[block.container])
+                if block.partial_outputs is None:
+                    excluded.update({c.op: f"{block.container}: {why}" for c in block.columns})
+                    failed = True
+                    continue
+            stray = _stray_inner_params(recorded, block)
+            if stray:
+                excluded.update({c.op: f"{block_module(block) or '<root>'}: {stray}" for c in block.columns})
+                failed = True
+                continue
+            if not (block.reshaping or block.pieces or block.container):
                 continue
             key = _signature(block, boundaries, twin)
             if key not in verdicts:
@@ -77,6 +89,20 @@ def _verified_blocks(recorded: Trace, boundaries: Boundaries, twin: nn.Module
                 attributes[block_module(block)] = (verdict.attributes, verdict.why)
         if not failed:
             return blocks, failures, attributes
+
+
+def _stray_inner_params(recorded: Trace, block: Block) -> str | None:
+    """Why a parameter used on this rank's heads inside ``block`` cannot get a partial gradient
+    (it is also used outside the block, where every rank computes its whole gradient), or ``None``."""
+    inside = set(block.ops)
+    for name in sorted(block.inner_params):
+        vid = recorded.params[name]
+        uses = [op.index for op in recorded.leaves() if vid in op.inputs]
+        if any(i not in inside for i in uses):
+            return f"{name} is used both on this rank's heads and outside the block"
+    if block.inner_params and (block.container is not None or not (block.reshaping or block.pieces)):
+        return f"parameters {sorted(block.inner_params)} used between its linears"
+    return None
 
 
 def _signature(block: Block, b: Boundaries, twin: nn.Module) -> tuple:

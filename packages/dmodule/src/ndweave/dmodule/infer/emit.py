@@ -67,6 +67,9 @@ def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.
                 sequence_parallel: bool, loss_parallel: bool) -> None:
     """Entries for every block (see the module docstring)."""
     for block in blocks:
+        if block.container is not None:
+            _emit_container(entries, block, b, sequence_parallel)
+            continue
         local = block.reshaping or bool(block.pieces)
         where = block_module(block) or "<root>"
         for column in block.columns:
@@ -107,6 +110,41 @@ def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.
         if local:
             entries.add("patch", block_module(block), "", {"name": "tp_divides", "args": {"sizes": sorted(block.sizes)}},
                         "checks that the tensor-parallel size divides every sharded size (heads) of the block")
+        owners: dict[str, list[str]] = {}
+        for name in sorted(block.inner_params):
+            owner, _, leaf = name.rpartition(".")
+            owners.setdefault(owner, []).append(leaf)
+        for owner, leaves in owners.items():
+            entries.add("patch", owner, "", {"name": "partial_grad_params", "args": {"names": leaves}},
+                        f"works on this rank's heads inside {where}: its parameters' gradients are partial sums")
+
+
+def _shard(block: Block, column: Linear) -> Any:
+    k = _pieces(block, column)
+    return (lambda d: [StridedShard(d, split_factor=k)]) if k > 1 else (lambda d: [Shard(d)])
+
+
+def _emit_container(entries: Entries, block: Block, b: Boundaries, sequence_parallel: bool) -> None:
+    """A block inside one module's forward (experts as 3-D weights): its parameters cut per linear
+    role, the module run whole on local shards (``local_block``), its partial outputs reduced."""
+    where = block.container
+    for column in block.columns:
+        shard = _shard(block, column)
+        entries.param(column.weight, shard(column.out_dim), f"column-wise inside {where}'s forward (each expert's "
+                      f"{'fused ' if _pieces(block, column) > 1 else ''}up projection split over the ranks)")
+        if column.bias is not None:
+            entries.param(column.bias, shard(column.out_dim - 1), f"its bias, likewise ({where})")
+    for row in block.rows:
+        entries.param(row.weight, [Shard(row.in_dim)], f"row-wise inside {where}'s forward: a partial sum")
+    outputs = [b.trace.values[v] for v in b.calls[where].outputs]
+    plan = [(_stream(sequence_parallel) if len(v.shape) == 3 else [Replicate()]) if partial else None
+            for v, partial in zip(outputs, block.partial_outputs)]
+    entries.add("forward", where, "output", plan, "its partial sums reduced at its output (reduce-scattered on the "
+                "sequence under SP when they are (batch, seq, hidden))")
+    entries.add("patch", where, "", {"name": "local_block", "args": {"partial": block.partial_outputs}},
+                "runs whole on this rank's shards of its parameters, its inputs handed in whole")
+    entries.add("patch", where, "", {"name": "tp_divides", "args": {"sizes": sorted(block.sizes)}},
+                "checks that the tensor-parallel size divides every sharded size of the block")
 
 
 def _emit_column_input(entries: Entries, column: Linear, b: Boundaries, sequence_parallel: bool) -> None:
