@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from dmodule_auto_models import ROUTED, check_auto_parity  # noqa: E402
+from dmodule_auto_models import FLOAT32_INSIDE, check_auto_parity  # noqa: E402
 
 from ndweave.mesh.testing import distributed  # noqa: E402
 
@@ -37,5 +37,5 @@ def test_what_cannot_be_sharded_runs_replicated(arch, overrides):
 def test_moe_experts_are_sharded_inside_each_expert(arch, sequence_parallel):
     """3-D expert weights: each expert's gate|up and down projections split over the ranks, the
     experts module run whole on its shards (local_block), the router replicated. (transformers routes
-    in float32: see ROUTED.)"""
-    check_auto_parity(arch, sequence_parallel=sequence_parallel, tol=ROUTED)
+    in float32: see FLOAT32_INSIDE.)"""
+    check_auto_parity(arch, sequence_parallel=sequence_parallel, tol=FLOAT32_INSIDE)

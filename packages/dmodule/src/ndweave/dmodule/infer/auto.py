@@ -96,10 +96,12 @@ def _stray_inner_params(recorded: Trace, block: Block) -> str | None:
     (it is also used outside the block, where every rank computes its whole gradient), or ``None``."""
     inside = set(block.ops)
     for name in sorted(block.inner_params):
-        vid = recorded.params[name]
-        uses = [op.index for op in recorded.leaves() if vid in op.inputs]
-        if any(i not in inside for i in uses):
-            return f"{name} is used both on this rank's heads and outside the block"
+        made = {recorded.params[name]}  # the parameter and what is made from it alone (weight.float())
+        for op in recorded.leaves():
+            if op.inputs and set(op.inputs) <= made:
+                made.update(op.outputs)
+            elif made & set(op.inputs) and op.index not in inside:
+                return f"{name} is used both on this rank's heads and outside the block"
     if block.inner_params and (block.container is not None or not (block.reshaping or block.pieces)):
         return f"parameters {sorted(block.inner_params)} used between its linears"
     return None

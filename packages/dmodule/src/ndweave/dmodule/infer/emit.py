@@ -32,6 +32,7 @@ from torch.distributed.tensor import Replicate, Shard
 from ndweave.dmodule.infer.entries import Entries
 from ndweave.dmodule.infer.linears import Embedding, Linear
 from ndweave.dmodule.infer.modules import Argument, Boundaries, common_ancestor, is_within
+from ndweave.dmodule.infer.partials import follow_partials
 from ndweave.dmodule.infer.patterns import Block
 from ndweave.dmodule.plan import PlacementSpec
 from ndweave.mesh.torch_compat import StridedShard
@@ -108,7 +109,8 @@ def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.
                         "row-wise output: the partial sums reduce-scattered on the sequence (SP)" if sequence_parallel
                         else "row-wise output: the partial sums all-reduced, once")
         if local:
-            entries.add("patch", block_module(block), "", {"name": "tp_divides", "args": {"sizes": sorted(block.sizes)}},
+            check = {"name": "tp_divides", "args": {"sizes": sorted(block.sizes)}}
+            entries.add("patch", block_module(block), "", check,
                         "checks that the tensor-parallel size divides every sharded size (heads) of the block")
         owners: dict[str, list[str]] = {}
         for name in sorted(block.inner_params):
@@ -185,19 +187,29 @@ def emit_embeddings(entries: Entries, embeddings: list[Embedding], b: Boundaries
     notes = []
     inputs = set(b.trace.inputs)
     for emb in embeddings:
-        if b.chain(emb.ids)[-1] in inputs and isinstance(model.get_submodule(emb.module), nn.Embedding):
+        call = b.calls.get(emb.module)
+        linear = call is not None and follow_partials(b.trace, {emb.op: emb.y}, call)[0] is not None
+        if b.chain(emb.ids)[-1] in inputs and isinstance(model.get_submodule(emb.module), nn.Embedding) and linear:
             entries.param(emb.weight, [Shard(0)], "vocab-parallel embedding: each rank holds a block of rows")
-            entries.add("patch", emb.module, "", "vocab_parallel_embedding",
-                        "looks up only this rank's rows; the output is a partial sum")
+            if call is not None and call.end_op - call.first_op == 1:  # its forward is the lookup alone
+                entries.add("patch", emb.module, "", "vocab_parallel_embedding",
+                            "looks up only this rank's rows; the output is a partial sum")
+            else:  # it does more (scales the rows), linearly: checked by the caller
+                entries.add("patch", emb.module, "", "vocab_parallel_forward",
+                            "its own forward (a scaled lookup) runs on this rank's rows; the output is a partial sum")
             entries.add("forward", emb.module, "output", [_stream(sequence_parallel)],
                         "the partial lookups reduce-scattered on the sequence (SP)" if sequence_parallel
                         else "the partial lookups all-reduced")
             continue
-        notes.append(f"{emb.weight}: replicated (an embedding of ids other than the model's input ids)")
-        arg = b.argument(emb.module, emb.ids) or b.argument(emb.module)
-        if arg is not None:
+        notes.append(f"{emb.weight}: replicated (" + ("an embedding of ids other than the model's input ids)"
+                     if b.chain(emb.ids)[-1] not in inputs else "its module's forward is not linear in the lookup)"))
+        arg = b.argument(emb.module, emb.ids)
+        if call is not None and call.end_op - call.first_op == 1 and arg is not None:
             entries.add("forward", emb.module, "input", input_value(arg, [Replicate()]),
                         "plain ids (positions) meet its replicated weight: taken as Replicate")
+        else:  # it computes its ids itself (from a mask, an offset): all of it runs on plain tensors
+            entries.add("patch", emb.module, "", "replicated_local",
+                        "computes its positions itself: runs on plain tensors, its output Replicate")
         if sequence_parallel and len(b.trace.values[emb.y].shape) == 3:
             entries.add("forward", emb.module, "output", [[Shard(1)]], "joins the sequence-sharded stream (SP)")
     return notes

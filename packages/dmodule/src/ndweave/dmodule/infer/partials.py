@@ -12,11 +12,11 @@ replicated bias: it would be counted once per rank) means the module cannot run 
 
 from __future__ import annotations
 
-from ndweave.dmodule.infer.ops import base_name
+from ndweave.dmodule.infer.cuts import base_name
 from ndweave.dmodule.infer.patterns import Block
 from ndweave.mesh.trace import ModuleCall, Trace
 
-__all__ = ["partial_outputs"]
+__all__ = ["follow_partials", "partial_outputs"]
 
 _CARRY = frozenset(("to", "view", "reshape", "_unsafe_view", "contiguous", "transpose", "permute", "getitem",
                     "unsqueeze", "squeeze", "flatten", "unflatten", "clone", "neg", "sum", "cat", "stack", "type_as"))
@@ -25,9 +25,15 @@ _ZEROS = frozenset(("zeros", "zeros_like", "new_zeros"))
 
 
 def partial_outputs(trace: Trace, block: Block, call: ModuleCall) -> tuple[list[bool] | None, str]:
-    """For each tensor ``call`` returned, whether it is a partial sum; ``(None, why)`` if some op
-    of the module does something to a partial sum that is not linear in it."""
-    partial = {lin.y for lin in block.rows}
+    """For each tensor ``call`` returned, whether it is a partial sum of the block's row-wise
+    linears; ``(None, why)`` if some op of the module does something to one that is not linear in it."""
+    return follow_partials(trace, {lin.op: lin.y for lin in block.rows}, call)
+
+
+def follow_partials(trace: Trace, sources: dict[int, int], call: ModuleCall) -> tuple[list[bool] | None, str]:
+    """:func:`partial_outputs` from the outputs of the ops ``sources`` (op index -> value id) that
+    compute partial sums (row-wise products, a vocab-parallel lookup)."""
+    partial = set(sources.values())
     zeros: set[int] = set()
     for op in trace.leaves():
         if not call.first_op <= op.index < call.end_op:
@@ -37,7 +43,7 @@ def partial_outputs(trace: Trace, block: Block, call: ModuleCall) -> tuple[list[
             zeros.update(op.outputs)
             continue
         hit = [v for v in op.inputs if v in partial]
-        if not hit or op.index in {lin.op for lin in block.rows}:
+        if not hit or op.index in sources:
             continue
         others = [v for v in op.inputs if v not in partial]
         if base in _CARRY and (base not in ("cat", "stack") or not others):
@@ -49,6 +55,6 @@ def partial_outputs(trace: Trace, block: Block, call: ModuleCall) -> tuple[list[
         elif base == "index_add" and op.inputs[0] in zeros | partial and op.inputs[-1] in partial:
             partial.update(op.outputs)  # into zeros (the same on every rank) or a partial sum: a partial sum
         else:
-            return None, (f"{op.name} in {op.module or '<root>'} uses a partial sum of the experts / row-wise linears "
-                          "in a way that is not linear in it")
+            return None, (f"{op.name} in {op.module or '<root>'} uses a partial sum (of row-wise linears, of a "
+                          "vocab-parallel lookup) in a way that is not linear in it")
     return [v in partial for v in call.outputs], "its row-wise outputs are partial sums, reduced at its output"

@@ -22,6 +22,10 @@
   inside a sharded block (a norm over each head's features: Qwen3's ``q_norm``) are handed to its
   forward as local tensors whose gradient is this rank's partial sum (``finish_grad_sync()`` sums
   them), so they meet the plain local heads.
+- ``vocab_parallel_forward()``: ``vocab_parallel_embedding`` for an embedding whose own forward does
+  more than the lookup (scales it: Gemma's ``embed_scale``): that forward runs on this rank's rows
+  (ids outside them point at an extra zero row) and its output is the ``Partial`` sum the plan
+  reduces. The planner has checked that the forward is linear in the lookup.
 - ``divide_attributes(names=[...])``: divides int attributes (``"num_heads"``,
   ``"config.num_attention_heads"``) by the tensor-parallel size, for forwards that reshape with a
   literal head count. An attribute of a shared object (a config) is changed on a copy owned by this
@@ -43,7 +47,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from ndweave.mesh.torch_compat import StridedShard, tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["AUTO_PATCHES", "divide_attributes", "fused_colwise", "local_block", "partial_grad_params",
-           "replicated_local", "tp_divides"]
+           "replicated_local", "tp_divides", "vocab_parallel_forward"]
 
 
 def _tp_size(device_mesh: DeviceMesh, fqn: str, what: str) -> int:
@@ -140,6 +144,43 @@ def partial_grad_params(module: nn.Module, device_mesh: DeviceMesh, fqn: str, *,
     module.forward = local_forward
 
 
+def vocab_parallel_forward(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
+    """Run an ``nn.Embedding`` subclass's own forward on this rank's rows (see the module docstring)."""
+    from ndweave.dmodule.plans.patches import vocab_parallel_embedding  # the zoo's: checks and row range
+
+    vocab_parallel_embedding(module, device_mesh, fqn)
+    start, stop = module.vocab_range
+    padding = module.padding_idx
+    forward = type(module).forward
+
+    def local_forward(ids: torch.Tensor, *args: Any, **kwargs: Any) -> DTensor:
+        ids = ids.full_tensor() if isinstance(ids, DTensor) else ids
+        outside = (ids < start) | (ids >= stop)
+        weight = module.weight.to_local()
+        # ids outside this rank's rows look up an extra zero row: the forward's lookup stays one call
+        local_ids = torch.where(outside, torch.full_like(ids, stop - start), ids - start)
+        extended = torch.cat([weight, weight.new_zeros(1, weight.shape[1])])
+        module.padding_idx = padding - start if padding is not None and start <= padding < stop else None
+        try:
+            with _replaced(module._parameters, "weight", extended):
+                out = forward(module, local_ids, *args, **kwargs)
+        finally:
+            module.padding_idx = padding
+        return DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
+
+    module.forward = local_forward
+
+
+@contextmanager
+def _replaced(table: dict, name: str, value: torch.Tensor) -> Iterator[None]:
+    saved = table[name]
+    table[name] = value
+    try:
+        yield
+    finally:
+        table[name] = saved
+
+
 def _dtensors(module: nn.Module) -> list[tuple[dict, str]]:
     """(table, name) of every DTensor parameter and buffer in ``module``'s subtree."""
     return [(table, name) for m in module.modules() for table in (m._parameters, m._buffers)
@@ -199,4 +240,4 @@ def _as_local(tensors: list[tuple[dict, str]], grad: list | None = None) -> Iter
 
 AUTO_PATCHES = {"fused_colwise": fused_colwise, "tp_divides": tp_divides, "divide_attributes": divide_attributes,
                 "replicated_local": replicated_local, "local_block": local_block,
-                "partial_grad_params": partial_grad_params}
+                "partial_grad_params": partial_grad_params, "vocab_parallel_forward": vocab_parallel_forward}

@@ -25,9 +25,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ndweave.dmodule.infer.cuts import Cut, Pieces, Unsupported, base_name
 from ndweave.dmodule.infer.linears import Linear, find_linears
 from ndweave.dmodule.infer.modules import is_within
-from ndweave.dmodule.infer.ops import ELEMENTWISE, Cut, Pieces, Unsupported, base_name, follow
+from ndweave.dmodule.infer.ops import ELEMENTWISE, follow
 from ndweave.mesh.trace import Trace
 
 __all__ = ["Block", "Failure", "find_blocks"]
@@ -153,6 +154,7 @@ class _Blocks:
 
 def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str]) -> list[Block]:
     shapes = {vid: v.shape for vid, v in trace.values.items()}
+    # value id -> the parameter it is, or is made from alone (a norm's ``1 + weight.float()``)
     params = {vid: v.param for vid, v in trace.values.items() if v.param is not None}
     by_weight: dict[str, int] = {}  # weight FQN -> a block using it: one parameter, one block
     uf = _Blocks()
@@ -193,6 +195,9 @@ def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str]) ->
                 origin[lin.y] = lin.op
             continue
         sharded = {vid: cut_of[vid] for vid in op.inputs if vid in cut_of}
+        sources = {params.get(v) for v in op.inputs}
+        if not sharded and len(sources) == 1 and None not in sources:  # made from one parameter alone
+            params.update(dict.fromkeys(op.outputs, sources.pop()))  # (1 + weight.float(): still that weight)
         if not sharded:
             # what a failed op made, and all made from it, can still reach the model's outputs
             source = next((tainted[v] for v in op.inputs if v in tainted), None)
