@@ -118,12 +118,13 @@ def _signature(block: Block, b: Boundaries, twin: nn.Module) -> tuple:
 
 
 def guess_inputs(model: nn.Module) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` on meta for a trace: token ids ``(2, 8)`` when the model's first module with
-    parameters is an ``nn.Embedding``, else activations ``(2, 8, in_features)`` for a first
-    ``nn.Linear``. Anything else needs ``example_inputs=`` (any device: only shapes are used)."""
-    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
-    if isinstance(first, nn.Embedding):
+    """``(args, kwargs)`` on meta for a trace: token ids ``(2, 8)`` when the model holds an
+    ``nn.Embedding`` (wherever it is registered: some register their head first), else activations
+    ``(2, 8, in_features)`` when its first module with parameters is an ``nn.Linear``. Anything else
+    needs ``example_inputs=`` (any device: only shapes are used)."""
+    if any(isinstance(m, nn.Embedding) for m in model.modules()):
         return (torch.zeros(_BATCH, _SEQ, dtype=torch.long, device="meta"),), {}
+    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
     if isinstance(first, nn.Linear):
         return (torch.zeros(_BATCH, _SEQ, first.in_features, dtype=first.weight.dtype, device="meta"),), {}
     raise ValueError(f"auto plan: cannot guess the inputs of {type(model).__name__} (its first module with "
@@ -172,7 +173,7 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     inside = {op.index for op in recorded.ops if op.parent in {a.op for a in attention}}
     failures = [f for f in failures if f.linear.op not in inside]
     replicated += list(skipped.values())
-    emit_replicated(entries, list(dict.fromkeys(f.linear.weight for f in failures)), twin)
+    emit_replicated(entries, list(dict.fromkeys(f.linear.weight for f in failures)), set(boundaries.calls))
     replicated += [f"{f.linear.weight}: replicated ({f.reason})" for f in failures]
     modules = [fqn for fqn, _ in model.named_modules()]
     return Derivation(entries, list(dict.fromkeys(replicated)), recorded, time.perf_counter() - start, modules)

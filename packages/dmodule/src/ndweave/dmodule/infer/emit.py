@@ -113,7 +113,8 @@ def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.
             entries.add("patch", block_module(block), "", check,
                         "checks that the tensor-parallel size divides every sharded size (heads) of the block")
         owners: dict[str, list[str]] = {}
-        for name in sorted(block.inner_params):
+        parameters = dict(model.named_parameters(remove_duplicate=False))
+        for name in sorted(n for n in block.inner_params if n in parameters):  # (a buffer has no gradient)
             owner, _, leaf = name.rpartition(".")
             owners.setdefault(owner, []).append(leaf)
         for owner, leaves in owners.items():
@@ -215,10 +216,10 @@ def emit_embeddings(entries: Entries, embeddings: list[Embedding], b: Boundaries
     return notes
 
 
-
-def emit_replicated(entries: Entries, replicated: list[str], model: nn.Module) -> None:
+def emit_replicated(entries: Entries, replicated: list[str], called: set[str]) -> None:
     """The ``replicated_local`` patch on the outermost modules holding replicated linears (their
-    weights FQNs in ``replicated``) and no sharded parameter: they then run on plain tensors."""
+    weights FQNs in ``replicated``) and no sharded parameter: they then run on plain tensors. Only
+    modules whose forward ran (in ``called``) take it: a ``ModuleList`` is never called itself."""
     sharded = {f"{e.module}.{e.leaf}" for e in entries.items if e.section == "parameter"}
     chosen: list[str] = []
     for weight in replicated:
@@ -228,7 +229,7 @@ def emit_replicated(entries: Entries, replicated: list[str], model: nn.Module) -
             holds = any(is_within(p.rpartition(".")[0], module) for p in sharded)
             if holds:
                 break
-            best = module
+            best = module if module in called else best
             module = module.rpartition(".")[0]
         if best is not None and not any(is_within(best, c) for c in chosen):
             chosen = [c for c in chosen if not is_within(c, best)] + [best]
