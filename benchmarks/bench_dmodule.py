@@ -27,10 +27,9 @@ import argparse
 import functools
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from common import Row, add_common_args, emit, init_rank, interleaved, spawn
+from common import Row, add_common_args, emit, init_rank, interleaved, report_and_close, spawn
 
 
 class Block(nn.Module):
@@ -108,10 +107,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
             _step(m, x, ours)
     timing = interleaved({k: functools.partial(_step, m, x, ours) for k, (m, ours) in models.items()}, device,
                          args.rounds, args.steps)
-    if rank == 0:
-        queue.put({k: (t.wall, t.best_wall, t.cpu) for k, t in timing.items()})
-    dist.barrier()
-    dist.destroy_process_group()
+    report_and_close(rank, timing, queue)
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["Row", "Timing", "add_common_args", "emit", "init_rank", "interleaved", "measure", "mlp", "spawn", "sync"]
+__all__ = ["Row", "Timing", "add_common_args", "emit", "init_rank", "interleaved", "measure", "report_and_close", "mlp", "spawn", "sync"]
 
 
 def spawn(worker: Callable[..., None], world: int, *args: Any) -> Any:
@@ -90,6 +90,14 @@ def interleaved(fns: dict[str, Callable[[], Any]], device: torch.device, rounds:
             samples[name].append(measure(fn, device, steps))
     return {name: Timing(statistics.median(w for w, _ in s), min(w for w, _ in s), statistics.median(c for _, c in s))
             for name, s in samples.items()}
+
+
+def report_and_close(rank: int, timing: dict[str, Timing], queue: Any) -> None:
+    """Hand rank 0's ``timing`` (name -> (wall, best wall, CPU)) to ``spawn``, then leave the group."""
+    if rank == 0:
+        queue.put({k: (t.wall, t.best_wall, t.cpu) for k, t in timing.items()})
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import torch
 RUNS = [
     ("bench_ddp.py", []),
     ("bench_dmodule.py", []),
+    ("bench_dmodule_auto.py", []),
     ("bench_optim.py", []),
     ("bench_pipeline.py", []),
     ("bench_pipeline.py", ["--schedules", "gpipe", "1f1b", "interleaved_1f1b", "--simulate-ms", "10", "--width", "64",
@@ -41,6 +42,8 @@ QUICK = {
     "bench_ddp.py": ["--layers", "2", "--width", "256", "--steps", "2", "--rounds", "2", "--warmup", "1"],
     "bench_dmodule.py": ["--layers", "1", "--width", "64", "--tokens", "32", "--steps", "2", "--rounds", "2",
                          "--warmup", "1"],
+    "bench_dmodule_auto.py": ["--layers", "1", "--width", "64", "--tokens", "16", "--steps", "2", "--rounds", "2",
+                              "--warmup", "1", "--derive-rounds", "1"],
     "bench_optim.py": ["--layers", "2", "--width", "128", "--steps", "3", "--rounds", "1", "--warmup", "1"],
     "bench_pipeline.py": ["--layers", "4", "--width", "64", "--batch", "8", "--microbatches", "4",
                           "--schedules", "1f1b", "interleaved_1f1b", "--steps", "1", "--rounds", "2", "--warmup", "1"],

@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from dmodule_auto_models import check_auto_parity  # noqa: E402
+from dmodule_auto_models import FLOAT32_INSIDE, check_auto_parity  # noqa: E402
 
 from ndweave.mesh.testing import distributed  # noqa: E402
 
@@ -24,8 +24,40 @@ def test_auto_plan_matches_one_process(arch, sequence_parallel):
 @pytest.mark.parametrize("arch,overrides", [
     ("phi3", dict(num_key_value_heads=2)),          # fused q|k|v of unequal pieces: attention replicated
     ("falcon", dict()),                             # multi-query attention: one key/value head
-    ("mixtral", dict()),                            # experts inside one module: the MoE block replicated
-], ids=["phi3_gqa", "falcon_mqa", "mixtral"])
+], ids=["phi3_gqa", "falcon_mqa"])
 @distributed(world_size=2, timeout=180)
 def test_what_cannot_be_sharded_runs_replicated(arch, overrides):
     check_auto_parity(arch, sequence_parallel=True, **overrides)
+
+
+@pytest.mark.parity
+@MODES
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@distributed(world_size=2, timeout=180)
+def test_moe_experts_are_sharded_inside_each_expert(arch, sequence_parallel):
+    """3-D expert weights: each expert's gate|up and down projections split over the ranks, the
+    experts module run whole on its shards (local_block), the router replicated. (transformers routes
+    in float32: see FLOAT32_INSIDE.)"""
+    check_auto_parity(arch, sequence_parallel=sequence_parallel, tol=FLOAT32_INSIDE)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+def test_deriving_the_plan_of_a_7b_llama_on_meta_takes_under_5_s(sequence_parallel):
+    """Planning a model too large for one process, before materializing it: a 32-layer Llama-2-7B
+    on the meta device (measured ~0.6 s of CPU time; CPU time, so other load on the machine does
+    not count)."""
+    import time
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ndweave.dmodule.plans import get_plan
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=32, hidden_size=4096, intermediate_size=11008,
+                                             num_attention_heads=32, num_key_value_heads=32, vocab_size=32000))
+    start = time.process_time()
+    plan = get_plan("auto", model, sequence_parallel=sequence_parallel)
+    seconds = time.process_time() - start
+    assert seconds < 5, f"deriving the plan took {seconds:.1f} s of CPU time"
+    assert plan["parameter"], "nothing was sharded"

@@ -8,12 +8,12 @@
         print(op.index, op.name, op.module, [t.values[v].shape for v in op.inputs])
 
 What is recorded, at the torch-function level (a ``TorchFunctionMode``): every call of a torch
-function or ``Tensor`` method (or tensor property, ``.T``) that returns tensors, as the model wrote it (``F.linear``, ``view``,
-``split``, ``F.scaled_dot_product_attention``, ...), with the FQN of the innermost module running,
-its tensor arguments as value ids and its other arguments as plain data (ints, slices, dtypes);
-every tensor as a :class:`Value` (shape, dtype, the op that made it, the parameter or buffer it is);
-and each module call with the values it took and returned. Reads and calls returning no tensor
-(``.shape``, ``size()``) are not recorded.
+function, ``Tensor`` method or tensor property (``.T``) that returns tensors, as the model wrote it
+(``F.linear``, ``view``, ``split``, ``F.scaled_dot_product_attention``, ...), with the FQN of the
+innermost module running, its tensor arguments as value ids and its other arguments as plain data
+(ints, slices, dtypes); every tensor as a :class:`Value` (shape, dtype, the op that made it, the
+parameter or buffer it is); and each module call with the values it took and returned. Reads and
+calls returning no tensor (``.shape``, ``size()``) are not recorded.
 
 Python-level functions that dispatch as one call (``F.softmax``) are recorded as that one call;
 ``F.multi_head_attention_forward`` is also entered, so its inner ``linear`` / ``chunk`` / attention
@@ -333,7 +333,8 @@ class _Recorder(TorchFunctionMode):
         if isinstance(obj, slice):
             return slice(self._plain(obj.start), self._plain(obj.stop), self._plain(obj.step))
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._plain(x) for x in obj) if type(obj) in (list, tuple) else tuple(self._plain(x) for x in obj)
+            plain = [self._plain(x) for x in obj]
+            return plain if type(obj) is list else tuple(plain)  # (a namedtuple becomes a tuple)
         if isinstance(obj, dict):
             return {k: self._plain(v) for k, v in obj.items()}
         if isinstance(obj, torch.device):

@@ -61,8 +61,10 @@ def find_torch_attention(trace: Trace) -> tuple[list[TorchAttention], dict[int, 
         refs = [a.get(k) for k in ("query", "key", "value")]
         params = {k: trace.values[a[k].id].param if isinstance(a.get(k), Ref) else None
                   for k in ("in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias")}
-        why = ("query, key and value differ (not self-attention)" if len({r.id for r in refs if isinstance(r, Ref)}) != 1
-               else "separate q/k/v projection weights" if a.get("use_separate_proj_weight") or not params["in_proj_weight"]
+        one_input = len({r.id for r in refs if isinstance(r, Ref)}) == 1
+        fused = not a.get("use_separate_proj_weight") and params["in_proj_weight"]
+        why = ("query, key and value differ (not self-attention)" if not one_input
+               else "separate q/k/v projection weights" if not fused
                else "bias_k / bias_v / add_zero_attn" if a.get("bias_k") is not None or a.get("add_zero_attn")
                else "need_weights=True (each rank holds only its heads' weights)" if a.get("need_weights", True)
                else None)
@@ -109,7 +111,8 @@ def multihead_attention_local(module: nn.Module, device_mesh: DeviceMesh, fqn: s
     def forward(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
         if not (query is key is value):
-            raise ValueError(f"{fqn}: under tensor parallelism only self-attention (query is key is value) is supported")
+            raise ValueError(f"{fqn}: under tensor parallelism only self-attention (query is key is value) "
+                             "is supported")
         if need_weights:
             raise ValueError(f"{fqn}: each rank holds only its heads; call it with need_weights=False")
         x = _replicated_local(query, device_mesh)
@@ -120,8 +123,8 @@ def multihead_attention_local(module: nn.Module, device_mesh: DeviceMesh, fqn: s
         q, k, v = (t.view(batch, seq, heads, module.head_dim).transpose(1, 2)
                    for t in F.linear(x, module.in_proj_weight.to_local(), bias).chunk(3, dim=-1))
         mask = _mask(attn_mask, key_padding_mask, batch, seq, heads, device_mesh, q.dtype)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=module.dropout if module.training else 0.0,
-                                           is_causal=is_causal and mask is None)
+        dropout = module.dropout if module.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal and mask is None)
         y = DTensor.from_local(y.transpose(1, 2).reshape(batch, seq, heads * module.head_dim), device_mesh,
                                [Shard(-1)], run_check=False)
         out = F.linear(y, module.out_proj.weight, module.out_proj.bias)  # a partial sum: the plan reduces it
@@ -144,8 +147,9 @@ def _mask(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None,
     """One additive mask for SDPA from nn.MultiheadAttention's (True = masked out, or additive)."""
     def additive(m: torch.Tensor) -> torch.Tensor:
         m = m.to_local() if isinstance(m, DTensor) else m
-        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf")) if m.dtype == torch.bool \
-            else m.to(dtype)
+        if m.dtype != torch.bool:
+            return m.to(dtype)
+        return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
 
     out = None
     if attn_mask is not None:

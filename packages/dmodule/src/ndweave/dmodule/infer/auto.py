@@ -26,6 +26,7 @@ from ndweave.dmodule.infer.emit import block_module, emit_blocks, emit_embedding
 from ndweave.dmodule.infer.entries import Entries
 from ndweave.dmodule.infer.linears import find_embeddings
 from ndweave.dmodule.infer.modules import Boundaries
+from ndweave.dmodule.infer.partials import partial_outputs
 from ndweave.dmodule.infer.patterns import Block, Failure, find_blocks
 from ndweave.dmodule.infer.verify import Verdict, verify_block
 from ndweave.mesh.trace import Trace, meta_copy, trace
@@ -64,7 +65,18 @@ def _verified_blocks(recorded: Trace, boundaries: Boundaries, twin: nn.Module
         attributes: dict[str, tuple[tuple[str, ...], str]] = {}
         failed = False
         for block in blocks:
-            if not (block.reshaping or block.pieces):
+            if block.container is not None:
+                block.partial_outputs, why = partial_outputs(recorded, block, boundaries.calls[block.container])
+                if block.partial_outputs is None:
+                    excluded.update({c.op: f"{block.container}: {why}" for c in block.columns})
+                    failed = True
+                    continue
+            stray = _stray_inner_params(recorded, block)
+            if stray:
+                excluded.update({c.op: f"{block_module(block) or '<root>'}: {stray}" for c in block.columns})
+                failed = True
+                continue
+            if not (block.reshaping or block.pieces or block.container):
                 continue
             key = _signature(block, boundaries, twin)
             if key not in verdicts:
@@ -79,6 +91,22 @@ def _verified_blocks(recorded: Trace, boundaries: Boundaries, twin: nn.Module
             return blocks, failures, attributes
 
 
+def _stray_inner_params(recorded: Trace, block: Block) -> str | None:
+    """Why a parameter used on this rank's heads inside ``block`` cannot get a partial gradient
+    (it is also used outside the block, where every rank computes its whole gradient), or ``None``."""
+    inside = set(block.ops)
+    for name in sorted(block.inner_params):
+        made = {recorded.params[name]}  # the parameter and what is made from it alone (weight.float())
+        for op in recorded.leaves():
+            if op.inputs and set(op.inputs) <= made:
+                made.update(op.outputs)
+            elif made & set(op.inputs) and op.index not in inside:
+                return f"{name} is used both on this rank's heads and outside the block"
+    if block.inner_params and (block.container is not None or not (block.reshaping or block.pieces)):
+        return f"parameters {sorted(block.inner_params)} used between its linears"
+    return None
+
+
 def _signature(block: Block, b: Boundaries, twin: nn.Module) -> tuple:
     fqn = block_module(block)
     prefix = len(fqn) + 1 if fqn else 0
@@ -90,12 +118,13 @@ def _signature(block: Block, b: Boundaries, twin: nn.Module) -> tuple:
 
 
 def guess_inputs(model: nn.Module) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` on meta for a trace: token ids ``(2, 8)`` when the model's first module with
-    parameters is an ``nn.Embedding``, else activations ``(2, 8, in_features)`` for a first
-    ``nn.Linear``. Anything else needs ``example_inputs=`` (any device: only shapes are used)."""
-    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
-    if isinstance(first, nn.Embedding):
+    """``(args, kwargs)`` on meta for a trace: token ids ``(2, 8)`` when the model holds an
+    ``nn.Embedding`` (wherever it is registered: some register their head first), else activations
+    ``(2, 8, in_features)`` when its first module with parameters is an ``nn.Linear``. Anything else
+    needs ``example_inputs=`` (any device: only shapes are used)."""
+    if any(isinstance(m, nn.Embedding) for m in model.modules()):
         return (torch.zeros(_BATCH, _SEQ, dtype=torch.long, device="meta"),), {}
+    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
     if isinstance(first, nn.Linear):
         return (torch.zeros(_BATCH, _SEQ, first.in_features, dtype=first.weight.dtype, device="meta"),), {}
     raise ValueError(f"auto plan: cannot guess the inputs of {type(model).__name__} (its first module with "
@@ -144,7 +173,7 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
     inside = {op.index for op in recorded.ops if op.parent in {a.op for a in attention}}
     failures = [f for f in failures if f.linear.op not in inside]
     replicated += list(skipped.values())
-    emit_replicated(entries, list(dict.fromkeys(f.linear.weight for f in failures)), twin)
+    emit_replicated(entries, list(dict.fromkeys(f.linear.weight for f in failures)), set(boundaries.calls))
     replicated += [f"{f.linear.weight}: replicated ({f.reason})" for f in failures]
     modules = [fqn for fqn, _ in model.named_modules()]
     return Derivation(entries, list(dict.fromkeys(replicated)), recorded, time.perf_counter() - start, modules)

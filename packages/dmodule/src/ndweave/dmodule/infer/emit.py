@@ -32,6 +32,7 @@ from torch.distributed.tensor import Replicate, Shard
 from ndweave.dmodule.infer.entries import Entries
 from ndweave.dmodule.infer.linears import Embedding, Linear
 from ndweave.dmodule.infer.modules import Argument, Boundaries, common_ancestor, is_within
+from ndweave.dmodule.infer.partials import follow_partials
 from ndweave.dmodule.infer.patterns import Block
 from ndweave.dmodule.spec import PlacementSpec
 from ndweave.mesh.torch_compat import StridedShard
@@ -67,6 +68,9 @@ def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.
                 sequence_parallel: bool, loss_parallel: bool) -> None:
     """Entries for every block (see the module docstring)."""
     for block in blocks:
+        if block.container is not None:
+            _emit_container(entries, block, b, sequence_parallel)
+            continue
         local = block.reshaping or bool(block.pieces)
         where = block_module(block) or "<root>"
         for column in block.columns:
@@ -105,8 +109,45 @@ def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.
                         "row-wise output: the partial sums reduce-scattered on the sequence (SP)" if sequence_parallel
                         else "row-wise output: the partial sums all-reduced, once")
         if local:
-            entries.add("patch", block_module(block), "", {"name": "tp_divides", "args": {"sizes": sorted(block.sizes)}},
+            check = {"name": "tp_divides", "args": {"sizes": sorted(block.sizes)}}
+            entries.add("patch", block_module(block), "", check,
                         "checks that the tensor-parallel size divides every sharded size (heads) of the block")
+        owners: dict[str, list[str]] = {}
+        parameters = dict(model.named_parameters(remove_duplicate=False))
+        for name in sorted(n for n in block.inner_params if n in parameters):  # (a buffer has no gradient)
+            owner, _, leaf = name.rpartition(".")
+            owners.setdefault(owner, []).append(leaf)
+        for owner, leaves in owners.items():
+            entries.add("patch", owner, "", {"name": "partial_grad_params", "args": {"names": leaves}},
+                        f"works on this rank's heads inside {where}: its parameters' gradients are partial sums")
+
+
+def _shard(block: Block, column: Linear) -> Any:
+    k = _pieces(block, column)
+    return (lambda d: [StridedShard(d, split_factor=k)]) if k > 1 else (lambda d: [Shard(d)])
+
+
+def _emit_container(entries: Entries, block: Block, b: Boundaries, sequence_parallel: bool) -> None:
+    """A block inside one module's forward (experts as 3-D weights): its parameters cut per linear
+    role, the module run whole on local shards (``local_block``), its partial outputs reduced."""
+    where = block.container
+    for column in block.columns:
+        shard = _shard(block, column)
+        entries.param(column.weight, shard(column.out_dim), f"column-wise inside {where}'s forward (each expert's "
+                      f"{'fused ' if _pieces(block, column) > 1 else ''}up projection split over the ranks)")
+        if column.bias is not None:
+            entries.param(column.bias, shard(column.out_dim - 1), f"its bias, likewise ({where})")
+    for row in block.rows:
+        entries.param(row.weight, [Shard(row.in_dim)], f"row-wise inside {where}'s forward: a partial sum")
+    outputs = [b.trace.values[v] for v in b.calls[where].outputs]
+    plan = [(_stream(sequence_parallel) if len(v.shape) == 3 else [Replicate()]) if partial else None
+            for v, partial in zip(outputs, block.partial_outputs)]
+    entries.add("forward", where, "output", plan, "its partial sums reduced at its output (reduce-scattered on the "
+                "sequence under SP when they are (batch, seq, hidden))")
+    entries.add("patch", where, "", {"name": "local_block", "args": {"partial": block.partial_outputs}},
+                "runs whole on this rank's shards of its parameters, its inputs handed in whole")
+    entries.add("patch", where, "", {"name": "tp_divides", "args": {"sizes": sorted(block.sizes)}},
+                "checks that the tensor-parallel size divides every sharded size of the block")
 
 
 def _emit_column_input(entries: Entries, column: Linear, b: Boundaries, sequence_parallel: bool) -> None:
@@ -147,28 +188,38 @@ def emit_embeddings(entries: Entries, embeddings: list[Embedding], b: Boundaries
     notes = []
     inputs = set(b.trace.inputs)
     for emb in embeddings:
-        if b.chain(emb.ids)[-1] in inputs and isinstance(model.get_submodule(emb.module), nn.Embedding):
+        call = b.calls.get(emb.module)
+        linear = call is not None and follow_partials(b.trace, {emb.op: emb.y}, call)[0] is not None
+        if b.chain(emb.ids)[-1] in inputs and isinstance(model.get_submodule(emb.module), nn.Embedding) and linear:
             entries.param(emb.weight, [Shard(0)], "vocab-parallel embedding: each rank holds a block of rows")
-            entries.add("patch", emb.module, "", "vocab_parallel_embedding",
-                        "looks up only this rank's rows; the output is a partial sum")
+            if call is not None and call.end_op - call.first_op == 1:  # its forward is the lookup alone
+                entries.add("patch", emb.module, "", "vocab_parallel_embedding",
+                            "looks up only this rank's rows; the output is a partial sum")
+            else:  # it does more (scales the rows), linearly: checked by the caller
+                entries.add("patch", emb.module, "", "vocab_parallel_forward",
+                            "its own forward (a scaled lookup) runs on this rank's rows; the output is a partial sum")
             entries.add("forward", emb.module, "output", [_stream(sequence_parallel)],
                         "the partial lookups reduce-scattered on the sequence (SP)" if sequence_parallel
                         else "the partial lookups all-reduced")
             continue
-        notes.append(f"{emb.weight}: replicated (an embedding of ids other than the model's input ids)")
-        arg = b.argument(emb.module, emb.ids) or b.argument(emb.module)
-        if arg is not None:
+        notes.append(f"{emb.weight}: replicated (" + ("an embedding of ids other than the model's input ids)"
+                     if b.chain(emb.ids)[-1] not in inputs else "its module's forward is not linear in the lookup)"))
+        arg = b.argument(emb.module, emb.ids)
+        if call is not None and call.end_op - call.first_op == 1 and arg is not None:
             entries.add("forward", emb.module, "input", input_value(arg, [Replicate()]),
                         "plain ids (positions) meet its replicated weight: taken as Replicate")
+        else:  # it computes its ids itself (from a mask, an offset): all of it runs on plain tensors
+            entries.add("patch", emb.module, "", "replicated_local",
+                        "computes its positions itself: runs on plain tensors, its output Replicate")
         if sequence_parallel and len(b.trace.values[emb.y].shape) == 3:
             entries.add("forward", emb.module, "output", [[Shard(1)]], "joins the sequence-sharded stream (SP)")
     return notes
 
 
-
-def emit_replicated(entries: Entries, replicated: list[str], model: nn.Module) -> None:
+def emit_replicated(entries: Entries, replicated: list[str], called: set[str]) -> None:
     """The ``replicated_local`` patch on the outermost modules holding replicated linears (their
-    weights FQNs in ``replicated``) and no sharded parameter: they then run on plain tensors."""
+    weights FQNs in ``replicated``) and no sharded parameter: they then run on plain tensors. Only
+    modules whose forward ran (in ``called``) take it: a ``ModuleList`` is never called itself."""
     sharded = {f"{e.module}.{e.leaf}" for e in entries.items if e.section == "parameter"}
     chosen: list[str] = []
     for weight in replicated:
@@ -178,7 +229,7 @@ def emit_replicated(entries: Entries, replicated: list[str], model: nn.Module) -
             holds = any(is_within(p.rpartition(".")[0], module) for p in sharded)
             if holds:
                 break
-            best = module
+            best = module if module in called else best
             module = module.rpartition(".")[0]
         if best is not None and not any(is_within(best, c) for c in chosen):
             chosen = [c for c in chosen if not is_within(c, best)] + [best]

@@ -82,7 +82,8 @@ def explain_plan(model: nn.Module, plan: dict[str, Any] | None = None, *, tp_siz
                 for name in names:
                     planned[name] = value
                 full = sum(params[n].numel() * params[n].element_size() for n in names)
-                local = sum(_local_numel(tuple(params[n].shape), value, tp_size) * params[n].element_size() for n in names)
+                local = sum(_local_numel(tuple(params[n].shape), value, tp_size) * params[n].element_size()
+                            for n in names)
                 lines.append(f"    bytes per rank: {_bytes(local)} of {_bytes(full)}")
     for key, entries in (plan.get("patch") or {}).items():
         lines.append(f"patch[{key!r}] = {entries!r}")

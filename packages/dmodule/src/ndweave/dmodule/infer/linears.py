@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ndweave.dmodule.infer.ops import base_name
+from ndweave.dmodule.infer.cuts import base_name
 from ndweave.mesh.trace import Op, Ref, Trace
 
 __all__ = ["Embedding", "Linear", "find_embeddings", "find_linears"]

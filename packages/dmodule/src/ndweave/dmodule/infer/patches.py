@@ -13,6 +13,19 @@
   ``Replicate`` DTensors. Every rank computes the same thing, with no communication, whatever ops
   the forward uses (DTensor has no rule for some: ``nonzero``, ``topk`` on indices, ...) and
   whatever plain tensors it meets (rotary tables, masks).
+- ``local_block(partial=[...])``: a module whose column- and row-wise linears run inside its own
+  forward (experts as 3-D weights): it runs whole on this rank's shards; its inputs are handed in
+  whole (their gradients partial sums, reduced on the way back), its parameters as local shards, and
+  each tensor it returns comes back a ``Partial`` DTensor (``partial[i]``: a row-wise partial sum,
+  reduced by the plan's output entry) or a ``Replicate`` one.
+- ``partial_grad_params(names=[...])``: parameters of a module that works on this rank's heads
+  inside a sharded block (a norm over each head's features: Qwen3's ``q_norm``) are handed to its
+  forward as local tensors whose gradient is this rank's partial sum (``finish_grad_sync()`` sums
+  them), so they meet the plain local heads.
+- ``vocab_parallel_forward()``: ``vocab_parallel_embedding`` for an embedding whose own forward does
+  more than the lookup (scales it: Gemma's ``embed_scale``): that forward runs on this rank's rows
+  (ids outside them point at an extra zero row) and its output is the ``Partial`` sum the plan
+  reduces. The planner has checked that the forward is linear in the lookup.
 - ``divide_attributes(names=[...])``: divides int attributes (``"num_heads"``,
   ``"config.num_attention_heads"``) by the tensor-parallel size, for forwards that reshape with a
   literal head count. An attribute of a shared object (a config) is changed on a copy owned by this
@@ -24,7 +37,7 @@ from __future__ import annotations
 import copy
 import math
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -32,9 +45,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ndweave.dmodule.patches import register_patch
-from ndweave.mesh.torch_compat import StridedShard, tree_map
+from ndweave.mesh.torch_compat import StridedShard, tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["divide_attributes", "fused_colwise", "replicated_local", "tp_divides"]
+__all__ = ["divide_attributes", "fused_colwise", "local_block", "partial_grad_params", "replicated_local",
+           "tp_divides", "vocab_parallel_forward"]
 
 
 def _tp_size(device_mesh: DeviceMesh, fqn: str, what: str) -> int:
@@ -96,7 +110,7 @@ def fused_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str, *, piece
             x = x.redistribute(mesh, [Replicate()])
         # each rank's input gradient covers only its own pieces: a partial sum, reduced on the way back
         x = x.to_local(grad_placements=[Partial()])
-        with _swapped(module, {name: p.to_local() for name, p in params.items()}):
+        with _as_local([(module._parameters, name) for name in params]):
             return forward(module, x, *args, **kwargs)
 
     module.forward = local_forward
@@ -105,46 +119,129 @@ def fused_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str, *, piece
 @register_patch("replicated_local")
 def replicated_local(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
     """Run ``module`` on plain local tensors (see the module docstring)."""
-    tensors = [(m, table, name, t) for m in module.modules() for table in (m._parameters, m._buffers)
-               for name, t in table.items() if isinstance(t, DTensor)]
-    for m, table, name, t in tensors:
-        if any(not isinstance(p, Replicate) for p in t.placements):
-            raise ValueError(f"replicated_local on {fqn!r}: {name} of {type(m).__name__} is laid out {t.placements}; "
-                             "the patch is for modules whose tensors are all replicated")
+    tensors = _dtensors(module)
+    for table, name in tensors:
+        if any(not isinstance(p, Replicate) for p in table[name].placements):
+            raise ValueError(f"replicated_local on {fqn!r}: {name} is laid out {table[name].placements}; the patch is "
+                             "for modules whose tensors are all replicated")
+    _run_locally(module, device_mesh, tensors, lambda flat: [False] * len(flat), partial_grad=False)
+
+
+@register_patch("local_block")
+def local_block(module: nn.Module, device_mesh: DeviceMesh, fqn: str, *, partial: list[bool]) -> None:
+    """Run ``module`` on this rank's shards of its parameters (see the module docstring)."""
+    _tp_size(device_mesh, fqn, "local_block")
+    _run_locally(module, device_mesh, _dtensors(module), lambda flat: partial, partial_grad=True)
+
+
+@register_patch("partial_grad_params")
+def partial_grad_params(module: nn.Module, device_mesh: DeviceMesh, fqn: str, *, names: list[str]) -> None:
+    """Hand ``module``'s parameters ``names`` to its forward as local tensors with partial gradients."""
+    for name in names:
+        p = module._parameters.get(name)
+        if not isinstance(p, DTensor) or any(not isinstance(q, Replicate) for q in p.placements):
+            raise ValueError(f"partial_grad_params on {fqn!r}: {name} must be a replicated DTensor parameter, "
+                             f"not {getattr(p, 'placements', p)!r}")
     forward = type(module).forward
 
     def local_forward(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = tree_map(_to_local, (args, kwargs))
-        saved = [(table, name, table[name]) for _, table, name, _ in tensors]
-        try:
-            for table, name, t in saved:
-                table[name] = t.to_local()
-            out = forward(module, *args, **kwargs)
-        finally:
-            for table, name, t in saved:
-                table[name] = t
-        return tree_map(lambda x: DTensor.from_local(x, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
-                        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x, out)
+        with _as_local([(module._parameters, name) for name in names], grad=[Partial()] * device_mesh.ndim):
+            return forward(module, *args, **kwargs)
 
     module.forward = local_forward
 
 
-def _to_local(x: Any) -> Any:
-    if not isinstance(x, DTensor):
-        return x
-    replicated = [Replicate()] * x.device_mesh.ndim
-    if tuple(x.placements) != tuple(replicated):
-        x = x.redistribute(x.device_mesh, replicated)
-    return x.to_local(grad_placements=replicated)
+@register_patch("vocab_parallel_forward")
+def vocab_parallel_forward(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
+    """Run an ``nn.Embedding`` subclass's own forward on this rank's rows (see the module docstring)."""
+    from ndweave.dmodule.plans.patches import vocab_parallel_embedding  # the zoo's: checks and row range
+
+    vocab_parallel_embedding(module, device_mesh, fqn)
+    start, stop = module.vocab_range
+    padding = module.padding_idx
+    forward = type(module).forward
+
+    def local_forward(ids: torch.Tensor, *args: Any, **kwargs: Any) -> DTensor:
+        ids = ids.full_tensor() if isinstance(ids, DTensor) else ids
+        outside = (ids < start) | (ids >= stop)
+        weight = module.weight.to_local()
+        # ids outside this rank's rows look up an extra zero row: the forward's lookup stays one call
+        local_ids = torch.where(outside, torch.full_like(ids, stop - start), ids - start)
+        extended = torch.cat([weight, weight.new_zeros(1, weight.shape[1])])
+        module.padding_idx = padding - start if padding is not None and start <= padding < stop else None
+        try:
+            with _replaced(module._parameters, "weight", extended):
+                out = forward(module, local_ids, *args, **kwargs)
+        finally:
+            module.padding_idx = padding
+        return DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
+
+    module.forward = local_forward
 
 
 @contextmanager
-def _swapped(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
-    """``module``'s parameters replaced by ``tensors`` for the duration (restored even on error)."""
-    saved = {name: module._parameters[name] for name in tensors}
+def _replaced(table: dict, name: str, value: torch.Tensor) -> Iterator[None]:
+    saved = table[name]
+    table[name] = value
     try:
-        module._parameters.update(tensors)
         yield
     finally:
-        module._parameters.update(saved)
+        table[name] = saved
+
+
+def _dtensors(module: nn.Module) -> list[tuple[dict, str]]:
+    """(table, name) of every DTensor parameter and buffer in ``module``'s subtree."""
+    return [(table, name) for m in module.modules() for table in (m._parameters, m._buffers)
+            for name, t in table.items() if isinstance(t, DTensor)]
+
+
+def _run_locally(module: nn.Module, mesh: DeviceMesh, tensors: list[tuple[dict, str]],
+                 partial: Callable[[list], list[bool]], partial_grad: bool) -> None:
+    """Replace ``module.forward``: DTensor arguments handed in whole and plain, ``tensors`` local,
+    each tensor output back as a DTensor, ``Partial`` where ``partial(outputs)`` says so, else
+    ``Replicate``."""
+    forward = type(module).forward
+
+    def local_forward(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = tree_map(lambda x: _to_local(x, mesh, partial_grad=partial_grad), (args, kwargs))
+        with _as_local(tensors):
+            out = forward(module, *args, **kwargs)
+        flat, spec = tree_flatten(out)
+        flags = iter(partial(flat))
+        flat = [DTensor.from_local(x, mesh, [Partial() if next(flags, False) else Replicate()] * mesh.ndim,
+                                   run_check=False) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                for x in flat]
+        return tree_unflatten(flat, spec)
+
+    module.forward = local_forward
+
+
+def _to_local(x: Any, mesh: DeviceMesh, partial_grad: bool = False) -> Any:
+    """``x`` whole as a plain tensor; with ``partial_grad`` its gradient is this rank's partial sum
+    (reduced on the way back), for inputs of a computation each rank does a share of."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if not isinstance(x, DTensor):
+        if not (partial_grad and x.requires_grad):
+            return x
+        x = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)  # its backward reduces
+    replicated = [Replicate()] * x.device_mesh.ndim
+    if tuple(x.placements) != tuple(replicated):
+        x = x.redistribute(x.device_mesh, replicated)
+    grad = [Partial()] * x.device_mesh.ndim if partial_grad and x.is_floating_point() else replicated
+    return x.to_local(grad_placements=grad)
+
+
+@contextmanager
+def _as_local(tensors: list[tuple[dict, str]], grad: list | None = None) -> Iterator[None]:
+    """Each DTensor ``table[name]`` replaced by its local tensor for the duration (restored even on
+    error); ``grad``: the placements its gradient comes back as (default: the DTensor's own)."""
+    saved = [(table, name, table[name]) for table, name in tensors]
+    try:
+        for table, name, t in saved:
+            table[name] = t.to_local(grad_placements=grad)
+        yield
+    finally:
+        for table, name, t in saved:
+            table[name] = t
 

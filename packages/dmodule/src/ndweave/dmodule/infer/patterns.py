@@ -25,8 +25,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ndweave.dmodule.infer.cuts import Cut, Pieces, Unsupported, base_name
 from ndweave.dmodule.infer.linears import Linear, find_linears
-from ndweave.dmodule.infer.ops import ELEMENTWISE, Cut, Pieces, Unsupported, base_name, follow
+from ndweave.dmodule.infer.modules import is_within
+from ndweave.dmodule.infer.ops import ELEMENTWISE, follow
 from ndweave.mesh.trace import Trace
 
 __all__ = ["Block", "Failure", "find_blocks"]
@@ -62,6 +64,11 @@ class Block:
     reshaping: bool = False
     """Whether anything beyond per-element ops runs between its linears, outside their own
     modules (reshapes into heads, attention): then ranks compute on plain local tensors."""
+    container: str | None = None
+    """For linears multiplied inside one module's own forward (experts as 3-D weights): that module,
+    which then runs on this rank's shards as a whole (``local_block``); else ``None``."""
+    partial_outputs: list[bool] | None = None
+    """For a container: which tensors it returns are partial sums (set when it is verified)."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,7 @@ class _Blocks:
             into.biases.update(block.biases)
             into.inner_params |= block.inner_params
             into.reshaping = into.reshaping or block.reshaping
+            into.container = into.container or block.container
         for block in out.values():
             block.ops.sort()
             block.columns.sort(key=lambda lin: lin.op)
@@ -146,6 +154,7 @@ class _Blocks:
 
 def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str]) -> list[Block]:
     shapes = {vid: v.shape for vid, v in trace.values.items()}
+    # value id -> the parameter it is, or is made from alone (a norm's ``1 + weight.float()``)
     params = {vid: v.param for vid, v in trace.values.items() if v.param is not None}
     by_weight: dict[str, int] = {}  # weight FQN -> a block using it: one parameter, one block
     uf = _Blocks()
@@ -186,6 +195,9 @@ def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str]) ->
                 origin[lin.y] = lin.op
             continue
         sharded = {vid: cut_of[vid] for vid in op.inputs if vid in cut_of}
+        sources = {params.get(v) for v in op.inputs}
+        if not sharded and len(sources) == 1 and None not in sources:  # made from one parameter alone
+            params.update(dict.fromkeys(op.outputs, sources.pop()))  # (1 + weight.float(): still that weight)
         if not sharded:
             # what a failed op made, and all made from it, can still reach the model's outputs
             source = next((tainted[v] for v in op.inputs if v in tainted), None)
@@ -264,14 +276,25 @@ def _separate_bias(op, sharded: dict[int, Cut], origin: dict[int, int], params: 
 
 def _check_modules(block: Block, linear_modules: set[str], trace: Trace) -> None:
     """Plans lay activations out at module boundaries: every linear of a block must be a module of
-    its own (an ``nn.Linear``, a ``Conv1D``) holding its weight (under one of its names, if tied)."""
+    its own (an ``nn.Linear``, a ``Conv1D``) holding its weight (under one of its names, if tied), or
+    the whole block (linears and the ops between them) runs inside one module's own forward: that
+    module is the block's ``container``."""
     aliases = trace.aliases()
     for lin in (*block.columns, *block.rows):
         names = aliases.get(trace.params[lin.weight], [lin.weight])
         if lin.module not in linear_modules or all(n.rpartition(".")[0] != lin.module for n in names):
-            block.failure = block.failure or (f"{lin.weight} is multiplied inside {lin.module or '<root>'}'s own forward "
-                                              "(experts, a fused attention): not a module of its own to lay out")
-            return
+            break
+    else:
+        return
+    linears = (*block.columns, *block.rows)
+    container = linears[0].module
+    ops = {op.index: op for op in trace.ops}
+    if block.rows and all(lin.module == container for lin in linears) and \
+            all(is_within(ops[i].module, container) for i in block.ops):
+        block.container = container
+    else:
+        block.failure = block.failure or (f"{lin.weight} is multiplied inside {lin.module or '<root>'}'s own forward, "
+                                          "with the block's other ops outside it: no module boundary to lay it out at")
 
 
 def _check_pieces(block: Block, shapes: dict[int, tuple[int, ...]]) -> None:

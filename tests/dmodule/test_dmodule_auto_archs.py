@@ -1,0 +1,76 @@
+"""Every decoder transformers ships, through get_plan("auto") (heavy: tens of seconds each).
+
+``test_every_decoder`` is parametrized over transformers' causal LM registry: a model type that does
+not build and run on one process from the tiny config (2 layers, hidden 64, 4 heads; encoder-decoder
+and multimodal ones, configs whose other sizes do not fit) is skipped with the reason; every other
+one is compared with one process under TP+SP on 2 ranks, and
+``test_at_least_90_percent_of_the_decoders_that_build_match_one_process`` (last) asserts that 90% of
+them match. Whatever "auto" cannot shard runs replicated, so this counts models that train
+correctly, not models fully sharded; ``explain_plan`` says which parts stay replicated. Run the
+file with ``-m heavy -rA`` to see which pass, which fail and why others are skipped (the dmodule
+README's *Automatic plans* section has the table).
+"""
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from dmodule_auto_models import FLOAT32_INSIDE, build_hf, check_auto_parity  # noqa: E402
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
+
+from ndweave.mesh.testing import distributed  # noqa: E402
+
+ALL = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+OUTCOMES: dict[str, bool] = {}  # model type -> whether it matched one process (this session)
+SKIPPED: set[str] = set()  # model types that do not build and run from the tiny config
+MAX_PARAMETERS = 10_000_000  # (tiny ones have ~0.1M; BLT's byte-patch embeddings keep 4.6G)
+
+
+def _runs_on_one_process(arch: str) -> str | None:
+    """Why ``arch`` cannot be tested from the tiny config, or ``None``."""
+    SKIPPED.add(arch)
+    try:
+        with torch.device("meta"):  # first on meta: some configs keep sizes the tiny one does not set
+            size = sum(p.numel() for p in build_hf(arch).parameters())
+        if size > MAX_PARAMETERS:
+            return f"{arch} is not tiny from the tiny config ({size / 1e6:.0f}M parameters)"
+        model = build_hf(arch)
+        model(torch.randint(0, 128, (2, 16)))
+    except Exception as error:  # noqa: BLE001 (any failure of the model's own code is the reason)
+        return f"{arch} does not build and run from the tiny config ({type(error).__name__}: {str(error)[:120]})"
+    SKIPPED.discard(arch)
+    return None
+
+
+@distributed(world_size=2, timeout=300)
+def _parity(arch: str) -> None:
+    # (held to FLOAT32_INSIDE: models that route experts or normalize in float32 whatever their dtype
+    # differ from one process by float32 roundings of partial sums; a sharding bug is 1e-4 or more)
+    check_auto_parity(arch, sequence_parallel=True, tol=FLOAT32_INSIDE)
+
+
+@pytest.mark.heavy
+@pytest.mark.parity
+@pytest.mark.parametrize("arch", ALL)
+def test_every_decoder(arch):
+    why = _runs_on_one_process(arch)
+    if why:
+        pytest.skip(why)
+    OUTCOMES[arch] = False
+    _parity(arch)
+    OUTCOMES[arch] = True
+
+
+@pytest.mark.heavy
+def test_at_least_90_percent_of_the_decoders_that_build_match_one_process():
+    """Run after ``test_every_decoder`` over every model type (not with ``-k``): of the model types
+    that build and run from the tiny config, the fraction that matches one process under TP+SP."""
+    if set(OUTCOMES) | SKIPPED != set(ALL):
+        pytest.skip("test_every_decoder did not run over every model type in this session")
+    passed = sorted(a for a, ok in OUTCOMES.items() if ok)
+    failed = sorted(a for a, ok in OUTCOMES.items() if not ok)
+    fraction = len(passed) / len(OUTCOMES)
+    print(f"auto plan, TP+SP on 2 ranks: {len(passed)} of {len(OUTCOMES)} decoders match one process "
+          f"({fraction:.0%}); failed: {', '.join(failed) or 'none'}")
+    assert fraction >= 0.9, f"only {fraction:.0%} of {len(OUTCOMES)} decoders match one process; failed: {failed}"
