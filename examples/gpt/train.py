@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="bf16: bf16 params, fp32 masters")
     p.add_argument("--no-sp", action="store_true", help="tensor parallel without sequence parallel")
+    p.add_argument("--plan", choices=["nanogpt", "auto"], default="nanogpt",
+                   help="the TP plan: the zoo's hand-written one, or derived from the model (get_plan('auto'))")
     p.add_argument("--checkpoint-dir", default="checkpoints/gpt")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--resume", nargs="?", const="always", default="auto", choices=["auto", "always", "never"],
@@ -183,17 +185,21 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def parallelize(model: GPT, mesh: ParallelMesh, args: argparse.Namespace) -> tuple[list[nn.Module], PipeEngine]:
-    """Cut the pipeline stages (by FQN), parallelize each stage chunk with the zoo's TP+SP plan, wrap
+    """Cut the pipeline stages (by FQN), parallelize each stage chunk with the TP+SP plan (--plan), wrap
     it in DDP, then build the engine (this order: a plan applies to a chunk, the engine reads the
     wrapped chunks)."""
     plan = PipelineParallelPlan(schedule_type=args.schedule, virtual_chunks=args.virtual_chunks,
                                 num_microbatches=args.micro_batches)
     # one micro-batch's shape: the pipeline traces the GPT's forward once (on meta tensors) to cut it
     example = torch.zeros((1, args.block_size), dtype=torch.long, device=args.device)
+    # "auto" derives the plan from the whole model, before the cut: stage chunks keep its FQNs, and a
+    # plan key naming a module another stage holds matches nothing there, as expected
+    tensor_parallel = mesh["TP"].size() > 1
+    auto = get_plan("auto", model, sequence_parallel=not args.no_sp) if args.plan == "auto" and tensor_parallel else None
     module = construct_pipeline_stage(model, plan, mesh, example_inputs=example)
     for i in range(len(module)):
-        if mesh["TP"].size() > 1:
-            tp_plan = get_plan("nanogpt", module[i], sequence_parallel=not args.no_sp)
+        if tensor_parallel:
+            tp_plan = auto or get_plan("nanogpt", module[i], sequence_parallel=not args.no_sp)
             module[i] = parallelize_module(module[i], mesh["TP"], tp_plan)
         module[i] = DDP(module[i], mesh["DP"], use_distributed_optimizer=True)
     engine = PipeEngine(module, mesh, loss_fn, plan)  # before the optimizer: it marks the tied copy

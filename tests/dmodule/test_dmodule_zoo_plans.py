@@ -125,3 +125,8 @@ def test_hf_plans_read_the_config():
     assert r"model.layers.\d+.mlp.down_proj.bias" not in plan["parameter"]
     with pytest.raises(ValueError, match="cross-attention"):
         get_plan("hf_gpt2", build("hf_gpt2", add_cross_attention=True))
+
+
+def test_auto_with_expert_parallel_is_refused_naming_the_zoo_plans():
+    with pytest.raises(NotImplementedError, match=r"does not divide experts over an 'EP' dim yet.*hf_mixtral"):
+        get_plan("auto", nn.Linear(2, 2), expert_parallel=True)

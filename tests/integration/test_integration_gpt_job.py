@@ -55,13 +55,18 @@ def _check_params(result, reference, what):
 
 
 @pytest.mark.parity
-def test_job_on_pp2_dp2_matches_one_process(tmp_path):
-    argv = [*TINY, "--mesh", "pp=2,dp=2", "--steps", "3", "--schedule", "gpipe", "--checkpoint-dir", str(tmp_path)]
+@pytest.mark.parametrize("what, flags", [
+    ("PP=2 x DP=2", ["--mesh", "pp=2,dp=2", "--steps", "3", "--schedule", "gpipe"]),
+    # --plan auto: the TP+SP plan derived from the GPT itself, before the pipeline cut
+    ("auto plan, PP=2 x TP=2", ["--mesh", "pp=2,tp=2", "--plan", "auto", "--steps", "2"]),
+])
+def test_job_on_4_ranks_matches_one_process(what, flags, tmp_path):
+    argv = [*TINY, *flags, "--checkpoint-dir", str(tmp_path)]
     results = run_distributed(_run, 4, argv, timeout=300)
     reference = job.train_single_device(job.parse_args(argv))
     for rank, result in enumerate(results):
-        _check(result, reference, f"PP=2 x DP=2, rank {rank}")
-        _check_params(result, reference, f"PP=2 x DP=2, rank {rank}")
+        _check(result, reference, f"{what}, rank {rank}")
+        _check_params(result, reference, f"{what}, rank {rank}")
 
 
 @pytest.mark.parity
