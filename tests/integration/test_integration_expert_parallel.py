@@ -10,7 +10,9 @@ import functools
 
 import pytest
 
-from moe_models import HF_MOE, TinyMoE, build_hf_moe, check_expert_parallel, lm_batch, lm_loss, tiny_batch, tiny_loss
+from moe_models import (FLOAT32_SUMS, HF_MOE, TinyMoE, build_hf_moe, check_expert_parallel, lm_batch, lm_loss,
+                        lm_loss_with_aux, lm_loss_with_aux_per_rank, tiny_batch, tiny_loss)
+from ndweave.mesh.testing import STRICT
 from ndweave.dmodule import get_plan
 from ndweave.mesh.testing import run_distributed
 
@@ -64,3 +66,22 @@ def _check_hf(family: str, dp: int, ep: int, zero: bool, tp: int = 1) -> None:
     run_distributed(check_expert_parallel, dp * ep * tp, build, plan, dp=dp, ep=ep, tp=tp, make_batch=lm_batch,
                     loss_of=lm_loss, zero=zero, steps=steps, num_moe_layers=layers, float32_params=float32_params,
                     timeout=300)
+
+
+@pytest.mark.heavy
+@pytest.mark.parity
+@pytest.mark.parametrize("coef", [0.0, 0.05])
+@pytest.mark.parametrize("family", ["hf_mixtral", "hf_qwen2_moe"])
+def test_the_load_balancing_loss_uses_each_ranks_tokens(family, coef):
+    # Each rank adds router_aux_loss_coef x transformers' load-balancing loss of its own forward (its
+    # own tokens' statistics, no collective): one process computing it on each rank's rows and
+    # averaging trains the same. transformers sums it in float32: the loss and the routers' grads are
+    # held to float32 rounding with a coefficient, and strictly (float64) with coefficient 0.
+    pytest.importorskip("transformers")
+
+    build = functools.partial(build_hf_moe, family, router_aux_loss_coef=coef)
+    plan = get_plan(family, build(), expert_parallel=True)
+    float32 = ("mlp.gate.weight",) if coef else ()
+    run_distributed(check_expert_parallel, 4, build, plan, dp=2, ep=2, make_batch=lm_batch, loss_of=lm_loss_with_aux,
+                    reference_loss_of=lm_loss_with_aux_per_rank, loss_tol=FLOAT32_SUMS if coef else STRICT,
+                    zero=True, steps=3, num_moe_layers=2, float32_params=float32, timeout=300)
