@@ -85,6 +85,7 @@ HF_MOE = {
         kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, num_key_value_heads=4)),
 }
 VOCAB = 64
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
 
 
 def build_hf_moe(family: str, **overrides) -> nn.Module:
@@ -149,6 +150,16 @@ def lm_loss_with_aux_per_rank(model: nn.Module, batch) -> torch.Tensor:
     return ce + config.router_aux_loss_coef * aux.mean()
 
 
+def parallel_moe(model: nn.Module, plan: dict, *, dp: int, ep: int, tp: int = 1, zero: bool, clip: float = 0.0):
+    """``model`` parallelized with ``plan`` over a ``("DP", "EP")`` mesh (``("DP", "EP", "TP")`` with
+    ``tp > 1``), wrapped in DDP, and its ndweave AdamW (ZeRO with ``zero``; clipping to ``clip``)."""
+    names = ("DP", "EP", "TP") if tp > 1 else ("DP", "EP")
+    mesh = init_device_mesh("cpu", (dp, ep, tp)[:len(names)], mesh_dim_names=names)
+    model = DDP(parallelize_module(model, mesh, plan), mesh, use_distributed_optimizer=zero, bucket_size=200)
+    make = DistributedOptimizer if zero else BasicOptimizer
+    return model, make(torch.optim.AdamW, [model], clip_grad=clip, optimizer_kwargs=ADAMW)
+
+
 def check_expert_parallel(build: Callable[[], nn.Module], plan: dict, *, dp: int, ep: int, make_batch, loss_of,
                           zero: bool, steps: int, num_moe_layers: int, float32_params: tuple[str, ...] = (),
                           tp: int = 1, reference_loss_of=None, loss_tol: Tolerance = STRICT) -> None:
@@ -157,16 +168,10 @@ def check_expert_parallel(build: Callable[[], nn.Module], plan: dict, *, dp: int
     ``reference_loss_of``: the one-process loss where it is not ``loss_of`` on the global batch;
     ``loss_tol``: the losses' tolerance."""
     torch.set_default_dtype(STRICT_DTYPE)  # both sides (the harness resets it after the test)
-    names = ("DP", "EP", "TP") if tp > 1 else ("DP", "EP")
-    mesh = init_device_mesh("cpu", (dp, ep, tp)[:len(names)], mesh_dim_names=names)
     torch.manual_seed(0)
     reference = build()
-    model = parallelize_module(copy.deepcopy(reference), mesh, plan)
-    model = DDP(model, mesh, use_distributed_optimizer=zero, bucket_size=200)
-    kwargs = {"lr": 1e-2, "weight_decay": 0.1}
-    make = DistributedOptimizer if zero else BasicOptimizer
-    optimizer = make(torch.optim.AdamW, [model], optimizer_kwargs=kwargs)  # clipped by hand below, as torch is
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), **kwargs)
+    model, optimizer = parallel_moe(copy.deepcopy(reference), plan, dp=dp, ep=ep, tp=tp, zero=zero)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
     world, rank = dp * ep, dist.get_rank() // tp  # the data ranks; TP ranks (innermost) share a slice
     ref_params, params = dict(reference.named_parameters()), dict(model.named_parameters())
     assert list(params) == list(ref_params), "expert parallel changed the parameter names"
