@@ -181,7 +181,7 @@ def check_expert_parallel(build: Callable[[], nn.Module], plan: dict, *, dp: int
         ref_loss = (reference_loss_of or loss_of)(reference, batch)
         ref_loss.backward()
         optimizer.zero_grad()
-        with _count_all_to_alls() as moves:
+        with count_all_to_alls() as moves:
             loss = loss_of(model, tuple(t[rank * ROWS:(rank + 1) * ROWS] for t in batch))
             loss.backward()
         # per MoE layer: forward, the counts' exchange and the rows there and back; backward, the two
@@ -217,15 +217,20 @@ def _tolerance(fqn: str, float32_params: tuple[str, ...]) -> Tolerance:
 
 
 @contextlib.contextmanager
-def _count_all_to_alls() -> Iterator[list[int]]:
-    """The bytes each ``all_to_all_single`` call sends, in call order. (torch's ``CommDebugMode``
+def count_all_to_alls(off_rank: list[int] | None = None) -> Iterator[list[int]]:
+    """The bytes each ``all_to_all_single`` call sends, in call order; ``off_rank`` (if given) gets
+    the bytes of each that leave this rank (its own split excluded). (torch's ``CommDebugMode``
     would count them, but its module tracker trips over transformers' models here.)"""
     calls: list[int] = []
     real = dist.all_to_all_single
 
-    def counted(output, input, *args, **kwargs):
+    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
         calls.append(input.numel() * input.element_size())
-        return real(output, input, *args, **kwargs)
+        if off_rank is not None:
+            own = input_split_sizes[dist.get_rank(group)] if input_split_sizes else input.shape[0] // \
+                dist.get_world_size(group)
+            off_rank.append(calls[-1] - own * input.shape[1:].numel() * input.element_size())
+        return real(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
 
     with mock.patch.object(dist, "all_to_all_single", counted):
         yield calls

@@ -6,7 +6,10 @@ harness's ranks (float64) against its own single-device run, strict:
 * PP=2 x DP=2 x TP(+SP)=2 on 8 ranks, stopped at step 2 with a checkpoint, resumed at DP=4 on 4
   ranks up to step 3, then on one rank up to step 4: each part's losses are the uninterrupted
   run's (the checkpoint holds step, data position, lr schedule, RNG), and so are the parameters;
-* the real launcher: two torchrun agents ("nodes") on loopback with c10d rendezvous.
+* the real launcher: two torchrun agents ("nodes") on loopback with c10d rendezvous;
+* MoE blocks (``--moe-experts 4 --moe-top-k 2``) at PP=2 x DP=2 x EP=2 on 8 ranks, stopped at step 2
+  with a checkpoint, resumed at DP=2 x EP=2 on 4 ranks up to step 3, then on one process up to step 4:
+  the uninterrupted one-process run's losses and parameters; and the meshes and flags it refuses.
 """
 
 from __future__ import annotations
@@ -213,8 +216,52 @@ def test_a_resume_may_change_the_batch_and_lr_and_says_so():
     (["--stop-at", "9", "--steps", "5"], "--stop-at must be between 1 and --steps 5"),
     (["--timeout", "0"], "--timeout must be a positive number"),
     (["--device", "no_such_device"], "--device no_such_device: no such device"),
+    (["--moe-experts", "2", "--moe-top-k", "3"], "--moe-top-k 3 is more than --moe-experts 2"),
 ])
 def test_flags_the_job_cannot_run_are_named(flags, message, capsys):
     with pytest.raises(SystemExit):
         job.parse_args(flags)
     assert message in capsys.readouterr().err
+
+
+MOE = ["--moe-experts", "4", "--moe-top-k", "2"]
+
+
+@pytest.mark.parity
+@pytest.mark.heavy
+def test_moe_job_on_pp2_dp2_ep2_resumes_at_dp2_ep2_and_on_one_process(tmp_path):
+    base = [*TINY, *MOE, "--steps", "4", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0"]
+    uninterrupted = job.train_single_device(_args(*MOE, "--steps", "4"))
+    at_two = job.train_single_device(_args(*MOE, "--steps", "4"), last=2)
+
+    first = run_distributed(_run, 8, [*base, "--mesh", "pp=2,dp=2,ep=2", "--stop-at", "2"], timeout=400)
+    for rank, result in enumerate(first):
+        assert sorted(result.losses) == [1, 2] and result.mesh == "PP=2 x DP=2 x EP=2 x TP=1"
+        _check(result, uninterrupted, f"PP=2 x DP=2 x EP=2, rank {rank}")
+        _check_params(result, at_two, f"PP=2 x DP=2 x EP=2 at step 2, rank {rank}")
+
+    second = run_distributed(_run, 4, [*base, "--mesh", "dp=2,ep=2", "--resume", "--stop-at", "3"], timeout=300)[0]
+    assert sorted(second.losses) == [3]
+    _check(second, uninterrupted, "resumed at DP=2 x EP=2")
+
+    third = run_distributed(_run, 1, [*base, "--mesh", "dp=1", "--resume"], timeout=300)[0]
+    assert sorted(third.losses) == [4] and sorted(third.history) == [1, 2, 3, 4]
+    _check(third, uninterrupted, "resumed on one process")
+    _check_params(third, uninterrupted, "resumed on one process, step 4")
+
+
+def _refusal(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as raised:
+        _run(argv)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mesh", "ep=2"], "has ep=2, but the model has no experts to divide over it: add --moe-experts N"),
+    (["--mesh", "ep=2", "--moe-experts", "3"], "--moe-experts 3 do not divide over ep=2 ranks"),
+    (["--mesh", "tp=2", *MOE], "--moe-experts with tp=2: the nanogpt plan has no tensor-parallel layout"),
+])
+def test_meshes_the_moe_job_cannot_run_are_named_on_every_rank(tmp_path, flags, message):
+    messages = run_distributed(_refusal, 2, [*TINY, *flags, "--steps", "1", "--checkpoint-dir", str(tmp_path)],
+                               timeout=120)
+    assert all(message in m for m in messages), messages
