@@ -250,6 +250,30 @@ def test_moe_job_on_pp2_dp2_ep2_resumes_at_dp2_ep2_and_on_one_process(tmp_path):
     _check_params(third, uninterrupted, "resumed on one process, step 4")
 
 
+@pytest.mark.heavy
+def test_moe_job_launched_on_pp2_dp2_ep2_compares_with_one_process(tmp_path):
+    """``torchrun`` with 8 processes, as users launch it: fp32 MoE blocks at PP=2 x DP=2 x EP=2 against
+    the job's own single-device run (``--compare-single-device``), then resumed at EP=4 on 4 ranks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(p) for p in sorted((ROOT / "packages").glob("*/src"))]
+                                         + [os.environ.get("PYTHONPATH", "")])}
+    train = [str(ROOT / "examples" / "gpt" / "train.py"), *TINY[:-5], *MOE, "--plot", "", "--steps", "3",
+             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "0"]  # fp32, the report shown
+
+    def launch(ranks: int, *flags: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={ranks}", *train, *flags], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
+        assert done.returncode == 0, f"exited with {done.returncode}:\n{done.stdout[-4000:]}"
+        return done.stdout
+
+    out = launch(8, "--mesh", "pp=2,dp=2,ep=2", "--stop-at", "2", "--compare-single-device")
+    assert "EP=2 (experts divided" in out and "done: mesh PP=2 x DP=2 x EP=2 x TP=1, steps 1..2" in out, out[-4000:]
+    assert "PASS" in out, out[-4000:]
+    out = launch(4, "--mesh", "ep=4", "--resume")
+    assert "resumed from step 2" in out and "done: mesh PP=1 x DP=1 x EP=4 x TP=1, steps 3..3" in out, out[-4000:]
+
+
 def _refusal(argv: list[str]) -> str:
     with pytest.raises(SystemExit) as raised:
         _run(argv)
