@@ -36,6 +36,7 @@ RUNS = [
     ("bench_pipeline.py", ["--schedules", "gpipe", "1f1b", "interleaved_1f1b", "--simulate-ms", "10", "--width", "64",
                            "--batch", "16", "--steps", "1", "--rounds", "3", "--warmup", "1"]),
     ("bench_checkpoint.py", []),
+    ("bench_experts.py", []),
 ]
 # --quick: sizes and rounds small enough to show that everything runs, not to measure anything
 QUICK = {
@@ -48,6 +49,8 @@ QUICK = {
     "bench_pipeline.py": ["--layers", "4", "--width", "64", "--batch", "8", "--microbatches", "4",
                           "--schedules", "1f1b", "interleaved_1f1b", "--steps", "1", "--rounds", "2", "--warmup", "1"],
     "bench_checkpoint.py": ["--mb", "8", "--tensors", "4", "--rounds", "1", "--step-ms", "5", "--after", "1"],
+    "bench_experts.py": ["--layers", "1", "--hidden", "32", "--tokens", "32", "--steps", "1", "--rounds", "1",
+                         "--warmup", "1"],
 }
 COLUMNS = ("component", "vs (torch native)", "world", "wall ours/theirs", "CPU ours/theirs", "memory",
            "theoretical bound", "note")

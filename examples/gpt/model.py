@@ -9,6 +9,9 @@ parallelism without patches to its own code:
   the local projection produced, so a rank holding ``n_head / tp`` heads just works.
 
 ``lm_head`` is tied to ``wte`` by default (as in nanoGPT; ``GPTConfig(tie_weights=False)`` unties it).
+``GPTConfig(moe_experts=E, moe_top_k=k)`` makes every MLP a mixture of ``E`` experts (:class:`MoE`),
+their weights stacked in 3-D as transformers' MoE models stack them, which is what
+``ndweave.dmodule``'s ``"expert_parallel"`` patch divides over an ``"EP"`` mesh dim.
 It knows nothing of pipelines: ``ndweave.pipeline`` traces its ``forward`` and runs each stage's part.
 
     sys.path.insert(0, "examples/gpt"); from model import GPT, GPTConfig   # a plain file, not a package
@@ -25,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "GPT"]
+__all__ = ["Experts", "GPTConfig", "GPT", "MoE"]
 
 
 @dataclass
@@ -40,6 +43,10 @@ class GPTConfig:
     """Biases in Linears and LayerNorms (GPT-2 has them)."""
     tie_weights: bool = True
     """Share one weight between ``transformer.wte`` and ``lm_head``."""
+    moe_experts: int = 0
+    """Experts per MoE block; 0: a dense MLP in every block."""
+    moe_top_k: int = 2
+    """Experts each token is routed to (with ``moe_experts``)."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -79,13 +86,50 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+class Experts(nn.Module):
+    """``num_experts`` MLPs (``c_fc``, GELU, ``c_proj``, no biases) stacked in 3-D weights, called as
+    transformers' experts are: ``(x (N, C), top_k_index (N, k), top_k_weights (N, k)) -> (N, C)``.
+
+    Every expert runs on every row and the row sums them weighted by its gates (0 for the experts it
+    was not routed to): no data-dependent shapes, so the pipeline can trace it on ``meta`` tensors,
+    at ``num_experts / k`` times a sparse kernel's FLOPs (a small model's choice). Under expert
+    parallelism each rank runs its ``num_experts / EP`` experts on the rows routed to them."""
+
+    def __init__(self, num_experts: int, n_embd: int, inner: int):
+        super().__init__()
+        self.num_experts = num_experts  # under expert parallelism: this rank's experts while they run
+        self.c_fc = nn.Parameter(torch.empty(num_experts, inner, n_embd))
+        self.c_proj = nn.Parameter(torch.empty(num_experts, n_embd, inner))
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        gates = x.new_zeros(x.shape[0], self.num_experts).scatter(1, top_k_index, top_k_weights)
+        h = F.gelu(torch.einsum("nc,eic->nei", x, self.c_fc))
+        return torch.einsum("ne,nei,eci->nc", gates, h, self.c_proj)
+
+
+class MoE(nn.Module):
+    """A mixture of experts in place of the MLP: a softmax router picks each token's top-k experts
+    and their weights (renormalized to sum to 1); the token's output is their weighted sum."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.top_k = config.moe_top_k
+        self.router = nn.Linear(config.n_embd, config.moe_experts, bias=False)
+        self.experts = Experts(config.moe_experts, config.n_embd, 4 * config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, index = torch.softmax(self.router(flat), -1).topk(self.top_k, -1)
+        return self.experts(flat, index, weights / weights.sum(-1, keepdim=True)).view_as(x)
+
+
 class Block(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.moe_experts else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -112,12 +156,14 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         # GPT-2's scaled init of the projections into the residual stream
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith(("c_proj.weight", "experts.c_proj")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, Experts):
+            nn.init.normal_(module.c_fc, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 

@@ -20,11 +20,13 @@ def start(mesh: Any, model: torch.nn.Module, args: argparse.Namespace) -> None:
     count = sum(p.numel() for p in model.parameters())  # a tied weight once
     describe = mesh.describe().splitlines()
     print(describe[0].split(";")[0], "\n".join(describe[1:]), sep="\n")
-    pp, dp, tp = (mesh[d].size() for d in ("PP", "DP", "TP"))
+    pp, dp, ep, tp = (mesh[d].size() for d in ("PP", "DP", "EP", "TP"))
+    moe = f", MoE: {args.moe_experts} experts, top-{args.moe_top_k}" if args.moe_experts else ""
     print(f"GPT: {args.n_layer} layers, n_embd {args.n_embd}, {args.n_head} heads, block {args.block_size}, "
-          f"vocab 256 (bytes): {count / 1e6:.2f}M parameters, {args.dtype}")
-    print(f"PP={pp} ({args.schedule}, {args.micro_batches} micro-batches per DP rank), "
-          f"TP={tp}{'' if args.no_sp or tp == 1 else ' +SP'}, DP={dp} with ZeRO-1 (DistributedOptimizer); "
+          f"vocab 256 (bytes){moe}: {count / 1e6:.2f}M parameters, {args.dtype}")
+    experts = f", EP={ep} (experts divided, the batch split like DP)" if ep > 1 else ""
+    print(f"PP={pp} ({args.schedule}, {args.micro_batches} micro-batches per data rank), "
+          f"TP={tp}{'' if args.no_sp or tp == 1 else ' +SP'}, DP={dp}{experts} with ZeRO-1 (DistributedOptimizer); "
           f"global batch {args.global_batch} x {args.block_size} tokens, {args.steps} steps")
 
 

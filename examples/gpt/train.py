@@ -3,6 +3,7 @@ parallelism and a ZeRO optimizer over one device mesh, checkpointed, resumable o
 
     hatch run train                                          # 8 CPU ranks: pp=2,dp=2,tp=2
     python examples/gpt/train.py --mesh dp=4 --resume        # continue the same run on 4 ranks
+    hatch run train --mesh pp=2,dp=2,ep=2 --moe-experts 4    # MoE blocks, experts over EP (8 ranks)
     torchrun --nproc-per-node 8 examples/gpt/train.py --mesh pp=2,dp=-1,tp=2 --device cuda
     torchrun --nnodes=1:4 --nproc-per-node 4 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
         examples/gpt/train.py --mesh pp=2,dp=-1,tp=2 --resume   # elastic: restarts resume, any 4k ranks
@@ -47,21 +48,28 @@ from ndweave.mesh.testing import train_one_process  # noqa: E402
 from ndweave.optim import DistributedOptimizer  # noqa: E402
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage, generate  # noqa: E402
 
-__all__ = ["RunResult", "build_mesh", "build_model", "build_optimizer", "check_args", "gather_params", "loss_fn", "lr_schedule",
-           "main", "parallelize", "parse_args", "resume_mode", "sample", "train", "train_single_device", "validation_loss"]
+__all__ = ["RunResult", "build_mesh", "build_model", "build_optimizer", "check_args", "check_mesh", "data_mean",
+           "data_rank", "gather_params", "loss_fn", "lr_schedule", "main", "parallelize", "parse_args", "resume_mode",
+           "sample", "train", "train_single_device", "validation_loss"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float64}
-DIMS = ("PP", "DP", "TP")
+DIMS = ("PP", "DP", "EP", "TP")
+#: The MoE blocks' stacked experts (``--moe-experts``), what the ``"expert_parallel"`` patch divides over EP.
+EXPERTS = r"transformer\.h\.\d+\.mlp\.experts"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mesh", default="pp=2,dp=2,tp=2",
-                   help="sizes of pp, dp, tp (omitted: 1; one of them -1: the rest of the world, e.g. dp=-1)")
+                   help="sizes of pp, dp, ep, tp (omitted: 1; one of them -1: the rest of the world, e.g. dp=-1); "
+                        "ep (expert parallel, with --moe-experts): EP ranks split the batch like DP ranks and "
+                        "divide the experts")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--block-size", type=int, default=64, help="tokens (bytes) per sample")
+    p.add_argument("--moe-experts", type=int, default=0, help="experts per MoE block in place of each MLP (0: dense)")
+    p.add_argument("--moe-top-k", type=int, default=2, help="experts each token is routed to (with --moe-experts)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps of the whole run (the lr schedule's length)")
     p.add_argument("--stop-at", type=int, default=None, help="end this run after that step, as if interrupted (--resume goes on)")
     p.add_argument("--global-batch", type=int, default=16, help="samples per step, over all DP ranks")
@@ -109,7 +117,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     every rank alike, before any process group exists)."""
     at_least = {"n_layer": 1, "n_embd": 1, "n_head": 1, "block_size": 1, "steps": 1, "global_batch": 1,
                 "micro_batches": 1, "virtual_chunks": 1, "warmup": 0, "checkpoint_every": 0, "sample": 0, "eval_every": 0,
-                "lr": 0, "min_lr": 0, "weight_decay": 0, "clip": 0}
+                "moe_experts": 0, "moe_top_k": 1, "lr": 0, "min_lr": 0, "weight_decay": 0, "clip": 0}
     for name, low in at_least.items():
         if getattr(args, name) < low or (name == "lr" and args.lr == 0):
             bound = "positive" if name == "lr" else f"at least {low}"
@@ -118,6 +126,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.n_embd % args.n_head:
         parser.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head} (the head size)")
+    if args.moe_experts and args.moe_top_k > args.moe_experts:
+        parser.error(f"--moe-top-k {args.moe_top_k} is more than --moe-experts {args.moe_experts}: each token needs "
+                     "top-k distinct experts")
     if args.eval_every and args.global_batch > VALIDATION_WINDOWS:
         parser.error(f"--eval-every evaluates a --global-batch of held-out samples: at most {VALIDATION_WINDOWS}, "
                      f"got {args.global_batch}")
@@ -167,7 +178,8 @@ def build_model(args: argparse.Namespace) -> GPT:
     exactly-zero true gradient, which Adam turns into rounding-noise steps."""
     torch.manual_seed(args.seed)
     config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
-                       n_head=args.n_head, n_embd=args.n_embd, dropout=0.0, bias=False)
+                       n_head=args.n_head, n_embd=args.n_embd, dropout=0.0, bias=False,
+                       moe_experts=args.moe_experts, moe_top_k=args.moe_top_k)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     try:
@@ -197,11 +209,15 @@ def parallelize(model: GPT, mesh: ParallelMesh, args: argparse.Namespace) -> tup
     tensor_parallel = mesh["TP"].size() > 1
     auto = get_plan("auto", model, sequence_parallel=not args.no_sp) if args.plan == "auto" and tensor_parallel else None
     module = construct_pipeline_stage(model, plan, mesh, example_inputs=example)
+    expert_parallel = mesh["EP"].size() > 1
     for i in range(len(module)):
         if tensor_parallel:
             tp_plan = auto or get_plan("nanogpt", module[i], sequence_parallel=not args.no_sp)
             module[i] = parallelize_module(module[i], mesh["TP"], tp_plan)
-        module[i] = DDP(module[i], mesh["DP"], use_distributed_optimizer=True)
+        elif expert_parallel:  # this chunk's experts over EP (the mesh passed whole: the patch finds "EP")
+            module[i] = parallelize_module(module[i], mesh, {"patch": {EXPERTS: ["expert_parallel"]}})
+        # with EP: the mesh whole, so DDP reduces dense grads over DP x EP and the experts' over DP
+        module[i] = DDP(module[i], mesh if expert_parallel else mesh["DP"], use_distributed_optimizer=True)
     engine = PipeEngine(module, mesh, loss_fn, plan)  # before the optimizer: it marks the tied copy
     return list(module.chunks), engine
 
@@ -262,17 +278,46 @@ def gather_params(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
     return {k: v for part in everyone for k, v in part.items()}
 
 
+def data_rank(mesh: ParallelMesh) -> tuple[int, int]:
+    """``(this rank's slice, slices)`` of each batch: the DP and EP ranks split it (EP inner)."""
+    ep = mesh["EP"].size()
+    return mesh["DP"].get_local_rank() * ep + mesh["EP"].get_local_rank(), mesh["DP"].size() * ep
+
+
+def data_mean(value: torch.Tensor, mesh: ParallelMesh) -> float:
+    """The mean of a value over the ranks that split the batch (equal slices: the global mean)."""
+    for dim in ("DP", "EP"):
+        dist.all_reduce(value, group=mesh[dim].get_group())
+    return value.item() / data_rank(mesh)[1]
+
+
+def check_mesh(mesh: ParallelMesh, args: argparse.Namespace) -> None:
+    """What the mesh and the flags cannot run together: one error naming both (every rank alike)."""
+    (_, slices), ep, tp = data_rank(mesh), mesh["EP"].size(), mesh["TP"].size()
+    if args.global_batch % (slices * args.micro_batches):
+        raise SystemExit(f"error: --global-batch {args.global_batch} must split into DP x EP={slices} ranks x "
+                         f"--micro-batches {args.micro_batches}: use a multiple of {slices * args.micro_batches}")
+    if ep > 1 and not args.moe_experts:
+        raise SystemExit(f"error: --mesh {args.mesh} has ep={ep}, but the model has no experts to divide over it: "
+                         "add --moe-experts N (MoE blocks), or make those ranks data parallel (dp)")
+    if args.moe_experts % ep:
+        raise SystemExit(f"error: --moe-experts {args.moe_experts} do not divide over ep={ep} ranks: use a multiple "
+                         f"of {ep} experts, or an ep that divides {args.moe_experts}")
+    if args.moe_experts and tp > 1:
+        raise SystemExit(f"error: --moe-experts with tp={tp}: the nanogpt plan has no tensor-parallel layout for MoE "
+                         "blocks; use tp=1 (ep and dp split the batch)")
+
+
 def validation_loss(engine: PipeEngine, chunks: list[nn.Module], data: TextData, mesh: ParallelMesh,
                     args: argparse.Namespace) -> float:
     """The mean loss on the held-out batch, forward only through the pipeline (every rank)."""
-    x, y = (t.to(args.device) for t in data.validation(args.global_batch, mesh["DP"].get_local_rank(), mesh["DP"].size()))
+    x, y = (t.to(args.device) for t in data.validation(args.global_batch, *data_rank(mesh)))
     for chunk in chunks:
         chunk.eval()
     loss = engine.evaluate(x, y).detach().to(torch.float64)
     for chunk in chunks:
         chunk.train()
-    dist.all_reduce(loss, group=mesh["DP"].get_group())  # equal slices: the global mean
-    return loss.item() / mesh["DP"].size()
+    return data_mean(loss, mesh)
 
 
 def sample(engine: PipeEngine, chunks: list[nn.Module], args: argparse.Namespace, prompt: bytes = b"ROMEO:\n") -> str:
@@ -296,10 +341,8 @@ def peak_memory(device: str) -> int:
 def train(args: argparse.Namespace) -> RunResult:
     """The job on this rank (the default process group may exist already, as in the test harness)."""
     mesh = build_mesh(args)
-    rank, dp_rank, dp_size = dist.get_rank(), mesh["DP"].get_local_rank(), mesh["DP"].size()
-    if args.global_batch % (dp_size * args.micro_batches):  # the same verdict on every rank
-        raise SystemExit(f"error: --global-batch {args.global_batch} must split into DP={dp_size} ranks x "
-                         f"--micro-batches {args.micro_batches}: use a multiple of {dp_size * args.micro_batches}")
+    rank, (dp_rank, dp_size) = dist.get_rank(), data_rank(mesh)
+    check_mesh(mesh, args)
     model = build_model(args)
     show = rank == 0 and not args.quiet
     if show:
@@ -348,8 +391,7 @@ def train(args: argparse.Namespace) -> RunResult:
         lr = optimizer.param_groups[0]["lr"]  # the one this step used
         scheduler.step()
         position.advance(args.global_batch)
-        dist.all_reduce(loss, group=mesh["DP"].get_group())  # equal slices: the global mean
-        losses[step] = history[step - 1] = loss.item() / dp_size
+        losses[step] = history[step - 1] = data_mean(loss, mesh)
         if args.eval_every and (step % args.eval_every == 0 or step == last):
             val_history[step - 1] = validation_loss(engine, chunks, data, mesh, args)
         seconds = time.perf_counter() - tick
@@ -371,8 +413,9 @@ def train(args: argparse.Namespace) -> RunResult:
     memory: list[int] = [0] * dist.get_world_size()
     dist.all_gather_object(memory, peak_memory(args.device))
     tokens = (last - start) * args.global_batch * args.block_size
+    shown = [d for d in DIMS if d != "EP" or mesh["EP"].size() > 1]  # EP where the run has it
     return RunResult(losses, gather_params(chunks), seconds, tokens / max(seconds, 1e-9), memory,
-                     " x ".join(f"{d}={mesh[d].size()}" for d in DIMS), _steps(history), _steps(val_history), text)
+                     " x ".join(f"{d}={mesh[d].size()}" for d in shown), _steps(history), _steps(val_history), text)
 
 
 def _steps(history: list[float]) -> dict[int, float]:

@@ -80,3 +80,23 @@ def test_one_process_dispatch_is_the_identity_routing():
 def test_experts_that_do_not_divide_over_ep_are_refused():
     with pytest.raises(ValueError, match="6 experts do not divide over 4 EP ranks"):
         dispatch(torch.zeros(2, _H), torch.zeros(2, 1, dtype=torch.long), 6)
+
+
+@distributed(world_size=2, timeout=60)
+def test_top_k_beyond_the_experts_is_refused():
+    with pytest.raises(ValueError, match=r"top-k 5 \(expert_ids \(2, 5\)\) is more than the 4 experts"):
+        dispatch(torch.zeros(2, _H), torch.zeros(2, 5, dtype=torch.long), 4)
+
+
+@distributed(world_size=4, timeout=60)
+def test_an_expert_id_out_of_range_on_one_rank_is_raised_on_every_rank():
+    # EP rank 2 alone routes a token to expert 8 of 8 (0 .. 7): the others' data is fine, yet none of
+    # them may wait for rows that never come
+    ids = torch.tensor([[0, 3], [7, 1]])
+    if dist.get_rank() == 2:
+        ids[1, 0] = _E
+    where = "this rank" if dist.get_rank() == 2 else r"EP ranks \[2\] \(this is EP rank \d\)"
+    with pytest.raises(ValueError, match=where + r" routed tokens to expert ids outside \[0, 8\)"):
+        dispatch(torch.zeros(2, _H), ids, _E)
+    # the group is still in step: a good dispatch runs after it
+    dispatch(torch.zeros(2, _H), torch.tensor([[0, 3], [7, 1]]), _E)

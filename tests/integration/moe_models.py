@@ -85,16 +85,18 @@ HF_MOE = {
         kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, num_key_value_heads=4)),
 }
 VOCAB = 64
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
 
 
-def build_hf_moe(family: str) -> nn.Module:
-    """A tiny transformers model of ``family``, eager experts and attention (float64 parity)."""
+def build_hf_moe(family: str, **overrides) -> nn.Module:
+    """A tiny transformers model of ``family`` (config fields ``overrides`` changed), eager experts and
+    attention (float64 parity)."""
     import transformers
 
     config_name, model_name, extra = HF_MOE[family]
     sizes = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=32, num_experts_per_tok=2)
-    config = getattr(transformers, config_name)(**{**sizes, **extra})
+    config = getattr(transformers, config_name)(**{**sizes, **extra, **overrides})
     config._experts_implementation = "eager"
     config._attn_implementation = "eager"
     return getattr(transformers, model_name)(config)
@@ -122,32 +124,64 @@ def lm_loss(model: nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def check_expert_parallel(build: Callable[[], nn.Module], plan: dict, *, dp: int, ep: int, make_batch, loss_of,
-                          zero: bool, steps: int, num_moe_layers: int, float32_params: tuple[str, ...] = (),
-                          tp: int = 1) -> None:
-    """Run on every rank of a world of ``dp * ep * tp`` (see the module docstring). ``float32_params``:
-    FQN substrings of weights the model computes with in float32, held to :data:`FLOAT32_SUMS`."""
-    torch.set_default_dtype(STRICT_DTYPE)  # both sides (the harness resets it after the test)
+def lm_loss_with_aux(model: nn.Module, batch) -> torch.Tensor:
+    """The cross entropy plus ``router_aux_loss_coef`` times the load-balancing loss transformers
+    computes in this forward (``output_router_logits=True``): its token statistics are this rank's."""
+    ids, targets = batch
+    out = model(input_ids=ids, output_router_logits=True)
+    ce = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+    return ce + model.config.router_aux_loss_coef * out.aux_loss
+
+
+def lm_loss_with_aux_per_rank(model: nn.Module, batch) -> torch.Tensor:
+    """One process's :func:`lm_loss_with_aux` on the global batch, its load-balancing loss computed as
+    the ranks compute it: transformers' own function on each rank's :data:`ROWS` rows, averaged over
+    the ranks (the mean of the ranks' losses is what DDP's averaged grads descend)."""
+    import sys
+
+    ids, targets = batch
+    out = model(input_ids=ids, output_router_logits=True)
+    ce = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    config, num_ranks = model.config, ids.shape[0] // ROWS
+    per_rank = [tuple(layer.view(num_ranks, -1, layer.shape[-1])[r] for layer in out.router_logits)
+                for r in range(num_ranks)]
+    aux = torch.stack([balance(logits, logits[0].shape[-1], config.num_experts_per_tok) for logits in per_rank])
+    return ce + config.router_aux_loss_coef * aux.mean()
+
+
+def parallel_moe(model: nn.Module, plan: dict, *, dp: int, ep: int, tp: int = 1, zero: bool, clip: float = 0.0):
+    """``model`` parallelized with ``plan`` over a ``("DP", "EP")`` mesh (``("DP", "EP", "TP")`` with
+    ``tp > 1``), wrapped in DDP, and its ndweave AdamW (ZeRO with ``zero``; clipping to ``clip``)."""
     names = ("DP", "EP", "TP") if tp > 1 else ("DP", "EP")
     mesh = init_device_mesh("cpu", (dp, ep, tp)[:len(names)], mesh_dim_names=names)
+    model = DDP(parallelize_module(model, mesh, plan), mesh, use_distributed_optimizer=zero, bucket_size=200)
+    make = DistributedOptimizer if zero else BasicOptimizer
+    return model, make(torch.optim.AdamW, [model], clip_grad=clip, optimizer_kwargs=ADAMW)
+
+
+def check_expert_parallel(build: Callable[[], nn.Module], plan: dict, *, dp: int, ep: int, make_batch, loss_of,
+                          zero: bool, steps: int, num_moe_layers: int, float32_params: tuple[str, ...] = (),
+                          tp: int = 1, reference_loss_of=None, loss_tol: Tolerance = STRICT) -> None:
+    """Run on every rank of a world of ``dp * ep * tp`` (see the module docstring). ``float32_params``:
+    FQN substrings of weights the model computes with in float32, held to :data:`FLOAT32_SUMS`.
+    ``reference_loss_of``: the one-process loss where it is not ``loss_of`` on the global batch;
+    ``loss_tol``: the losses' tolerance."""
+    torch.set_default_dtype(STRICT_DTYPE)  # both sides (the harness resets it after the test)
     torch.manual_seed(0)
     reference = build()
-    model = parallelize_module(copy.deepcopy(reference), mesh, plan)
-    model = DDP(model, mesh, use_distributed_optimizer=zero, bucket_size=200)
-    kwargs = {"lr": 1e-2, "weight_decay": 0.1}
-    make = DistributedOptimizer if zero else BasicOptimizer
-    optimizer = make(torch.optim.AdamW, [model], optimizer_kwargs=kwargs)  # clipped by hand below, as torch is
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), **kwargs)
+    model, optimizer = parallel_moe(copy.deepcopy(reference), plan, dp=dp, ep=ep, tp=tp, zero=zero)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
     world, rank = dp * ep, dist.get_rank() // tp  # the data ranks; TP ranks (innermost) share a slice
     ref_params, params = dict(reference.named_parameters()), dict(model.named_parameters())
     assert list(params) == list(ref_params), "expert parallel changed the parameter names"
     for step in range(steps):
         batch = make_batch(step, world * ROWS)
         ref_optimizer.zero_grad()
-        ref_loss = loss_of(reference, batch)
+        ref_loss = (reference_loss_of or loss_of)(reference, batch)
         ref_loss.backward()
         optimizer.zero_grad()
-        with _count_all_to_alls() as moves:
+        with count_all_to_alls() as moves:
             loss = loss_of(model, tuple(t[rank * ROWS:(rank + 1) * ROWS] for t in batch))
             loss.backward()
         # per MoE layer: forward, the counts' exchange and the rows there and back; backward, the two
@@ -156,7 +190,7 @@ def check_expert_parallel(build: Callable[[], nn.Module], plan: dict, *, dp: int
         assert len(moves) == expected, f"step {step}: {len(moves)} all-to-alls, expected {expected}"
         total = loss.detach().clone()
         dist.all_reduce(total)
-        assert_close(total / (world * tp), ref_loss, name=f"step {step} loss")
+        assert_close(total / (world * tp), ref_loss, name=f"step {step} loss", tol=loss_tol)
         if not zero:  # BasicOptimizer: every .grad is the whole reduced grad
             model.finish_grad_sync()
             for fqn, ref_p in ref_params.items():
@@ -183,15 +217,20 @@ def _tolerance(fqn: str, float32_params: tuple[str, ...]) -> Tolerance:
 
 
 @contextlib.contextmanager
-def _count_all_to_alls() -> Iterator[list[int]]:
-    """The bytes each ``all_to_all_single`` call sends, in call order. (torch's ``CommDebugMode``
+def count_all_to_alls(off_rank: list[int] | None = None) -> Iterator[list[int]]:
+    """The bytes each ``all_to_all_single`` call sends, in call order; ``off_rank`` (if given) gets
+    the bytes of each that leave this rank (its own split excluded). (torch's ``CommDebugMode``
     would count them, but its module tracker trips over transformers' models here.)"""
     calls: list[int] = []
     real = dist.all_to_all_single
 
-    def counted(output, input, *args, **kwargs):
+    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
         calls.append(input.numel() * input.element_size())
-        return real(output, input, *args, **kwargs)
+        if off_rank is not None:
+            own = input_split_sizes[dist.get_rank(group)] if input_split_sizes else input.shape[0] // \
+                dist.get_world_size(group)
+            off_rank.append(calls[-1] - own * input.shape[1:].numel() * input.element_size())
+        return real(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
 
     with mock.patch.object(dist, "all_to_all_single", counted):
         yield calls

@@ -6,7 +6,10 @@ harness's ranks (float64) against its own single-device run, strict:
 * PP=2 x DP=2 x TP(+SP)=2 on 8 ranks, stopped at step 2 with a checkpoint, resumed at DP=4 on 4
   ranks up to step 3, then on one rank up to step 4: each part's losses are the uninterrupted
   run's (the checkpoint holds step, data position, lr schedule, RNG), and so are the parameters;
-* the real launcher: two torchrun agents ("nodes") on loopback with c10d rendezvous.
+* the real launcher: two torchrun agents ("nodes") on loopback with c10d rendezvous;
+* MoE blocks (``--moe-experts 4 --moe-top-k 2``) at PP=2 x DP=2 x EP=2 on 8 ranks, stopped at step 2
+  with a checkpoint, resumed at DP=2 x EP=2 on 4 ranks up to step 3, then on one process up to step 4:
+  the uninterrupted one-process run's losses and parameters; and the meshes and flags it refuses.
 """
 
 from __future__ import annotations
@@ -218,8 +221,76 @@ def test_a_resume_may_change_the_batch_and_lr_and_says_so():
     (["--stop-at", "9", "--steps", "5"], "--stop-at must be between 1 and --steps 5"),
     (["--timeout", "0"], "--timeout must be a positive number"),
     (["--device", "no_such_device"], "--device no_such_device: no such device"),
+    (["--moe-experts", "2", "--moe-top-k", "3"], "--moe-top-k 3 is more than --moe-experts 2"),
 ])
 def test_flags_the_job_cannot_run_are_named(flags, message, capsys):
     with pytest.raises(SystemExit):
         job.parse_args(flags)
     assert message in capsys.readouterr().err
+
+
+MOE = ["--moe-experts", "4", "--moe-top-k", "2"]
+
+
+@pytest.mark.parity
+@pytest.mark.heavy
+def test_moe_job_on_pp2_dp2_ep2_resumes_at_dp2_ep2_and_on_one_process(tmp_path):
+    base = [*TINY, *MOE, "--steps", "4", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0"]
+    uninterrupted = job.train_single_device(_args(*MOE, "--steps", "4"))
+    at_two = job.train_single_device(_args(*MOE, "--steps", "4"), last=2)
+
+    first = run_distributed(_run, 8, [*base, "--mesh", "pp=2,dp=2,ep=2", "--stop-at", "2"], timeout=400)
+    for rank, result in enumerate(first):
+        assert sorted(result.losses) == [1, 2] and result.mesh == "PP=2 x DP=2 x EP=2 x TP=1"
+        _check(result, uninterrupted, f"PP=2 x DP=2 x EP=2, rank {rank}")
+        _check_params(result, at_two, f"PP=2 x DP=2 x EP=2 at step 2, rank {rank}")
+
+    second = run_distributed(_run, 4, [*base, "--mesh", "dp=2,ep=2", "--resume", "--stop-at", "3"], timeout=300)[0]
+    assert sorted(second.losses) == [3]
+    _check(second, uninterrupted, "resumed at DP=2 x EP=2")
+
+    third = run_distributed(_run, 1, [*base, "--mesh", "dp=1", "--resume"], timeout=300)[0]
+    assert sorted(third.losses) == [4] and sorted(third.history) == [1, 2, 3, 4]
+    _check(third, uninterrupted, "resumed on one process")
+    _check_params(third, uninterrupted, "resumed on one process, step 4")
+
+
+@pytest.mark.heavy
+def test_moe_job_launched_on_pp2_dp2_ep2_compares_with_one_process(tmp_path):
+    """``torchrun`` with 8 processes, as users launch it: fp32 MoE blocks at PP=2 x DP=2 x EP=2 against
+    the job's own single-device run (``--compare-single-device``), then resumed at EP=4 on 4 ranks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(p) for p in sorted((ROOT / "packages").glob("*/src"))]
+                                         + [os.environ.get("PYTHONPATH", "")])}
+    train = [str(ROOT / "examples" / "gpt" / "train.py"), *TINY[:-5], *MOE, "--plot", "", "--steps", "3",
+             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "0"]  # fp32, the report shown
+
+    def launch(ranks: int, *flags: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={ranks}", *train, *flags], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
+        assert done.returncode == 0, f"exited with {done.returncode}:\n{done.stdout[-4000:]}"
+        return done.stdout
+
+    out = launch(8, "--mesh", "pp=2,dp=2,ep=2", "--stop-at", "2", "--compare-single-device")
+    assert "EP=2 (experts divided" in out and "done: mesh PP=2 x DP=2 x EP=2 x TP=1, steps 1..2" in out, out[-4000:]
+    assert "PASS" in out, out[-4000:]
+    out = launch(4, "--mesh", "ep=4", "--resume")
+    assert "resumed from step 2" in out and "done: mesh PP=1 x DP=1 x EP=4 x TP=1, steps 3..3" in out, out[-4000:]
+
+
+def _refusal(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as raised:
+        _run(argv)
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mesh", "ep=2"], "has ep=2, but the model has no experts to divide over it: add --moe-experts N"),
+    (["--mesh", "ep=2", "--moe-experts", "3"], "--moe-experts 3 do not divide over ep=2 ranks"),
+    (["--mesh", "tp=2", *MOE], "--moe-experts with tp=2: the nanogpt plan has no tensor-parallel layout"),
+])
+def test_meshes_the_moe_job_cannot_run_are_named_on_every_rank(tmp_path, flags, message):
+    messages = run_distributed(_refusal, 2, [*TINY, *flags, "--steps", "1", "--checkpoint-dir", str(tmp_path)],
+                               timeout=120)
+    assert all(message in m for m in messages), messages

@@ -138,7 +138,8 @@ def _resolve(device_mesh: Any) -> tuple[DeviceMesh, bool]:
     names = _dim_names(device_mesh)
     if EXPERT_DIM in names:  # experts over "EP" (the patches find it); tensors over "TP", if any
         whole = resolve_mesh(device_mesh)
-        if "TP" in names:
+        # a TP dim of one rank (the GPT job's ("PP", "DP", "EP", "TP") = (2, 2, 2, 1)): no tensor parallel
+        if "TP" in names and whole["TP"].size() > 1:
             return whole["TP"], True
         return (whole if names == (EXPERT_DIM,) else whole[EXPERT_DIM]), False
     # a torch DeviceMesh is taken whole (any ndim: nD tensor parallel over all its dims); a

@@ -57,13 +57,22 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
     if num_experts % ep:
         raise ValueError(f"expert parallel: {num_experts} experts do not divide over {ep} EP ranks; pick an EP "
                          f"size that divides {num_experts}")
+    if expert_ids.shape[-1] > num_experts:
+        raise ValueError(f"expert parallel: top-k {expert_ids.shape[-1]} (expert_ids {tuple(expert_ids.shape)}) is "
+                         f"more than the {num_experts} experts; each token needs top-k distinct experts: lower top-k")
     local_experts = num_experts // ep
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # stable: within an expert, tokens keep their order
-    counts = torch.bincount(flat, minlength=num_experts)  # rows this rank sends to each expert
+    outside = (flat < 0) | (flat >= num_experts)
+    # rows this rank sends to each expert, and per destination rank a last column flagging expert ids
+    # outside [0, E): the flag travels with the counts, so every EP rank raises (none waits on the rows)
+    counts = torch.bincount(flat.clamp(0, num_experts - 1), minlength=num_experts).view(ep, local_experts)
+    sent = torch.cat([counts, outside.any().to(counts.dtype).expand(ep, 1)], dim=1)
+    exchanged = _exchange(sent.reshape(-1), group).view(ep, local_experts + 1)
+    _check_expert_ids(exchanged[:, -1], num_experts, dist.get_rank(group) if dist.is_initialized() else 0)
     # rows each rank sends to each of this rank's experts: (EP, local experts)
-    received_counts = _exchange(counts, group).view(ep, local_experts)
-    send_splits = counts.view(ep, local_experts).sum(1).tolist()
+    received_counts = exchanged[:, :-1]
+    send_splits = counts.sum(1).tolist()
     receive_splits = received_counts.sum(1).tolist()
     rows = x.reshape(-1, x.shape[-1]).repeat_interleave(expert_ids.shape[-1], dim=0)[order]
     received = _all_to_all(rows, receive_splits, send_splits, group)
@@ -84,6 +93,15 @@ def combine(y: torch.Tensor, weights: torch.Tensor, routing: Routing) -> torch.T
     per_assignment = torch.empty_like(sent).index_copy(0, routing.order, sent)
     per_token = per_assignment.view(-1, routing.top_k, y.shape[-1])
     return (per_token * weights.unsqueeze(-1)).sum(1).to(y.dtype)
+
+
+def _check_expert_ids(flags: torch.Tensor, num_experts: int, rank: int) -> None:
+    """Raise (on every EP rank alike) if any EP rank routed a token to an expert id outside ``[0, E)``."""
+    bad = flags.nonzero().flatten().tolist()
+    if bad:
+        where = "this rank" if bad == [rank] else f"EP ranks {bad} (this is EP rank {rank})"
+        raise ValueError(f"expert parallel: {where} routed tokens to expert ids outside [0, {num_experts}); the "
+                         f"router's top-k indices must be expert numbers below num_experts={num_experts}")
 
 
 def _exchange(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
