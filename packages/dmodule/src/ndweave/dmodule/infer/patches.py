@@ -154,7 +154,7 @@ def partial_grad_params(module: nn.Module, device_mesh: DeviceMesh, fqn: str, *,
 @register_patch("vocab_parallel_forward")
 def vocab_parallel_forward(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
     """Run an ``nn.Embedding`` subclass's own forward on this rank's rows (see the module docstring)."""
-    from ndweave.dmodule.plans.patches import vocab_parallel_embedding  # the zoo's: checks and row range
+    from ndweave.dmodule.plans.vocab_parallel import vocab_parallel_embedding  # the zoo's: checks and row range
 
     vocab_parallel_embedding(module, device_mesh, fqn)
     start, stop = module.vocab_range
