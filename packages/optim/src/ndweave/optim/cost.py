@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ndweave.mesh.contracts import is_elementwise, shard_range
+from ndweave.optim.inner import resolve_optimizer
 
 __all__ = ["OptimizerBytes", "owned_elements", "state_bytes_per_rank", "state_values_per_element"]
 
@@ -58,13 +59,10 @@ def state_values_per_element(optimizer: type[torch.optim.Optimizer], dtype: torc
                              optimizer_kwargs: dict[str, Any] | None = None) -> tuple[int, int]:
     """(bytes per element of the elementwise state tensors, bytes of the other tensors, such as Adam's
     ``step``) that ``optimizer`` keeps per parameter of ``dtype`` after a step."""
-    probe = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
-    throwaway = optimizer([probe], **(optimizer_kwargs or {"lr": 0.0}))
-    probe.grad = torch.zeros_like(probe)
-    throwaway.step()
-    tensors = [(k, v) for k, v in throwaway.state[probe].items() if isinstance(v, torch.Tensor)]
-    per_element = sum(v.element_size() for k, v in tensors if is_elementwise(k, v, probe.shape))
-    fixed = sum(v.numel() * v.element_size() for k, v in tensors if not is_elementwise(k, v, probe.shape))
+    state = resolve_optimizer(optimizer, optimizer_kwargs or {"lr": 0.0}).probe_state(0, dtype)
+    tensors = [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor)]
+    per_element = sum(v.element_size() for k, v in tensors if is_elementwise(k, v, (2,)))
+    fixed = sum(v.numel() * v.element_size() for k, v in tensors if not is_elementwise(k, v, (2,)))
     return per_element, fixed
 
 

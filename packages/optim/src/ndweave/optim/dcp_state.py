@@ -88,12 +88,8 @@ def _fresh_state(inner: torch.optim.Optimizer, group: int, dtype: torch.dtype, d
     ``group`` (``dtype``, on ``device``), zeroed: tensors of the shape ``(2,)`` are elementwise. Found
     by stepping a throwaway optimizer over a two-element tensor, so every rank finds the same keys
     without communication, whether or not it has stepped."""
-    spec = resolve_optimizer(inner, None)
-    probe = torch.nn.Parameter(torch.zeros(2, dtype=dtype, device=device))
-    throwaway = spec.cls([{**spec.groups[group], "params": [probe]}], **spec.kwargs)
-    probe.grad = torch.zeros_like(probe)
-    throwaway.step()
-    return {key: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for key, v in throwaway.state[probe].items()}
+    state = resolve_optimizer(inner, None).probe_state(group, dtype, device)
+    return {key: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for key, v in state.items()}
 
 
 def _like_param(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

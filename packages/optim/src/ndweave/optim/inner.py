@@ -49,6 +49,16 @@ class InnerSpec:
         """The inner optimizer over ``groups[i]`` with group ``i``'s hyperparameters."""
         return self.cls([{**hyper, "params": params} for hyper, params in zip(self.groups, groups)], **self.kwargs)
 
+    def probe_state(self, group: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, Any]:
+        """The state one step of this optimizer creates for a parameter of group ``group`` (``dtype``, on
+        ``device``): found by stepping a throwaway over a two-element tensor (zero grad), so it needs no
+        communication and no stepped optimizer. Tensors of shape ``(2,)`` are the elementwise ones."""
+        probe = torch.nn.Parameter(torch.zeros(2, dtype=dtype, device=device))
+        throwaway = self.cls([{**self.groups[group], "params": [probe]}], **self.kwargs)
+        probe.grad = torch.zeros_like(probe)
+        throwaway.step()
+        return dict(throwaway.state[probe])
+
 
 def resolve_optimizer(
     optimizer: type[torch.optim.Optimizer] | torch.optim.Optimizer, optimizer_kwargs: dict[str, Any] | None
