@@ -10,6 +10,8 @@ copied, nothing computed) -> find the linears and embeddings (``linears``) -> fi
 blocks in the dataflow (``patterns``) -> check each block on the shapes every rank would see, and
 find the head-count attributes its forward reshapes with (``verify``) -> write the zoo's layout for
 them (``emit``). Everything not in a block stays replicated; :func:`derive` says why for each.
+With ``expert_parallel=True`` the experts modules (``experts``: found from parameter shapes and the
+traced call) are kept out of every block and divided over ``"EP"`` (the ``expert_parallel`` patch).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class Derivation:
 
     entries: Entries
     replicated: list[str] = field(default_factory=list)
-    """One line per linear or embedding left replicated: its parameter and why."""
+    """One line per linear or embedding left replicated: its parameter and why (with
+    ``expert_parallel``, also each experts candidate not divided over EP)."""
     trace: Trace | None = None
     seconds: float = 0.0
     """Time taken (trace and analysis)."""
