@@ -127,6 +127,6 @@ def test_hf_plans_read_the_config():
         get_plan("hf_gpt2", build("hf_gpt2", add_cross_attention=True))
 
 
-def test_auto_with_expert_parallel_is_refused_naming_the_zoo_plans():
-    with pytest.raises(NotImplementedError, match=r"does not divide experts over an 'EP' dim yet.*hf_mixtral"):
+def test_auto_with_expert_parallel_refuses_a_model_without_experts():
+    with pytest.raises(ValueError, match=r"Linear has no experts the plan can divide over 'EP'.*data parallel"):
         get_plan("auto", nn.Linear(2, 2), expert_parallel=True)

@@ -73,6 +73,84 @@ class TinyMoE(nn.Module):
         return self.out(h)
 
 
+class _Stack(nn.Module):
+    """Experts stacked in 3-D, computed with gathered weights and ``bmm`` (not a loop over experts)."""
+
+    def __init__(self, num_experts: int, width: int) -> None:
+        super().__init__()
+        self.u = nn.Parameter(torch.randn(num_experts, 2 * width, width) / width ** 0.5)
+        self.v = nn.Parameter(torch.randn(num_experts, width, 2 * width) / (2 * width) ** 0.5)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        flat = b.reshape(-1)
+        rows = a.repeat_interleave(b.shape[1], dim=0)[:, None]          # (T k, 1, W)
+        y = torch.bmm(torch.relu(torch.bmm(rows, self.u[flat].transpose(1, 2))), self.v[flat].transpose(1, 2))
+        return (y.view(*b.shape, -1) * c[..., None]).sum(1)
+
+
+class _Layer(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, width: int) -> None:
+        super().__init__()
+        self.k = top_k
+        self.n = nn.LayerNorm(width)
+        self.r = nn.Linear(width, num_experts, bias=False)
+        self.q = _Stack(num_experts, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        flat = self.n(h).reshape(-1, h.shape[-1])
+        p, i = torch.softmax(self.r(flat), -1).topk(self.k, -1)
+        return self.q(flat, i, p / p.sum(-1, keepdim=True)).view_as(h)
+
+
+class Scrambled(nn.Module):
+    """A MoE model of our own whose names mean nothing: ``a`` in, two residual layers ``b.<i>``
+    (``n`` a norm, ``r`` the router, ``q`` the experts, stacked 3-D, run with ``bmm`` on gathered
+    weights), ``z`` out; inputs (rows, 4, 5)."""
+
+    def __init__(self, num_experts: int = 4, top_k: int = 2, width: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, width)
+        self.b = nn.ModuleList(_Layer(num_experts, top_k, width) for _ in range(2))
+        self.z = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        for layer in self.b:
+            h = h + layer(h)
+        return self.z(h)
+
+
+class ListMoE(nn.Module):
+    """A MoE block whose experts are a ``ModuleList`` of MLPs run by its own loop (the layout
+    expert parallel does not take), after one of :class:`Experts` when ``stacked_too``."""
+
+    def __init__(self, stacked_too: bool = False, num_experts: int = 4, width: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, width)
+        self.router = nn.Linear(width, num_experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))
+                                     for _ in range(num_experts))
+        self.stacked = Experts(num_experts, width, 2 * width) if stacked_too else None
+        self.out = nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        weights, index = torch.softmax(self.router(h), -1).topk(2, -1)
+        if self.stacked is not None:
+            h = h + self.stacked(h, index, weights)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(index == e)
+            out.index_add_(0, token, expert(h[token]) * weights[token, slot, None])
+        return self.out(h + out)
+
+
+def scrambled_batch(step: int, rows: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(rows, 4, 5, generator=g, dtype=STRICT_DTYPE),
+            torch.randn(rows, 4, 3, generator=g, dtype=STRICT_DTYPE))
+
+
 #: Tiny configs of transformers' MoE families (the zoo's plan names): 4 experts, top-2, 2 layers.
 HF_MOE = {
     "hf_mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),

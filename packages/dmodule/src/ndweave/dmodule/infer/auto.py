@@ -10,6 +10,8 @@ copied, nothing computed) -> find the linears and embeddings (``linears``) -> fi
 blocks in the dataflow (``patterns``) -> check each block on the shapes every rank would see, and
 find the head-count attributes its forward reshapes with (``verify``) -> write the zoo's layout for
 them (``emit``). Everything not in a block stays replicated; :func:`derive` says why for each.
+With ``expert_parallel=True`` the experts modules (``experts``: found from parameter shapes and the
+traced call) are kept out of every block and divided over ``"EP"`` (the ``expert_parallel`` patch).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import torch
 from torch import nn
 
 from ndweave.dmodule.infer.attention import emit_torch_attention, find_torch_attention
-from ndweave.dmodule.infer.emit import block_module, emit_blocks, emit_embeddings, emit_replicated
+from ndweave.dmodule.infer.emit import block_module, emit_blocks, emit_embeddings, emit_experts, emit_replicated
 from ndweave.dmodule.infer.entries import Entries
-from ndweave.dmodule.infer.linears import find_embeddings
+from ndweave.dmodule.infer.experts import Experts, expert_lists, find_experts
+from ndweave.dmodule.infer.linears import find_embeddings, find_linears
 from ndweave.dmodule.infer.modules import Boundaries
 from ndweave.dmodule.infer.partials import partial_outputs
 from ndweave.dmodule.infer.patterns import Block, Failure, find_blocks
@@ -42,7 +45,8 @@ class Derivation:
 
     entries: Entries
     replicated: list[str] = field(default_factory=list)
-    """One line per linear or embedding left replicated: its parameter and why."""
+    """One line per linear or embedding left replicated: its parameter and why (with
+    ``expert_parallel``, also each experts candidate not divided over EP)."""
     trace: Trace | None = None
     seconds: float = 0.0
     """Time taken (trace and analysis)."""
@@ -53,12 +57,13 @@ class Derivation:
         return self.entries.plan(self.modules)
 
 
-def _verified_blocks(recorded: Trace, boundaries: Boundaries, twin: nn.Module
+def _verified_blocks(recorded: Trace, boundaries: Boundaries, twin: nn.Module, excluded: dict[int, str]
                      ) -> tuple[list[Block], list[Failure], dict[str, tuple[tuple[str, ...], str]]]:
     """Blocks that pass :func:`verify_block` (others fail and the walk runs again without them), and
     the attributes each block's module needs divided. Blocks of one module class with the same
-    relative layout and input shapes (the layers of a stack) are verified once."""
-    excluded: dict[int, str] = {}
+    relative layout and input shapes (the layers of a stack) are verified once. ``excluded``: op
+    index -> why, for linears kept out of every block from the start (experts divided over EP)."""
+    excluded = dict(excluded)
     verdicts: dict[tuple, Verdict] = {}
     while True:
         blocks, failures = find_blocks(recorded, excluded)
@@ -143,9 +148,13 @@ def _to_meta(obj: Any) -> Any:
 
 
 def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False,
-           example_inputs: tuple[tuple, dict] | None = None) -> Derivation:
-    """Trace ``model`` on meta and derive its plan entries (see the module docstring)."""
+           expert_parallel: bool = False, example_inputs: tuple[tuple, dict] | None = None) -> Derivation:
+    """Trace ``model`` on meta and derive its plan entries (see the module docstring);
+    ``expert_parallel``: its experts modules divided over ``"EP"`` instead of sharded over TP."""
     start = time.perf_counter()
+    if expert_parallel and sequence_parallel:
+        raise ValueError("auto plan: expert_parallel=True with sequence_parallel=True is not written yet (the "
+                         "experts take every token whole on each tensor-parallel rank); pass sequence_parallel=False")
     twin = meta_copy(model)
     args, kwargs = _to_meta(example_inputs) if example_inputs is not None else guess_inputs(twin)
     try:
@@ -156,33 +165,59 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
                          f"{[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]} ({type(error).__name__}: "
                          f"{error}); pass example_inputs=(args, kwargs) it accepts") from error
     boundaries = Boundaries(recorded)
-    blocks, failures, attributes = _verified_blocks(recorded, boundaries, twin)
+    experts, replicated = _experts(boundaries, twin, model) if expert_parallel else ([], [])
+    in_experts = {name for e in experts for name in e.params}
+    excluded = {lin.op: "divided over EP" for lin in find_linears(recorded).values() if lin.weight in in_experts}
+    blocks, failures, attributes = _verified_blocks(recorded, boundaries, twin, excluded)
+    failures = [f for f in failures if f.linear.weight not in in_experts]
     entries = Entries(aliases={names[0]: names for names in recorded.aliases().values()})
     gathered = [b for b in blocks if b.gathered]
     if loss_parallel and not gathered:
         raise ValueError("auto plan: loss_parallel=True shards logits over the vocabulary, but no column-wise "
                          f"output of {type(model).__name__} reaches its outputs (no LM head found)")
-    replicated = emit_embeddings(entries, list(find_embeddings(recorded).values()), boundaries, twin,
-                                 sequence_parallel=sequence_parallel)
+    replicated += emit_embeddings(entries, list(find_embeddings(recorded).values()), boundaries, twin,
+                                  sequence_parallel=sequence_parallel)
     emit_blocks(entries, blocks, boundaries, twin, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     for module, (names, why) in attributes.items():
         entries.add("patch", module, "", {"name": "divide_attributes", "args": {"names": list(names)}},
                     f"its forward reshapes with these literal sizes: {why}")
+    emit_experts(entries, experts)
     attention, skipped = find_torch_attention(recorded)
     emit_torch_attention(entries, attention, sequence_parallel=sequence_parallel)
     inside = {op.index for op in recorded.ops if op.parent in {a.op for a in attention}}
     failures = [f for f in failures if f.linear.op not in inside]
     replicated += list(skipped.values())
-    emit_replicated(entries, list(dict.fromkeys(f.linear.weight for f in failures)), set(boundaries.calls))
+    emit_replicated(entries, list(dict.fromkeys(f.linear.weight for f in failures)), set(boundaries.calls),
+                    kept={e.fqn for e in experts})
     replicated += [f"{f.linear.weight}: replicated ({f.reason})" for f in failures]
     modules = [fqn for fqn, _ in model.named_modules()]
     return Derivation(entries, list(dict.fromkeys(replicated)), recorded, time.perf_counter() - start, modules)
 
 
+def _experts(b: Boundaries, twin: nn.Module, model: nn.Module) -> tuple[list[Experts], list[str]]:
+    """The experts modules to divide over EP, and a line for each candidate that is not; raises when
+    there are none (an ``"EP"`` dim would have nothing to divide)."""
+    experts, refused = find_experts(b, twin)
+    lists = expert_lists(b, twin)
+    refused += [f"{fqn}: not expert parallel, planned like the dense layers (experts kept as separate modules "
+                "in a ModuleList: the expert-parallel dispatch takes one module stacking them)" for fqn in lists]
+    if experts:
+        return experts, refused
+    why = (f"its experts are separate modules in a ModuleList ({', '.join(repr(f) for f in lists)}), which the "
+           "dispatch cannot divide: stack each layer's experts into one module whose parameters are (E, ...) and "
+           "whose forward takes (hidden (T, H), top_k_index (T, k), top_k_weights (T, k)), as transformers' MoE "
+           "models do" if lists else "it has no module stacking experts' weights on dim 0 and called as (hidden "
+           "(T, H), top_k_index (T, k), top_k_weights (T, k))")
+    found = f" ({'; '.join(refused)})" if refused and not lists else ""
+    raise ValueError(f"auto plan: expert_parallel=True, but {type(model).__name__} has no experts the plan can divide "
+                     f"over 'EP': {why}{found}. Without experts, leave expert_parallel off and make the 'EP' ranks "
+                     "data parallel")
+
+
 def auto_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False, loss_parallel: bool = False,
-              example_inputs: tuple[tuple, dict] | None = None) -> dict[str, Any]:
+              expert_parallel: bool = False, example_inputs: tuple[tuple, dict] | None = None) -> dict[str, Any]:
     """The plan :func:`derive` finds for ``model``: an ordinary plan dict (edit it, ``save_plan`` it)."""
     if model is None:
         raise ValueError('get_plan("auto") derives the plan from the model: pass it, get_plan("auto", model)')
     return derive(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                  example_inputs=example_inputs).plan()
+                  expert_parallel=expert_parallel, example_inputs=example_inputs).plan()

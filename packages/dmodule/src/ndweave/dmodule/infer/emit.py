@@ -29,7 +29,9 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
+from ndweave.dmodule.experts.parallel import EXPERT_PATCH
 from ndweave.dmodule.infer.entries import Entries
+from ndweave.dmodule.infer.experts import Experts
 from ndweave.dmodule.infer.linears import Embedding, Linear
 from ndweave.dmodule.infer.modules import Argument, Boundaries, common_ancestor, is_within
 from ndweave.dmodule.infer.partials import follow_partials
@@ -37,7 +39,7 @@ from ndweave.dmodule.infer.patterns import Block
 from ndweave.dmodule.spec import PlacementSpec
 from ndweave.mesh.torch_compat import StridedShard
 
-__all__ = ["emit_blocks", "emit_embeddings", "emit_replicated", "block_module", "input_value"]
+__all__ = ["emit_blocks", "emit_embeddings", "emit_experts", "emit_replicated", "block_module", "input_value"]
 
 
 def _local(placements: list) -> PlacementSpec:
@@ -216,17 +218,28 @@ def emit_embeddings(entries: Entries, embeddings: list[Embedding], b: Boundaries
     return notes
 
 
-def emit_replicated(entries: Entries, replicated: list[str], called: set[str]) -> None:
+def emit_experts(entries: Entries, experts: list[Experts]) -> None:
+    """The ``expert_parallel`` patch on each experts module: its stacked weights ``Shard(0)`` over
+    ``"EP"`` (whole over TP), its tokens moved to them and back."""
+    for e in experts:
+        entries.add("patch", e.fqn, "", EXPERT_PATCH,
+                    f"stacks {e.num_experts} experts on dim 0 of {len(e.params)} parameters and is called with the "
+                    "router's top-k: its experts are divided over 'EP', each rank's tokens sent to them and back")
+
+
+def emit_replicated(entries: Entries, replicated: list[str], called: set[str], kept: set[str] = frozenset()) -> None:
     """The ``replicated_local`` patch on the outermost modules holding replicated linears (their
-    weights FQNs in ``replicated``) and no sharded parameter: they then run on plain tensors. Only
-    modules whose forward ran (in ``called``) take it: a ``ModuleList`` is never called itself."""
+    weights FQNs in ``replicated``) and no sharded parameter nor a module of ``kept`` (experts
+    divided over EP): they then run on plain tensors. Only modules whose forward ran (in
+    ``called``) take it: a ``ModuleList`` is never called itself."""
     sharded = {f"{e.module}.{e.leaf}" for e in entries.items if e.section == "parameter"}
     chosen: list[str] = []
     for weight in replicated:
         module = weight.rpartition(".")[0]
         best = None
         while module:
-            holds = any(is_within(p.rpartition(".")[0], module) for p in sharded)
+            holds = any(is_within(p.rpartition(".")[0], module) for p in sharded) or \
+                any(is_within(k, module) for k in kept)
             if holds:
                 break
             best = module if module in called else best

@@ -19,7 +19,9 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from ndweave.dmodule.experts.parallel import EXPERT_PATCH
 from ndweave.dmodule.infer.auto import derive
+from ndweave.dmodule.patches import patch_name
 from ndweave.dmodule.plan import match_modules
 from ndweave.dmodule.spec import split_key
 from ndweave.mesh.torch_compat import StridedShard
@@ -35,6 +37,10 @@ def _looks_sequence_parallel(plan: dict[str, Any]) -> bool:
 
 def _looks_loss_parallel(plan: dict[str, Any]) -> bool:
     return any(k.endswith(".output") and v == [[Shard(-1)]] for k, v in (plan.get("forward") or {}).items())
+
+
+def _looks_expert_parallel(plan: dict[str, Any]) -> bool:
+    return any(patch_name(e) == EXPERT_PATCH for entries in (plan.get("patch") or {}).values() for e in entries)
 
 
 def _local_numel(shape: tuple[int, ...], placements: list, tp: int) -> int:
@@ -60,16 +66,18 @@ def explain_plan(model: nn.Module, plan: dict[str, Any] | None = None, *, tp_siz
     """A report on ``plan`` (default: the automatic one) for ``model`` on ``tp_size`` ranks: per key
     its value, the modules it matches, why (the pattern), and the bytes per rank of the parameters
     it lays out; then what stays replicated and why; then the totals. ``sequence_parallel`` /
-    ``loss_parallel``: the flags to derive "auto" with (default: read from the plan)."""
+    ``loss_parallel``: the flags to derive "auto" with (default: read from the plan); a plan with an
+    ``expert_parallel`` patch is compared with "auto"'s expert-parallel derivation."""
     given = plan is not None
     sp = _looks_sequence_parallel(plan) if sequence_parallel is None and given else bool(sequence_parallel)
     lp = _looks_loss_parallel(plan) if loss_parallel is None and given else bool(loss_parallel)
-    derived = derive(model, sequence_parallel=sp, loss_parallel=lp, example_inputs=example_inputs)
+    ep = given and _looks_expert_parallel(plan)
+    derived = derive(model, sequence_parallel=sp, loss_parallel=lp, expert_parallel=ep, example_inputs=example_inputs)
     plan = plan if given else derived.plan()
     auto = {(e.section, e.module, e.leaf): e for e in derived.entries.items if e.section != "patch"}
     params = dict(model.named_parameters(remove_duplicate=False))
     lines = [f"{'given' if given else 'automatic'} plan for {type(model).__name__} on {tp_size} tensor-parallel ranks "
-             f"(sequence_parallel={sp}, loss_parallel={lp}; derived in {derived.seconds:.2f} s)"]
+             f"(sequence_parallel={sp}, loss_parallel={lp}, expert_parallel={ep}; derived in {derived.seconds:.2f} s)"]
     planned: dict[str, list] = {}
     for section in ("parameter", "forward"):
         for key, value in (plan.get(section) or {}).items():
@@ -85,8 +93,14 @@ def explain_plan(model: nn.Module, plan: dict[str, Any] | None = None, *, tp_siz
                 local = sum(_local_numel(tuple(params[n].shape), value, tp_size) * params[n].element_size()
                             for n in names)
                 lines.append(f"    bytes per rank: {_bytes(local)} of {_bytes(full)}")
+    patches = {(e.module, patch_name(e.value)): e.why for e in derived.entries.items if e.section == "patch"}
     for key, entries in (plan.get("patch") or {}).items():
         lines.append(f"patch[{key!r}] = {entries!r}")
+        modules = [fqn for fqn, _ in match_modules(model, key)] if not key.startswith("class:") else []
+        whys = dict.fromkeys(_NUMBER.sub("N", patches[m, patch_name(e)]) for e in entries for m in modules
+                             if (m, patch_name(e)) in patches)
+        if whys:
+            lines.append(f"    why: {'; '.join(whys)}")
     lines.append("replicated:" if derived.replicated else "replicated: nothing the planner could shard")
     lines += [f"    {line}" for line in derived.replicated]
     seen: dict[int, str] = {}

@@ -64,9 +64,9 @@ def get_plan(name: str, model: Any = None, *, sequence_parallel: bool = False,
     ``name="auto"`` derives the plan from ``model`` (one forward traced on meta; ``example_inputs=
     (args, kwargs)`` where its inputs cannot be guessed: see ``ndweave.dmodule.infer``).
 
-    ``expert_parallel=True`` (the MoE families): the experts are divided over the mesh's ``"EP"``
-    dim (``parallelize_module(model, mesh, plan)`` with a mesh holding ``"EP"``); a family without
-    experts refuses it.
+    ``expert_parallel=True`` (the MoE families, and "auto"): the experts are divided over the mesh's
+    ``"EP"`` dim (``parallelize_module(model, mesh, plan)`` with a mesh holding ``"EP"``); a family
+    (or a model) without experts refuses it.
 
     ``loss_parallel=True`` (the language models): the logits stay ``Shard(-1)`` DTensors over the
     vocabulary instead of being gathered; compute the loss outside the model and run it AND its
@@ -83,14 +83,9 @@ def get_plan(name: str, model: Any = None, *, sequence_parallel: bool = False,
         make = _PLANS[name]
     except KeyError:
         raise KeyError(f"no plan named {name!r}; the zoo has {list_plans()}") from None
-    if name == "auto" and expert_parallel:
-        raise NotImplementedError(
-            'get_plan("auto", model, expert_parallel=True): the automatic plan does not divide experts over an '
-            "'EP' dim yet (it TP-shards them inside each expert); for transformers' MoE families use the zoo's plan "
-            f"(get_plan(name, model, expert_parallel=True) with name in {sorted(MOE_FAMILIES)})")
     if name == "auto":  # the only plan that runs the model, and so may need its inputs
         return make(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                    example_inputs=example_inputs)
+                    expert_parallel=expert_parallel, example_inputs=example_inputs)
     if example_inputs is not None:
         raise ValueError(f'get_plan({name!r}): example_inputs is for get_plan("auto", ...), which traces the model')
     if name in MOE_FAMILIES:

@@ -52,12 +52,14 @@ def hf_llama_plan(model: nn.Module | None = None, *, sequence_parallel: bool = F
                            loss_parallel=loss_parallel)
 
 
-def llama_like_plan(model: nn.Module | None, name: str, attention_class: str, *, dense_mlp: bool,
+def llama_like_plan(model: nn.Module | None, name: str, attention_class: str | None, *, dense_mlp: bool,
                     sequence_parallel: bool = False, loss_parallel: bool = False) -> dict[str, Any]:
     """The plan of a Llama-like decoder (plan ``name``, attention class ``attention_class``). Its MLP
     is Llama's (``dense_mlp``) or another module taking the norm's output back ``Replicate`` (an MoE
-    block, whose experts the ``expert_parallel`` patch places)."""
-    attention_bias = mlp_bias = False  # Llama's defaults
+    block, whose experts the ``expert_parallel`` patch places). ``attention_class=None``: attention
+    of another shape (DeepSeek-V3's latent attention) stays whole, run by every rank on plain
+    tensors (``replicated_local``)."""
+    attention_bias = qkv_bias = mlp_bias = False  # Llama's defaults
     if model is not None:
         config = config_of(model, name)
         require(hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(model, "lm_head"), name,
@@ -67,32 +69,30 @@ def llama_like_plan(model: nn.Module | None, name: str, attention_class: str, *,
         require(heads % kv_heads == 0, name,
                 f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias or bool(getattr(config, "qkv_bias", False))  # Qwen2-MoE: q/k/v only
         mlp_bias = bool(getattr(config, "mlp_bias", False))
     stream = seq_or_replicate(sequence_parallel)
 
-    parameter: dict[str, Any] = {
-        "model.embed_tokens.weight": [Shard(0)],
-        rf"{_L}.self_attn.(q_proj|k_proj|v_proj).weight": [Shard(0)],
-        rf"{_L}.self_attn.o_proj.weight": [Shard(1)],
-        "lm_head.weight": [Shard(0)],
-    }
+    parameter: dict[str, Any] = {"model.embed_tokens.weight": [Shard(0)], "lm_head.weight": [Shard(0)]}
+    if attention_class is not None:
+        parameter[rf"{_L}.self_attn.(q_proj|k_proj|v_proj).weight"] = [Shard(0)]
+        parameter[rf"{_L}.self_attn.o_proj.weight"] = [Shard(1)]
     if dense_mlp:
         parameter[rf"{_L}.mlp.(gate_proj|up_proj).weight"] = [Shard(0)]
         parameter[rf"{_L}.mlp.down_proj.weight"] = [Shard(1)]
-    if attention_bias:
+    if qkv_bias and attention_class is not None:
         parameter[rf"{_L}.self_attn.(q_proj|k_proj|v_proj).bias"] = [Shard(0)]
+    if attention_bias and attention_class is not None:
         parameter[rf"{_L}.self_attn.o_proj.bias"] = [Replicate()]
     if mlp_bias and dense_mlp:
         parameter[rf"{_L}.mlp.(gate_proj|up_proj).bias"] = [Shard(0)]
         parameter[rf"{_L}.mlp.down_proj.bias"] = [Replicate()]
 
-    forward: dict[str, Any] = {
-        "model.embed_tokens.output": [stream],
-        rf"{_L}.self_attn.(q_proj|k_proj|v_proj).output": [local([Shard(-1)])],
-        rf"{_L}.self_attn.o_proj.input": [[Shard(-1)]],
-        rf"{_L}.self_attn.o_proj.output": [stream],
-        "lm_head.output": logits_output(loss_parallel),
-    }
+    forward: dict[str, Any] = {"model.embed_tokens.output": [stream], "lm_head.output": logits_output(loss_parallel)}
+    if attention_class is not None:
+        forward[rf"{_L}.self_attn.(q_proj|k_proj|v_proj).output"] = [local([Shard(-1)])]
+        forward[rf"{_L}.self_attn.o_proj.input"] = [[Shard(-1)]]
+        forward[rf"{_L}.self_attn.o_proj.output"] = [stream]
     if dense_mlp:
         forward[rf"{_L}.mlp.down_proj.output"] = [stream]
     norms = rf"{_L}.(input_layernorm|post_attention_layernorm)"
@@ -110,10 +110,9 @@ def llama_like_plan(model: nn.Module | None, name: str, attention_class: str, *,
         forward["model.norm.output"] = [local([Replicate()])]
         forward["lm_head.input"] = [[Replicate()]]
 
-    patch = {
-        "model.embed_tokens": ["vocab_parallel_embedding"],
-        f"class:{attention_class}": ["hf_llama_attention_heads"],
-    }
+    patch = {"model.embed_tokens": ["vocab_parallel_embedding"],
+             **({f"class:{attention_class}": ["hf_llama_attention_heads"]} if attention_class is not None
+                else {rf"{_L}.self_attn": ["replicated_local"]})}
     return {"parameter": parameter, "forward": forward, "patch": patch}
 
 
