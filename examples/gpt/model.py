@@ -13,6 +13,9 @@ parallelism without patches to its own code:
 their weights stacked in 3-D as transformers' MoE models stack them, which is what
 ``ndweave.dmodule``'s ``"expert_parallel"`` patch divides over an ``"EP"`` mesh dim.
 It knows nothing of pipelines: ``ndweave.pipeline`` traces its ``forward`` and runs each stage's part.
+``activation_checkpointing_enable()`` (transformers' name for it) recomputes each block's activations
+in backward instead of keeping them (``torch.utils.checkpoint``, inside the block, so a trace of
+``GPT.forward`` still sees each block as one call).
 
     sys.path.insert(0, "examples/gpt"); from model import GPT, GPTConfig   # a plain file, not a package
     model = GPT(GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32))
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["Experts", "GPTConfig", "GPT", "MoE"]
 
@@ -130,8 +134,14 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MoE(config) if config.moe_experts else MLP(config)
+        self.gradient_checkpointing = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gradient_checkpointing and self.training:  # keep only x; recompute the rest in backward
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         x = x + self.mlp(self.ln_2(x))
         return x
@@ -158,6 +168,12 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("c_proj.weight", "experts.c_proj")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def activation_checkpointing_enable(self) -> None:
+        """Recompute every block's activations in backward (per layer and non-reentrant, as
+        transformers' models do under the same call)."""
+        for block in self.transformer.h:
+            block.gradient_checkpointing = True
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):

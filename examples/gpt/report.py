@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-__all__ = ["Metrics", "compare", "finish", "progress", "sample", "say", "start", "step"]
+__all__ = ["Metrics", "compare", "describe_model", "finish", "flops_per_token", "mfu", "peak_flops", "progress", "sample",
+           "say", "start", "step"]
 
 
 def start(mesh: Any, model: torch.nn.Module, args: argparse.Namespace) -> None:
@@ -21,13 +22,63 @@ def start(mesh: Any, model: torch.nn.Module, args: argparse.Namespace) -> None:
     describe = mesh.describe().splitlines()
     print(describe[0].split(";")[0], "\n".join(describe[1:]), sep="\n")
     pp, dp, ep, tp = (mesh[d].size() for d in ("PP", "DP", "EP", "TP"))
-    moe = f", MoE: {args.moe_experts} experts, top-{args.moe_top_k}" if args.moe_experts else ""
-    print(f"GPT: {args.n_layer} layers, n_embd {args.n_embd}, {args.n_head} heads, block {args.block_size}, "
-          f"vocab 256 (bytes){moe}: {count / 1e6:.2f}M parameters, {args.dtype}")
+    print(f"{describe_model(model, args)}: {count / 1e6:.2f}M parameters, {args.dtype}"
+          f"{', activation checkpointing per layer' if args.activation_checkpointing else ''}")
     experts = f", EP={ep} (experts divided, the batch split like DP)" if ep > 1 else ""
     print(f"PP={pp} ({args.schedule}, {args.micro_batches} micro-batches per data rank), "
           f"TP={tp}{'' if args.no_sp or tp == 1 else ' +SP'}, DP={dp}{experts} with ZeRO-1 (DistributedOptimizer); "
           f"global batch {args.global_batch} x {args.block_size} tokens, {args.steps} steps")
+
+
+def describe_model(model: torch.nn.Module, args: argparse.Namespace) -> str:
+    """One line: the model's kind and sizes (and where its weights come from)."""
+    source = f", weights from {args.init_from}" if args.init_from else ""
+    if args.hf_config is None:
+        moe = f", MoE: {args.moe_experts} experts, top-{args.moe_top_k}" if args.moe_experts else ""
+        return (f"GPT: {args.n_layer} layers, n_embd {args.n_embd}, {args.n_head} heads, block {args.block_size}, "
+                f"vocab 256 (bytes){moe}{source}")
+    c = args.hf_config
+    return (f"{type(model).__name__} ({args.model}): {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+            f"{c.num_attention_heads} heads, vocab {c.vocab_size} (trained on bytes), block {args.block_size}{source}")
+
+
+#: dense peak FLOP/s of one GPU by the name CUDA reports (first match wins: PCIe before the SXM part),
+#: from the vendors' datasheets; fp32 is the non-tensor-core rate (tf32: matmuls allowed TF32)
+PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12, "fp64": 51e12}),
+    ("H100", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.7e12, "fp32": 67e12, "fp64": 67e12}),
+    ("H200", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.7e12, "fp32": 67e12, "fp64": 67e12}),
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12, "fp64": 19.5e12}),
+    ("L4", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    ("A10", {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
+    ("V100", {"fp16": 125e12, "fp32": 15.7e12, "fp64": 7.8e12}),
+]
+_DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def flops_per_token(num_params: int, num_layers: int, width: int, seq_len: int) -> float:
+    """Model FLOPs to train on one token: 6 per parameter (forward 2, backward 4) plus attention's
+    scores and weighted sum, 12 x layers x width x sequence (PaLM, appendix B). Recomputation
+    (activation checkpointing) is not counted: MFU counts the model's FLOPs, not the hardware's."""
+    return 6 * num_params + 12 * num_layers * width * seq_len
+
+
+def peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
+    """One device's dense peak FLOP/s for ``dtype`` (fp32 at TF32 where torch lets matmuls use it),
+    or None for a device this table does not know (a CPU)."""
+    key = _DTYPE_KEYS.get(dtype)
+    if key == "fp32" and torch.get_float32_matmul_precision() != "highest":
+        key = "tf32"
+    for name, peaks in PEAK_FLOPS:
+        if name in device_name:
+            return peaks.get(key)
+    return None
+
+
+def mfu(flops: float, tokens_per_s: float, peak_flops: float | None, devices: int) -> float | None:
+    """Model FLOPs utilization: the model FLOPs per second achieved over the peak of ``devices``
+    devices (None without a known peak)."""
+    return None if not peak_flops else flops * tokens_per_s / (peak_flops * devices)
 
 
 def say(text: str) -> None:
@@ -52,10 +103,10 @@ class Metrics:
             self.board = SummaryWriter(tensorboard)
 
     def write(self, *, step: int, loss: float, val_loss: float, lr: float, grad_norm: float | None,
-              seconds: float, tokens: int, peak_bytes: int) -> None:
+              seconds: float, tokens: int, peak_bytes: int, mfu: float | None = None) -> None:
         row = {"step": step, "loss": loss, "val_loss": None if math.isnan(val_loss) else val_loss, "lr": lr,
                "grad_norm": grad_norm, "tokens_s": tokens / max(seconds, 1e-9), "step_s": seconds,
-               "peak_bytes": peak_bytes}
+               "peak_bytes": peak_bytes, **({} if mfu is None else {"mfu": mfu})}
         if self.jsonl:
             with open(self.jsonl, "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -69,9 +120,11 @@ class Metrics:
             self.board.close()
 
 
-def step(bar: tqdm, loss: float, tokens: int, seconds: float, val_loss: float = math.nan) -> None:
+def step(bar: tqdm, loss: float, tokens: int, seconds: float, val_loss: float = math.nan,
+         mfu: float | None = None) -> None:
     shown = {"loss": f"{loss:.4f}", **({} if math.isnan(val_loss) else {"val": f"{val_loss:.4f}"}),
-             "tok_s": f"{tokens / seconds:,.0f}", "step_ms": f"{seconds * 1e3:.0f}"}
+             "tok_s": f"{tokens / seconds:,.0f}", **({} if mfu is None else {"mfu": f"{mfu:.1%}"}),
+             "step_ms": f"{seconds * 1e3:.0f}"}
     bar.set_postfix(shown, refresh=False)
     bar.update(1)
 
@@ -88,8 +141,9 @@ def finish(result: Any, args: argparse.Namespace) -> None:
     steps = sorted(result.losses)
     final = result.losses[steps[-1]] if steps else float("nan")
     val = f", validation loss {result.val_losses[max(result.val_losses)]:.4f}" if result.val_losses else ""
+    mfu = "" if result.mfu is None else f" (MFU {result.mfu:.1%}, estimated)"
     print(f"done: mesh {result.mesh}, steps {steps[0] if steps else '-'}..{steps[-1] if steps else '-'}, "
-          f"final loss {final:.4f}{val}, {result.seconds:.1f}s, {result.tokens_per_s:,.0f} tokens/s, "
+          f"final loss {final:.4f}{val}, {result.seconds:.1f}s, {result.tokens_per_s:,.0f} tokens/s{mfu}, "
           f"peak memory {max(mib):.0f} MiB/rank")
 
 

@@ -4,13 +4,15 @@ parallelism and a ZeRO optimizer over one device mesh, checkpointed, resumable o
     hatch run train                                          # 8 CPU ranks: pp=2,dp=2,tp=2
     python examples/gpt/train.py --mesh dp=4 --resume        # continue the same run on 4 ranks
     hatch run train --mesh pp=2,dp=2,ep=2 --moe-experts 4    # MoE blocks, experts over EP (8 ranks)
+    hatch run train --model hf:qwen2 --config small          # a transformers model (the zoo's plan, else auto)
+    hatch run train --init-from llama-dir --export-hf out    # fine-tune a transformers folder, write it back
     torchrun --nproc-per-node 8 examples/gpt/train.py --mesh pp=2,dp=-1,tp=2 --device cuda
     torchrun --nnodes=1:4 --nproc-per-node 4 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
         examples/gpt/train.py --mesh pp=2,dp=-1,tp=2 --resume   # elastic: restarts resume, any 4k ranks
 
 Run without torchrun, the script starts itself under torchrun (``--standalone``) with as many
 processes as ``--mesh`` names. The composition, one function per concern: ``ndweave.mesh`` (the
-mesh) -> ``ndweave.dmodule`` (the zoo's nanogpt TP+SP plan) -> ``ndweave.pipeline`` (stages by FQN,
+mesh) -> ``ndweave.dmodule`` (the zoo's TP+SP plan for the model, or auto) -> ``ndweave.pipeline`` (stages by FQN,
 ``PipeEngine``) -> ``ndweave.ddp`` -> ``ndweave.optim`` (``DistributedOptimizer``) ->
 ``ndweave.checkpoint`` (``CheckpointManager``, ``DataPosition``); see ``parallelize`` for the order
 the model is built in.
@@ -35,11 +37,13 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import faults  # noqa: E402
+from export_hf import export_hf  # noqa: E402
+import hf_models  # noqa: E402
 import report  # noqa: E402
 from data import VALIDATION_WINDOWS, VOCAB_SIZE, TextData  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
-from ndweave.checkpoint import CheckpointManager, DataPosition  # noqa: E402
+from ndweave.checkpoint import CheckpointManager, DataPosition, load  # noqa: E402
 from ndweave.ddp import DistributedDataParallel as DDP  # noqa: E402
 from ndweave.dmodule import get_plan, parallelize_module  # noqa: E402
 from ndweave.mesh import ParallelMesh, init_mesh_from_spec, resolve_spec, shutdown  # noqa: E402
@@ -49,8 +53,9 @@ from ndweave.optim import DistributedOptimizer  # noqa: E402
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage, generate  # noqa: E402
 
 __all__ = ["RunResult", "build_mesh", "build_model", "build_optimizer", "check_args", "check_mesh", "data_mean",
-           "data_rank", "gather_params", "loss_fn", "lr_schedule", "main", "parallelize", "parse_args", "resume_mode",
-           "sample", "train", "train_single_device", "validation_loss"]
+           "data_rank", "gather_params", "init_weights", "loss_fn", "lr_schedule", "main", "materialize", "num_experts",
+           "parallelize", "parse_args", "plan_name", "resume_mode", "sample", "train", "train_single_device",
+           "validation_loss"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float64}
 DIMS = ("PP", "DP", "EP", "TP")
@@ -64,9 +69,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sizes of pp, dp, ep, tp (omitted: 1; one of them -1: the rest of the world, e.g. dp=-1); "
                         "ep (expert parallel, with --moe-experts): EP ranks split the batch like DP ranks and "
                         "divide the experts")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--model", default="nanogpt", metavar="nanogpt|hf:TYPE",
+                   help="model.py's GPT, or a transformers causal LM of that model type (hf:llama, hf:qwen2, "
+                        "hf:mixtral, ...; needs the transformers package)")
+    p.add_argument("--config", default="tiny", metavar="tiny|small|CONFIG.json",
+                   help="the hf: model's size: a preset (vocabulary 256, the data's bytes) or a config.json")
+    p.add_argument("--init-from", default="", metavar="DIR|FILE.pt",
+                   help="start from these weights: a transformers checkpoint folder (config.json + model.safetensors "
+                        "or its sharded index; the model and its config come from it), or a torch state dict of "
+                        "the model --model/--config build; each rank reads only the slices it holds")
+    p.add_argument("--export-hf", default="", metavar="DIR",
+                   help="at the end, write the trained hf: model as a transformers checkpoint folder "
+                        "(AutoModelForCausalLM.from_pretrained(DIR) loads it)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each layer's activations in backward instead of keeping them")
+    p.add_argument("--n-layer", type=int, default=4, help="nanogpt's layers")
+    p.add_argument("--n-embd", type=int, default=128, help="nanogpt's width")
+    p.add_argument("--n-head", type=int, default=4, help="nanogpt's heads")
     p.add_argument("--block-size", type=int, default=64, help="tokens (bytes) per sample")
     p.add_argument("--moe-experts", type=int, default=0, help="experts per MoE block in place of each MLP (0: dense)")
     p.add_argument("--moe-top-k", type=int, default=2, help="experts each token is routed to (with --moe-experts)")
@@ -83,8 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0: off)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="bf16: bf16 params, fp32 masters")
     p.add_argument("--no-sp", action="store_true", help="tensor parallel without sequence parallel")
-    p.add_argument("--plan", choices=["nanogpt", "auto"], default="nanogpt",
-                   help="the TP plan: the zoo's hand-written one, or derived from the model (get_plan('auto'))")
+    p.add_argument("--plan", choices=["zoo", "auto"], default="zoo",
+                   help="the TP plan: the zoo's hand-written one for the model's family (nanogpt, hf_llama, hf_gpt2, "
+                        "the MoE families; others: auto), or derived from the model (get_plan('auto'))")
     p.add_argument("--checkpoint-dir", default="checkpoints/gpt")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (0: only at the end)")
     p.add_argument("--resume", nargs="?", const="always", default="auto", choices=["auto", "always", "never"],
@@ -137,10 +157,40 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         parser.error(f"--tensorboard {args.tensorboard}: the tensorboard package is not installed; "
                      "`pip install tensorboard`, or leave the flag out (--metrics writes every step as JSON lines)")
+    check_model_args(parser, args)
     if args.device != "cpu":
         module = getattr(torch, args.device.split(":")[0], None)
         if module is None or not hasattr(module, "is_available") or not module.is_available():
             parser.error(f"--device {args.device}: no such device is available here; use --device cpu")
+
+
+def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--model``, ``--config``, ``--init-from`` and ``--export-hf`` together; an hf: model's config
+    is read here (``args.hf_config``: None for nanogpt), so a bad one fails before any process group."""
+    folder = bool(args.init_from) and os.path.isdir(args.init_from)
+    if args.init_from and not folder and not os.path.isfile(args.init_from):
+        parser.error(f"--init-from {args.init_from}: no such folder or file")
+    if folder and args.model == "nanogpt":
+        args.model = "hf:"  # a transformers folder: its config.json names the model type
+    if args.model != "nanogpt" and not args.model.startswith("hf:") or args.model == "hf:" and not folder:
+        parser.error(f"--model {args.model}: use nanogpt or hf:<model_type> (hf:llama, hf:qwen2, hf:mixtral, ...)")
+    args.hf_config = None
+    if args.model == "nanogpt":
+        if args.export_hf:
+            parser.error("--export-hf writes a transformers model: train one with --model hf:<model_type> "
+                         "(nanogpt's checkpoints export as torch files: ndweave.checkpoint.export)")
+        return
+    if args.moe_experts and (folder or args.config not in hf_models.PRESETS):
+        parser.error("--moe-experts sizes a preset (--config tiny|small); a config.json says its own experts")
+    args.hf_config = hf_models.hf_config(args.model[3:] or None, args.config, block_size=args.block_size,
+                                         moe_experts=args.moe_experts, moe_top_k=args.moe_top_k,
+                                         init_from=args.init_from if folder else None)
+    args.model = "hf:" + args.hf_config.model_type
+
+
+def num_experts(args: argparse.Namespace) -> int:
+    """Experts per MoE layer of the job's model (0: dense)."""
+    return hf_models.experts_of(args.hf_config) if args.hf_config is not None else args.moe_experts
 
 
 def relaunch_under_torchrun(args: argparse.Namespace, argv: list[str]) -> None:
@@ -172,22 +222,49 @@ def resume_mode(args: argparse.Namespace) -> bool:
     return restarted.item() > 0
 
 
-def build_model(args: argparse.Namespace) -> GPT:
+def build_model(args: argparse.Namespace, device: str | None = None) -> nn.Module:
     """The whole model, the same on every rank and in the single-device run (seeded, built in fp32 and
-    cast, so every --dtype starts from the same weights). No biases: a key-projection bias has an
-    exactly-zero true gradient, which Adam turns into rounding-noise steps."""
+    cast, so every --dtype starts from the same weights): model.py's GPT, or the hf: model from its
+    config. No biases in the GPT: a key-projection bias has an exactly-zero true gradient, which Adam
+    turns into rounding-noise steps. ``device="meta"`` builds it without memory (--init-from: each
+    stage chunk is materialized and loaded on its own ranks)."""
     torch.manual_seed(args.seed)
-    config = GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
-                       n_head=args.n_head, n_embd=args.n_embd, dropout=0.0, bias=False,
-                       moe_experts=args.moe_experts, moe_top_k=args.moe_top_k)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     try:
-        with torch.device(args.device):
-            model = GPT(config)
+        with torch.device(device or args.device):
+            if args.hf_config is not None:
+                from transformers import AutoModelForCausalLM  # optional: only hf: models need it
+
+                model = AutoModelForCausalLM.from_config(args.hf_config)
+            else:
+                model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=args.block_size, n_layer=args.n_layer,
+                                      n_head=args.n_head, n_embd=args.n_embd, dropout=0.0, bias=False,
+                                      moe_experts=args.moe_experts, moe_top_k=args.moe_top_k))
     finally:
         torch.set_default_dtype(previous)
-    return model.to(DTYPES[args.dtype])
+    if args.activation_checkpointing:  # per layer, inside each layer: a pipeline trace sees it as one call
+        model.activation_checkpointing_enable()
+    return model.train().to(DTYPES[args.dtype])  # (transformers builds its models in eval mode)
+
+
+def init_weights(chunks: list[nn.Module], ties: dict[str, str], args: argparse.Namespace) -> None:
+    """--init-from: the weights of ``args.init_from`` into this rank's chunks (each rank reads only the
+    slices it holds); a transformers folder stores a tied LM head once, under the embedding's name
+    (``ties``: the whole model's, :func:`hf_models.tied_aliases`, taken before a pipeline cut)."""
+    source = args.init_from
+    key = None if os.path.isdir(source) else "model"  # a torch file holds the model's state dict
+    load(source, {"model": chunks}, key=key, aliases=ties)
+
+
+def materialize(chunk: nn.Module, device: str) -> None:
+    """A chunk of a model built on meta, allocated on ``device`` (its values undefined until loaded);
+    its non-persistent buffers (rotary tables: no checkpoint holds them) computed as the model's own
+    init computes them."""
+    chunk.to_empty(device=device)
+    for module in chunk.modules():
+        if module._non_persistent_buffers_set and hasattr(chunk, "_init_weights"):
+            chunk._init_weights(module)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -196,26 +273,44 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def parallelize(model: GPT, mesh: ParallelMesh, args: argparse.Namespace) -> tuple[list[nn.Module], PipeEngine]:
-    """Cut the pipeline stages (by FQN), parallelize each stage chunk with the TP+SP plan (--plan), wrap
-    it in DDP, then build the engine (this order: a plan applies to a chunk, the engine reads the
-    wrapped chunks)."""
+def plan_name(args: argparse.Namespace) -> str:
+    """The sharding plan's name: ``auto`` (--plan auto), else the zoo's for the model's family
+    (``nanogpt``, ``hf_llama``, ``hf_mixtral``, ...), or ``auto`` for a family the zoo lacks."""
+    if args.plan == "auto":
+        return "auto"
+    return "nanogpt" if args.hf_config is None else hf_models.plan_name(args.hf_config.model_type)
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, args: argparse.Namespace) -> tuple[list[nn.Module], PipeEngine]:
+    """Cut the pipeline stages (by FQN), parallelize each stage chunk with the TP+SP plan (--plan), load
+    --init-from, wrap each chunk in DDP, then build the engine (this order: a plan applies to a chunk,
+    the engine reads the wrapped chunks)."""
     plan = PipelineParallelPlan(schedule_type=args.schedule, virtual_chunks=args.virtual_chunks,
                                 num_microbatches=args.micro_batches)
-    # one micro-batch's shape: the pipeline traces the GPT's forward once (on meta tensors) to cut it
-    example = torch.zeros((1, args.block_size), dtype=torch.long, device=args.device)
+    on_meta = next(model.parameters()).is_meta
+    # one micro-batch's shape: the pipeline traces the model's forward once (on meta tensors) to cut it;
+    # its batch size too, since a trace answers shape questions from it (HF's mask building)
+    rows = args.global_batch // (data_rank(mesh)[1] * args.micro_batches)
+    example = torch.zeros((rows, args.block_size), dtype=torch.long, device="meta" if on_meta else args.device)
+    tensor_parallel, expert_parallel = mesh["TP"].size() > 1, mesh["EP"].size() > 1
     # "auto" derives the plan from the whole model, before the cut: stage chunks keep its FQNs, and a
     # plan key naming a module another stage holds matches nothing there, as expected
-    tensor_parallel = mesh["TP"].size() > 1
-    auto = get_plan("auto", model, sequence_parallel=not args.no_sp) if args.plan == "auto" and tensor_parallel else None
+    name, sp = plan_name(args), not args.no_sp
+    auto = get_plan("auto", model, sequence_parallel=sp) if name == "auto" and tensor_parallel else None
+    ties = hf_models.tied_aliases(model)  # before the cut, which gives the last stage a copy of its own
     module = construct_pipeline_stage(model, plan, mesh, example_inputs=example)
-    expert_parallel = mesh["EP"].size() > 1
     for i in range(len(module)):
+        if on_meta:  # this stage only, before TP shards it
+            materialize(module[i], args.device)
         if tensor_parallel:
-            tp_plan = auto or get_plan("nanogpt", module[i], sequence_parallel=not args.no_sp)
-            module[i] = parallelize_module(module[i], mesh["TP"], tp_plan)
+            module[i] = parallelize_module(module[i], mesh["TP"], auto or get_plan(name, module[i], sequence_parallel=sp))
         elif expert_parallel:  # this chunk's experts over EP (the mesh passed whole: the patch finds "EP")
-            module[i] = parallelize_module(module[i], mesh, {"patch": {EXPERTS: ["expert_parallel"]}})
+            experts = get_plan(name, module[i], expert_parallel=True) if args.hf_config is not None \
+                else {"patch": {EXPERTS: ["expert_parallel"]}}
+            module[i] = parallelize_module(module[i], mesh, experts)
+    if args.init_from:
+        init_weights(list(module.chunks), ties, args)
+    for i in range(len(module)):
         # with EP: the mesh whole, so DDP reduces dense grads over DP x EP and the experts' over DP
         module[i] = DDP(module[i], mesh if expert_parallel else mesh["DP"], use_distributed_optimizer=True)
     engine = PipeEngine(module, mesh, loss_fn, plan)  # before the optimizer: it marks the tied copy
@@ -264,6 +359,8 @@ class RunResult:
     """The validation loss at every ``--eval-every``-th step since the run began (and the last step)."""
     sample: str = ""
     """The text the trained model wrote (``--sample``)."""
+    mfu: float | None = None
+    """Estimated model FLOPs utilization over ``seconds`` (None: not on a GPU whose peak is known)."""
 
 
 def gather_params(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
@@ -293,19 +390,25 @@ def data_mean(value: torch.Tensor, mesh: ParallelMesh) -> float:
 
 def check_mesh(mesh: ParallelMesh, args: argparse.Namespace) -> None:
     """What the mesh and the flags cannot run together: one error naming both (every rank alike)."""
-    (_, slices), ep, tp = data_rank(mesh), mesh["EP"].size(), mesh["TP"].size()
+    (_, slices), ep, tp, experts = data_rank(mesh), mesh["EP"].size(), mesh["TP"].size(), num_experts(args)
     if args.global_batch % (slices * args.micro_batches):
         raise SystemExit(f"error: --global-batch {args.global_batch} must split into DP x EP={slices} ranks x "
                          f"--micro-batches {args.micro_batches}: use a multiple of {slices * args.micro_batches}")
-    if ep > 1 and not args.moe_experts:
+    if ep > 1 and not experts:
         raise SystemExit(f"error: --mesh {args.mesh} has ep={ep}, but the model has no experts to divide over it: "
                          "add --moe-experts N (MoE blocks), or make those ranks data parallel (dp)")
-    if args.moe_experts % ep:
-        raise SystemExit(f"error: --moe-experts {args.moe_experts} do not divide over ep={ep} ranks: use a multiple "
-                         f"of {ep} experts, or an ep that divides {args.moe_experts}")
-    if args.moe_experts and tp > 1:
-        raise SystemExit(f"error: --moe-experts with tp={tp}: the nanogpt plan has no tensor-parallel layout for MoE "
+    what = f"--moe-experts {experts}" if args.hf_config is None else f"{args.model}'s {experts} experts"
+    if experts % ep:
+        raise SystemExit(f"error: {what} do not divide over ep={ep} ranks: use a multiple of {ep} experts, or an ep "
+                         f"that divides {experts}")
+    if experts and tp > 1:
+        plan = "the nanogpt plan has" if args.hf_config is None else "the job has"
+        raise SystemExit(f"error: {what.split(' ')[0]} with tp={tp}: {plan} no tensor-parallel layout for MoE "
                          "blocks; use tp=1 (ep and dp split the batch)")
+    if ep > 1 and plan_name(args) == "auto":
+        raise SystemExit(f"error: ep={ep} divides experts with the zoo's MoE plans (hf:mixtral, hf:qwen2_moe, "
+                         f"hf:qwen3_moe, hf:deepseek_v3, nanogpt); {args.model} with --plan {args.plan} has none: "
+                         "make those ranks data parallel (dp)")
 
 
 def validation_loss(engine: PipeEngine, chunks: list[nn.Module], data: TextData, mesh: ParallelMesh,
@@ -327,7 +430,26 @@ def sample(engine: PipeEngine, chunks: list[nn.Module], args: argparse.Namespace
     idx = torch.tensor([list(prompt)], device=args.device)
     tokens = generate(engine, idx, args.sample, max_seq_len=args.block_size, temperature=0.8,
                       generator=torch.Generator().manual_seed(args.seed))
-    return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
+    return _text(tokens[0].tolist())
+
+
+def _text(tokens: list[int]) -> str:
+    """The bytes among ``tokens`` as text (a pretrained model's vocabulary may hold more ids)."""
+    return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+
+
+def model_flops(model: nn.Module, args: argparse.Namespace) -> float:
+    """Model FLOPs per trained token (:func:`report.flops_per_token`; a MoE counts every expert)."""
+    c = args.hf_config
+    layers, width = (args.n_layer, args.n_embd) if c is None else (c.num_hidden_layers, c.hidden_size)
+    return report.flops_per_token(sum(p.numel() for p in model.parameters()), layers, width, args.block_size)
+
+
+def device_peak_flops(args: argparse.Namespace) -> float | None:
+    """This rank's device's peak FLOP/s at --dtype, where known (CUDA GPUs in report.PEAK_FLOPS)."""
+    if not args.device.startswith("cuda"):
+        return None
+    return report.peak_flops(torch.cuda.get_device_name(), DTYPES[args.dtype])
 
 
 def peak_memory(device: str) -> int:
@@ -343,10 +465,11 @@ def train(args: argparse.Namespace) -> RunResult:
     mesh = build_mesh(args)
     rank, (dp_rank, dp_size) = dist.get_rank(), data_rank(mesh)
     check_mesh(mesh, args)
-    model = build_model(args)
+    model = build_model(args, "meta" if args.init_from else None)  # --init-from: each rank allocates its stage
     show = rank == 0 and not args.quiet
     if show:
         report.start(mesh, model, args)
+    flops, peak = model_flops(model, args), device_peak_flops(args)  # MFU: on CUDA (a known GPU) only
     chunks, engine = parallelize(model, mesh, args)
     optimizer, scheduler = build_optimizer(chunks, args)
     data, position = TextData(args.block_size, args.seed), DataPosition()
@@ -358,6 +481,8 @@ def train(args: argparse.Namespace) -> RunResult:
     state = {"model": chunks, "optimizer": optimizer, "scheduler": scheduler, "data": position, "step": 0,
              "rng": torch.get_rng_state(), "loss_history": history, "val_history": val_history,
              "settings": {"global_batch": args.global_batch, "lr": args.lr, "steps": args.steps}}
+    if args.hf_config is not None:  # what export_hf.py needs to write a transformers folder from any step
+        state["hf_config"] = hf_models.config_json(args.hf_config, DTYPES[args.dtype])
     if args.kill_rank is not None:  # its state_dict() runs inside every save: where --kill-in-save strikes
         state["fault_injection"] = fault
     manager = CheckpointManager(args.checkpoint_dir, keep_last=2)
@@ -395,11 +520,13 @@ def train(args: argparse.Namespace) -> RunResult:
         if args.eval_every and (step % args.eval_every == 0 or step == last):
             val_history[step - 1] = validation_loss(engine, chunks, data, mesh, args)
         seconds = time.perf_counter() - tick
-        report.step(bar, losses[step], args.global_batch * args.block_size, seconds, val_history[step - 1])
+        tokens = args.global_batch * args.block_size
+        utilization = report.mfu(flops, tokens / seconds, peak, dist.get_world_size())
+        report.step(bar, losses[step], tokens, seconds, val_history[step - 1], utilization)
         if rank == 0 and metrics is not None:
             metrics.write(step=step, loss=losses[step], val_loss=val_history[step - 1], lr=lr,
-                          grad_norm=optimizer.last_grad_norm, seconds=seconds,
-                          tokens=args.global_batch * args.block_size, peak_bytes=peak_memory(args.device))
+                          grad_norm=optimizer.last_grad_norm, seconds=seconds, tokens=tokens,
+                          peak_bytes=peak_memory(args.device), mfu=utilization)
         if step == last or (args.checkpoint_every and step % args.checkpoint_every == 0):
             state["step"], state["rng"] = step, torch.get_rng_state()
             manager.save(step, state)
@@ -415,7 +542,8 @@ def train(args: argparse.Namespace) -> RunResult:
     tokens = (last - start) * args.global_batch * args.block_size
     shown = [d for d in DIMS if d != "EP" or mesh["EP"].size() > 1]  # EP where the run has it
     return RunResult(losses, gather_params(chunks), seconds, tokens / max(seconds, 1e-9), memory,
-                     " x ".join(f"{d}={mesh[d].size()}" for d in shown), _steps(history), _steps(val_history), text)
+                     " x ".join(f"{d}={mesh[d].size()}" for d in shown), _steps(history), _steps(val_history), text,
+                     report.mfu(flops, tokens / max(seconds, 1e-9), peak, dist.get_world_size()))
 
 
 def _steps(history: list[float]) -> dict[int, float]:
@@ -440,12 +568,17 @@ def _resized(history: list[float], steps: int) -> list[float]:
     return list(history[:steps]) + [math.nan] * (steps - len(history))
 
 
-def train_single_device(args: argparse.Namespace, micro_batches: int = 1, last: int | None = None) -> RunResult:
+def train_single_device(args: argparse.Namespace, micro_batches: int = 1, last: int | None = None,
+                        model: nn.Module | None = None) -> RunResult:
     """The same run on this one process with plain torch (AdamW, clip_grad_norm_, the same lr
     schedule and data), through the reference loop every parity test uses; ``micro_batches > 1``
     accumulates each batch's gradient in that many parts: the same math, summed in another order.
-    bf16 parameters get fp32 masters, as in the parallel run."""
-    model = build_model(args)
+    bf16 parameters get fp32 masters, as in the parallel run. ``model``: start from it (e.g. what
+    transformers' ``from_pretrained`` loads), else from the job's model and --init-from."""
+    if model is None:
+        model = build_model(args)
+        if args.init_from:
+            init_weights([model], hf_models.tied_aliases(model), args)
     data, position, end = TextData(args.block_size, args.seed), DataPosition(), last or args.steps
     val_losses: dict[int, float] = {}
 
@@ -479,7 +612,7 @@ def _sample_one_process(model: nn.Module, args: argparse.Namespace, prompt: byte
         for _ in range(args.sample):
             logits = model(idx[:, -args.block_size:])[0][0, -1].double() / 0.8  # temperature 0.8
             idx = torch.cat([idx, torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=g)[None].to(idx.device)], 1)
-    return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+    return _text(idx[0].tolist())
 
 
 @record  # under torchrun: the failing rank's traceback in torchrun's summary, naming the root cause
@@ -510,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
             ok = report.compare(result, args, lambda k, last: train_single_device(args, k, last))
         if result.sample:
             report.sample(result.sample)
+        if args.export_hf:  # the last checkpoint this run wrote, as a transformers folder
+            print(f"transformers checkpoint: {export_hf(args.checkpoint_dir, args.export_hf)}")
     return 0 if ok else 1
 
 

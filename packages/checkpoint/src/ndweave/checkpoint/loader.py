@@ -164,7 +164,8 @@ class _StatePlanner(PieceLoadPlanner):
         return super().finish_plan(new_plan)
 
 
-def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True, key: str | None = None) -> LoadResult:
+def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True, key: str | None = None,
+         aliases: dict[str, str] | None = None) -> LoadResult:
     """Load the checkpoint at ``path`` into ``state`` (a collective when there is a process group).
 
     ``state`` holds the same kinds of entries :func:`save` takes, laid out however this run is: any
@@ -181,12 +182,15 @@ def load(path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True,
         strict: raise :class:`CheckpointMismatchError` naming every key or global shape that differs
             (the same error on every rank). ``False`` loads what matches and returns the rest.
         key: the entry a single-file checkpoint holds (``"model"`` for safetensors by default).
+        aliases: ``{name: stored_name}`` (names inside the entry) for a tensor a single file stores once
+            under another name: transformers saves a tied LM head only as its embedding, so
+            ``load("llama-dir", {"model": model}, aliases={"lm_head.weight": "model.embed_tokens.weight"})``.
 
     Returns:
         a :class:`LoadResult`: empty after a strict load.
     """
     path = str(path)
-    reader = open_reader(path, key)
+    reader = open_reader(path, key, aliases)
     # read (and check) here, not inside DCP's load: DCP turns a failing read_metadata into a bare
     # AssertionError. Every rank sees the same shared files, so every rank raises the same error.
     reader.read_metadata()

@@ -4,7 +4,9 @@ into any layout, and each rank reads only the parts it needs: DCP's chunks from 
 memory-mapped torch file, slices of safetensors files.
 
 A single file holds one entry's state dict (an exported model) when it is read with ``key``, else
-the whole nested state (``export(..., key=None)``).
+the whole nested state (``export(..., key=None)``). ``aliases`` (``{name: stored_name}``, names inside
+the entry) read a tensor the file stores once under another name: transformers saves a tied LM head
+only as the embedding it shares.
 """
 
 from __future__ import annotations
@@ -100,10 +102,13 @@ class _SingleSource(StorageReader):
     """A reader over named whole tensors and values; subclasses open the source (on the first
     ``read_metadata``) and say how to get a slice of each."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, key: str | None = None,
+                 aliases: dict[str, str] | None = None) -> None:
         super().__init__()
-        self.path = Path(path)
+        self.path, self.key = Path(path), key
+        self.aliases = dict(aliases or {})
         self._metadata: Metadata | None = None
+        self._stored: dict[str, str] = {}  # flat key of an alias -> the flat key the file stores it under
 
     def open(self) -> tuple[dict[str, Any], dict[str, tuple]]:
         """``(shapes, paths)``: per flat key, ``(shape, dtype)`` of a tensor or any other value, and
@@ -113,6 +118,7 @@ class _SingleSource(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             shapes, paths = self.open()
+            self._add_aliases(shapes, paths)
             md = {}
             for name, value in shapes.items():
                 if isinstance(value, tuple):  # (shape, dtype) of a tensor: one chunk, all of it
@@ -124,6 +130,20 @@ class _SingleSource(StorageReader):
                     md[name] = BytesStorageMetadata()
             self._metadata = Metadata(state_dict_metadata=md, planner_data=paths)
         return self._metadata
+
+    def _add_aliases(self, shapes: dict[str, Any], paths: dict[str, tuple]) -> None:
+        """Each alias the file lacks, as a second name of the tensor it stores (a stored name that
+        is not in the file either is named in one error)."""
+        prefix = f"{self.key}." if self.key else ""
+        absent = sorted(s for a, s in self.aliases.items() if prefix + a not in shapes and prefix + s not in shapes)
+        if absent:
+            raise CheckpointError(f"{self.path} holds neither the aliased names nor {absent}, which aliases= names "
+                                  "as where they are stored")
+        for alias, stored in self.aliases.items():
+            if prefix + alias not in shapes:
+                shapes[prefix + alias] = shapes[prefix + stored]
+                paths[prefix + alias] = (self.key, alias) if self.key else (alias,)
+                self._stored[prefix + alias] = prefix + stored
 
     def slice(self, name: str, offsets, lengths) -> torch.Tensor:
         raise NotImplementedError
@@ -145,7 +165,7 @@ class _SingleSource(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         for item in plan.items:
-            name = item.storage_index.fqn
+            name = self._stored.get(item.storage_index.fqn, item.storage_index.fqn)
             if item.type == LoadItemType.BYTE_IO:
                 buffer = io.BytesIO()
                 torch.save(self.value(name), buffer)
@@ -167,10 +187,6 @@ class _SingleSource(StorageReader):
 class TorchFileReader(_SingleSource):
     """One ``torch.save`` file, memory-mapped: a rank copies only the slices it needs, so only
     those pages are read."""
-
-    def __init__(self, path: str | os.PathLike, key: str | None = None) -> None:
-        super().__init__(path)
-        self.key = key
 
     def open(self) -> tuple[dict[str, Any], dict[str, tuple]]:
         try:
@@ -200,10 +216,6 @@ def _safetensors_dtype(name: str) -> torch.dtype:
 class SafetensorsReader(_SingleSource):
     """HF-style safetensors: one ``.safetensors`` file, or a folder (or its index file) with
     ``model.safetensors.index.json`` naming each tensor's shard. Holds one entry (``key``)."""
-
-    def __init__(self, path: str | os.PathLike, key: str) -> None:
-        super().__init__(path)
-        self.key = key
 
     def open(self) -> tuple[dict[str, Any], dict[str, tuple]]:
         from safetensors import safe_open  # optional: pip install safetensors
@@ -236,14 +248,17 @@ class SafetensorsReader(_SingleSource):
             return sl[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
 
 
-def open_reader(path: str | os.PathLike, key: str | None = None) -> StorageReader:
+def open_reader(path: str | os.PathLike, key: str | None = None,
+                aliases: dict[str, str] | None = None) -> StorageReader:
     """The reader for ``path``: a checkpoint folder, a safetensors file/folder/index (entry ``key``,
-    default ``"model"``), or a torch file (entry ``key``, or the whole nested state)."""
+    default ``"model"``), or a torch file (entry ``key``, or the whole nested state); ``aliases``:
+    names a single file stores under another name (see the module docstring)."""
     path = Path(path)
     if not path.is_file() and not ((path / SAFETENSORS_INDEX).exists() or (path / "model.safetensors").exists()):
-        if key is not None:
-            raise ValueError(f"{path} is a checkpoint folder: key= applies to single-file checkpoints only")
+        for name, value in (("key", key), ("aliases", aliases)):
+            if value:
+                raise ValueError(f"{path} is a checkpoint folder: {name}= applies to single-file checkpoints only")
         return FolderReader(path)
     if path.is_dir() or path.suffix in (".safetensors", ".json"):
-        return SafetensorsReader(path, key or "model")
-    return TorchFileReader(path, key)
+        return SafetensorsReader(path, key or "model", aliases)
+    return TorchFileReader(path, key, aliases)
