@@ -67,6 +67,15 @@ def test_local_shape_at_a_coordinate_without_a_mesh():
     assert tc.local_shape_at((4, 12), (), [], []) == (4, 12)
 
 
+def test_storage_id_tells_storages_apart_on_meta_and_joins_views():
+    with torch.device("meta"):
+        a, b = torch.empty(4, 4), torch.empty(4, 4)
+    assert a.data_ptr() == b.data_ptr() == 0 and tc.storage_id(a) != tc.storage_id(b)
+    assert tc.storage_id(a.t()) == tc.storage_id(a[1:]) == tc.storage_id(a)
+    c = torch.ones(3)
+    assert tc.storage_id(c.view(3, 1)) == tc.storage_id(c) != tc.storage_id(c.clone())
+
+
 def test_dense_flatten_round_trip_and_fake_tensors_and_pytrees():
     a, b = torch.arange(3.0), torch.ones(2, 2)
     flat = tc.flatten_dense_tensors([a, b])

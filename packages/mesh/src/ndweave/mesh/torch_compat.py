@@ -66,6 +66,7 @@ __all__ = [
     "set_group_timeout",
     "split_indices",
     "split_tensor",
+    "storage_id",
     "torch_function_disabled",
     "tree_flatten",
     "tree_map",
@@ -223,6 +224,13 @@ def is_view(t: torch.Tensor) -> bool:
     """Whether ``t`` is a view of another tensor's storage (``Tensor._is_view``): autograd refuses to
     ``detach_()`` one, which torch's pipelining does to stage outputs."""
     return t._is_view()
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """An id of the storage ``t`` keeps alive, shared by its views and unique while it lives
+    (``UntypedStorage._cdata``, the storage's own address): unlike ``data_ptr()`` it tells meta
+    tensors' storages apart too (their data pointers are all 0)."""
+    return t.untyped_storage()._cdata
 
 
 def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
