@@ -58,6 +58,24 @@ def test_chunking_matches_dtensor_sharding():
     assert tc.is_shard_like(strided) and tc.is_shard_like(Shard(1)) and not tc.is_shard_like(Replicate())
 
 
+def test_local_shape_at_a_coordinate_without_a_mesh():
+    # uneven (torch chunks by ceil: 10 over 4 is 3, 3, 3, 1), two mesh dims on one tensor dim, strided
+    assert [tc.local_shape_at((10, 6), (4,), [r], [Shard(0)]) for r in range(4)] == [(3, 6)] * 3 + [(1, 6)]
+    assert tc.local_shape_at((8, 6), (2, 2), [1, 0], [Shard(0), Shard(0)]) == (2, 6)
+    assert tc.local_shape_at((8, 6), (2, 2), [1, 1], [Replicate(), Shard(1)]) == (8, 3)
+    assert tc.local_shape_at((4, 12), (2,), [1], [tc.StridedShard(1, split_factor=3)]) == (4, 6)
+    assert tc.local_shape_at((4, 12), (), [], []) == (4, 12)
+
+
+def test_storage_id_tells_storages_apart_on_meta_and_joins_views():
+    with torch.device("meta"):
+        a, b = torch.empty(4, 4), torch.empty(4, 4)
+    assert a.data_ptr() == b.data_ptr() == 0 and tc.storage_id(a) != tc.storage_id(b)
+    assert tc.storage_id(a.t()) == tc.storage_id(a[1:]) == tc.storage_id(a)
+    c = torch.ones(3)
+    assert tc.storage_id(c.view(3, 1)) == tc.storage_id(c) != tc.storage_id(c.clone())
+
+
 def test_dense_flatten_round_trip_and_fake_tensors_and_pytrees():
     a, b = torch.arange(3.0), torch.ones(2, 2)
     flat = tc.flatten_dense_tensors([a, b])
@@ -143,6 +161,8 @@ def test_dtensor_internals():
     dp, tp = mesh.get_strategy_coordinate()
     assert shape == tuple(local.shape) and offset == ((0, 3)[dp], 3 * tp)
     assert torch.equal(full[offset[0]: offset[0] + shape[0], offset[1]: offset[1] + shape[1]], local)
+    # the same shape from sizes and a coordinate alone, no mesh (what an estimate before launch has)
+    assert tc.local_shape_at(full.shape, mesh.device_mesh.shape, [dp, tp], dt.placements) == shape
     flat = tc.flatten_mesh(mesh.device_mesh, "DPTP_compat")
     assert flat.ndim == 1 and flat.size() == 4 and flat.get_local_rank() == dist.get_rank()
     assert tc.root_mesh(mesh["TP"]) == mesh.device_mesh and tc.root_mesh(flat) == mesh.device_mesh

@@ -28,7 +28,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout, _world
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset, compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: F401  (re-exported)
@@ -57,6 +57,7 @@ __all__ = [
     "is_shard_like",
     "is_view",
     "local_shape_and_offset",
+    "local_shape_at",
     "live_groups",
     "local_tensor",
     "mesh_without_groups",
@@ -65,6 +66,7 @@ __all__ = [
     "set_group_timeout",
     "split_indices",
     "split_tensor",
+    "storage_id",
     "torch_function_disabled",
     "tree_flatten",
     "tree_map",
@@ -117,6 +119,16 @@ def local_shape_and_offset(global_shape: Sequence[int], mesh: DeviceMesh,
     only meaningful without ``_StridedShard`` (a strided shard is not one block)."""
     shape, offset = compute_local_shape_and_global_offset(tuple(global_shape), mesh, list(placements))
     return tuple(shape), tuple(offset)
+
+
+def local_shape_at(global_shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
+                   placements: Sequence[Placement]) -> tuple[int, ...]:
+    """The local shape DTensor gives the rank at ``coordinate`` of a mesh of ``mesh_shape`` (uneven
+    and ``_StridedShard`` pieces included), with no mesh or process group: what an estimate of a
+    layout not yet launched needs (``_compute_local_shape_and_global_offset``)."""
+    shape, _ = _compute_local_shape_and_global_offset(tuple(global_shape), tuple(mesh_shape), list(coordinate),
+                                                      list(placements), skip_offset=True)
+    return tuple(shape)
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
@@ -212,6 +224,13 @@ def is_view(t: torch.Tensor) -> bool:
     """Whether ``t`` is a view of another tensor's storage (``Tensor._is_view``): autograd refuses to
     ``detach_()`` one, which torch's pipelining does to stage outputs."""
     return t._is_view()
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """An id of the storage ``t`` keeps alive, shared by its views and unique while it lives
+    (``UntypedStorage._cdata``, the storage's own address): unlike ``data_ptr()`` it tells meta
+    tensors' storages apart too (their data pointers are all 0)."""
+    return t.untyped_storage()._cdata
 
 
 def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -179,24 +179,42 @@ def construct_pipeline_stage(model: nn.Module, plan: PipelineParallelPlan,
     """
     pp_mesh = resolve_mesh(mesh, "PP")
     resolved = resolve_plan(plan, pp_mesh.size())
-    _check_shared_modules(model, plan)
     mine = resolved.stages_of(pp_mesh.get_local_rank())
+    cut = cut_model(model, plan, resolved, example_inputs, pp_mesh.device_type)
+    chunks = [cut.chunk(model, stage) for stage in mine]
+    shared = find_shared_params(model, cut.stage_layers, plan.shared_modules)
+    return PipeModule(chunks, mine, cut.stage_layers, resolved, shared, cut.stage_io, cut.seconds)
+
+
+class ModelCut(NamedTuple):
+    """Where a model is cut into stages, decided before any chunk exists (no process, no allocation)."""
+
+    layers: list[str]
+    stage_layers: list[list[str]]
+    stage_io: list[StageIO | None]
+    seconds: list[float] | None
+    traced: TracedCut | None
+
+    def chunk(self, model: nn.Module, stage: int) -> nn.Module:
+        """Stage ``stage``'s chunk of ``model`` (a skeleton copy sharing its tensors)."""
+        if self.traced is None:
+            return _build_chunk(model, self.layers, self.stage_layers, stage)
+        return run_as_stage(_build_chunk(model, self.layers, self.stage_layers, stage, self.traced.unread_params(stage)),
+                            self.traced.programs[stage])
+
+
+def cut_model(model: nn.Module, plan: PipelineParallelPlan, resolved: ResolvedPlan,
+              example_inputs: torch.Tensor | tuple | None, device_type: str) -> ModelCut:
+    """The stages of ``model`` under ``plan`` (traced with ``example_inputs``, else by registration order)."""
+    _check_shared_modules(model, plan)
     if example_inputs is None:
         if plan.split_points is None and plan.split_method == "time":
             raise ValueError("split_method='time' times the layers of the traced forward: pass example_inputs= "
                              "to construct_pipeline_stage")
-        layers = model_layers(model)
         stage_layers = assign_stages(model, resolved.num_stages, plan.split_points)
-        chunks = [_build_chunk(model, layers, stage_layers, stage) for stage in mine]
-        stage_io: list[StageIO | None] = [None] * resolved.num_stages
-        seconds = None
-    else:
-        traced = TracedCut(model, resolved.num_stages, plan, example_inputs, pp_mesh.device_type)
-        layers, stage_layers, stage_io, seconds = traced.layers, traced.stage_layers, traced.stage_io, traced.stage_seconds
-        chunks = [run_as_stage(_build_chunk(model, layers, stage_layers, stage, traced.unread_params(stage)),
-                               traced.programs[stage]) for stage in mine]
-    shared = find_shared_params(model, stage_layers, plan.shared_modules)
-    return PipeModule(chunks, mine, stage_layers, resolved, shared, stage_io, seconds)
+        return ModelCut(model_layers(model), stage_layers, [None] * resolved.num_stages, None, None)
+    traced = TracedCut(model, resolved.num_stages, plan, example_inputs, device_type)
+    return ModelCut(traced.layers, traced.stage_layers, traced.stage_io, traced.stage_seconds, traced)
 
 
 def _build_chunk(model: nn.Module, layers: list[str], stage_layers: list[list[str]], stage: int,

@@ -28,10 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ndweave.mesh.agree import gather
-from ndweave.mesh.torch_compat import local_tensor
+from ndweave.mesh.torch_compat import local_tensor, storage_id
 from ndweave.pipeline.timeline import Action
 
-__all__ = ["ActivationMeter", "PipelineReport", "StageReport", "build_stage_reports", "gather_report"]
+__all__ = ["ActivationMeter", "PipelineReport", "StageReport", "build_stage_reports", "count_saved_bytes", "gather_report"]
 
 
 @dataclass(frozen=True)
@@ -110,20 +110,10 @@ class ActivationMeter:
         if not self._recorder.enabled or not torch.is_grad_enabled():
             yield
             return
-        skip = {_storage(p)[0] for p in params.parameters()}
-        seen: set[int] = set()
         held = self._held.setdefault(stage, {})
-        held[micro_batch] = 0
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            key, num_bytes = _storage(tensor)
-            if key not in skip and key not in seen:
-                seen.add(key)
-                held[micro_batch] += num_bytes
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with count_saved_bytes(params) as saved:
             yield
+        held[micro_batch] = saved[0]
         self.peak[stage] = max(self.peak.get(stage, 0), sum(held.values()))
 
     def output(self, stage: int, output) -> None:
@@ -138,13 +128,31 @@ class ActivationMeter:
         self._held.get(stage, {}).pop(micro_batch, None)
 
 
+@contextlib.contextmanager
+def count_saved_bytes(params: nn.Module) -> Iterator[list[int]]:
+    """``[bytes]``: what the forward run inside saves for backward, once per storage, ``params``'
+    parameters left out; on meta tensors too (what an estimate runs)."""
+    skip = {_storage(p)[0] for p in params.parameters()}
+    seen: set[int] = set()
+    total = [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key, num_bytes = _storage(tensor)
+        if key not in skip and key not in seen:
+            seen.add(key)
+            total[0] += num_bytes
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield total
+
+
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     """A key of the memory ``tensor`` keeps alive (shared by its views) and its bytes."""
     local = local_tensor(tensor)
     local = getattr(local, "elem", local)  # a collective's result still in flight wraps its buffer
     try:
-        storage = local.untyped_storage()
-        return storage.data_ptr(), storage.nbytes()
+        return storage_id(local), local.untyped_storage().nbytes()
     except (RuntimeError, NotImplementedError):  # no plain storage (another wrapper subclass)
         return id(local), local.numel() * local.element_size()
 
