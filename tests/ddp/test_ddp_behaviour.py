@@ -151,6 +151,7 @@ def test_ignored_params_keep_their_local_grads():
         DDP(MLP(), _dp_mesh(), params_to_ignore=["nope.weight"])
 
 
+@pytest.mark.kernels
 @pytest.mark.parity
 @distributed(world_size=2)
 def test_bf16_params_reduce_grads_in_fp32():

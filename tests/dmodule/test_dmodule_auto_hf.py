@@ -5,9 +5,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from dmodule_auto_models import FLOAT32_INSIDE, check_auto_parity  # noqa: E402
+from dmodule_auto_models import FLOAT32_INSIDE, FLOAT32_ROUTING, build_hf, check_auto_parity  # noqa: E402
 
-from ndweave.mesh.testing import distributed  # noqa: E402
+from ndweave.mesh.testing import STRICT, distributed  # noqa: E402
 
 MODES = pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
 
@@ -30,6 +30,7 @@ def test_what_cannot_be_sharded_runs_replicated(arch, overrides):
     check_auto_parity(arch, sequence_parallel=True, **overrides)
 
 
+@pytest.mark.kernels
 @pytest.mark.parity
 @MODES
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
@@ -39,6 +40,18 @@ def test_moe_experts_are_sharded_inside_each_expert(arch, sequence_parallel):
     experts module run whole on its shards (local_block), the router replicated. (transformers routes
     in float32: see FLOAT32_INSIDE.)"""
     check_auto_parity(arch, sequence_parallel=sequence_parallel, tol=FLOAT32_INSIDE)
+
+
+@pytest.mark.heavy
+@pytest.mark.parity
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "phi3", "gpt_neox", "falcon", "opt", "gpt2",
+                                  *sorted(FLOAT32_ROUTING)])
+@distributed(world_size=4, timeout=300)
+def test_auto_plan_at_tp4_matches_one_process(arch):
+    """TP=4 with sequence parallel: one query head and one key/value head per rank (the tiny config's
+    4 of each; Falcon's single key/value head keeps its attention replicated)."""
+    tol = FLOAT32_INSIDE if arch in FLOAT32_ROUTING else STRICT
+    check_auto_parity(arch, sequence_parallel=True, tol=tol, num_key_value_heads=4)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
@@ -61,3 +74,11 @@ def test_deriving_the_plan_of_a_7b_llama_on_meta_takes_under_5_s(sequence_parall
     seconds = time.process_time() - start
     assert seconds < 5, f"deriving the plan took {seconds:.1f} s of CPU time"
     assert plan["parameter"], "nothing was sharded"
+
+
+def test_a_pad_token_in_the_config_does_not_change_the_plan():
+    """GPT-2 with a pad token checks ``pad_token_id in input_ids`` (a data-dependent read) in its
+    forward: on the meta trace it is taken as absent, and the plan is the one without the token."""
+    from ndweave.dmodule.plans import get_plan
+
+    assert get_plan("auto", build_hf("gpt2", pad_token_id=0)) == get_plan("auto", build_hf("gpt2"))

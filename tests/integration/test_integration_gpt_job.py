@@ -72,6 +72,7 @@ def test_job_on_4_ranks_matches_one_process(what, flags, tmp_path):
         _check_params(result, reference, f"{what}, rank {rank}")
 
 
+@pytest.mark.kernels
 @pytest.mark.parity
 def test_compare_single_device_in_fp32_passes_its_measured_bound(tmp_path, capsys):
     """What ``--compare-single-device`` prints and decides, for an fp32 run on PP=2 x TP(+SP)=2."""

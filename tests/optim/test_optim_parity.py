@@ -113,6 +113,7 @@ def _bf16_master_reference(reference, world: int, reverse: bool) -> dict[str, to
 BF16_ROUNDING = Tolerance(rtol=torch.finfo(torch.bfloat16).eps, atol=0.0)
 
 
+@pytest.mark.kernels
 @pytest.mark.parity
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @distributed(world_size=4)
@@ -173,6 +174,7 @@ def _bf16_direct_reference(reference, world: int, reverse: bool) -> dict[str, to
     return {n: p.detach() for n, p in reference.named_parameters()}
 
 
+@pytest.mark.kernels
 @pytest.mark.parity
 @distributed(world_size=4)  # (4, not 2: reversing a sum of two is no reordering to measure)
 def test_grad_to_fp32_false_steps_the_bf16_params_directly():

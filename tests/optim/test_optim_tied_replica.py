@@ -21,6 +21,7 @@ def _layer() -> torch.nn.Linear:
     return torch.nn.Linear(4, 3)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("sharded", [False, True])
 @distributed(world_size=2)
 def test_a_marked_tied_weight_counts_once_in_the_global_grad_norm(sharded):

@@ -46,6 +46,7 @@ def test_every_schedule_matches_one_process_on_pp2_dp2():
         assert_same_training(actual, expected, f"PP=2 x DP=2 {schedule} v={virtual}")
 
 
+@pytest.mark.kernels
 @pytest.mark.parity
 @pytest.mark.parametrize("pp", [2, 4])
 def test_every_schedule_matches_one_process_in_fp32(pp):

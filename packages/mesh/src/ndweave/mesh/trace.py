@@ -21,8 +21,8 @@ ops are recorded with ``parent`` set to the outer call (``Trace.leaves()`` skips
 
 It runs the model for real: trace a meta copy (:func:`meta_copy`) and the forward costs no compute
 and no memory. On meta tensors the few data-dependent calls a model may make (``.item()``,
-``bool(t)``, ``.tolist()``, ``nonzero``) get a stand-in answer (0, ``False``, zeros, every
-position) and are listed in ``Trace.guesses``: shapes stay right, values and branches may not.
+``bool(t)``, ``x in t``, ``.tolist()``, ``nonzero``) get a stand-in answer (0, ``False``, zeros,
+every position) and are listed in ``Trace.guesses``: shapes stay right, values and branches may not.
 
 One trace serves several analyses: tensor-parallel plans (dataflow between linears), pipeline
 cuts (module order, values crossing a boundary) and activation memory (value shapes).
@@ -283,7 +283,7 @@ class _Recorder(TorchFunctionMode):
         self.trace.guesses.append(f"{name} in {self._module() or '<root>'}")
         if base == "item":
             return 0.0 if t.is_floating_point() else 0
-        if base == "__bool__":
+        if base in ("__bool__", "__contains__"):  # (``pad_id in ids``: transformers' padding warning)
             return False
         if base == "tolist":
             return torch.zeros(t.shape, dtype=torch.long).tolist()
@@ -346,7 +346,7 @@ class _Recorder(TorchFunctionMode):
 
 _NO_GUESS = object()
 _FUNCTIONAL = (F.__name__, F.linear.__module__)  # F.* written in Python, and those torch binds from C
-_DATA_DEPENDENT = {"item", "__bool__", "tolist", "nonzero", "where"}
+_DATA_DEPENDENT = {"item", "__bool__", "__contains__", "tolist", "nonzero", "where"}
 
 
 def _tensors_in(leaves: list) -> list[torch.Tensor]:

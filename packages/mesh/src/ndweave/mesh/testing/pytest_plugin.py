@@ -1,6 +1,6 @@
 """pytest plugin: enable with ``pytest -p ndweave.mesh.testing.pytest_plugin`` or in a conftest's
 ``pytest_plugins``. It closes the rank pools at the end of the session and adds
-``--ndweave-timeout`` (seconds per distributed call) and the ``parity`` marker."""
+``--ndweave-timeout`` (seconds per distributed call) and the ``parity`` and ``kernels`` markers."""
 
 from __future__ import annotations
 
@@ -17,8 +17,11 @@ def pytest_addoption(parser) -> None:
 
 
 def pytest_configure(config) -> None:
-    # ``-m parity`` selects the proof-by-parity tests, which CI re-runs under other CPU kernel sets
     config.addinivalue_line("markers", "parity: compares a parallel run with a single-process one")
+    # ``-m kernels``: the parity tests whose bound is fp32 / bf16 rounding, which other CPU kernel sets
+    # move; worth re-running under them (float64-strict ones are not: kernels move them by ~1e-16)
+    config.addinivalue_line("markers", "kernels: held to a bound of fp32 / bf16 rounding (measured, or of a "
+                                       "float32 sum): re-run it under other CPU kernel sets")
     timeout = config.getoption("--ndweave-timeout")
     if timeout is not None:
         pool.DEFAULT_TIMEOUT_S = timeout
