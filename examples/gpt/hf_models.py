@@ -71,6 +71,10 @@ def hf_config(model_type: str | None, config: str, *, block_size: int, moe_exper
             sizes.update(dict.fromkeys(EXPERT_FIELDS, moe_experts), num_experts_per_tok=moe_top_k)
         cfg = transformers.AutoConfig.for_model(model_type, **_settable(model_type, sizes))
     cfg._attn_implementation = "sdpa"
+    if experts_of(cfg):
+        # shapes that do not depend on the routing: the pipeline traces the model on meta, where the
+        # eager loop's nonzero has no value and the default grouped mm takes only bf16
+        cfg._experts_implementation = "batched_mm"
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False
     vocab, positions = cfg.vocab_size, getattr(cfg, "max_position_embeddings", None)

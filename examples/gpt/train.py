@@ -26,6 +26,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,8 +54,8 @@ from ndweave.optim import DistributedOptimizer  # noqa: E402
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage, generate  # noqa: E402
 
 __all__ = ["RunResult", "build_mesh", "build_model", "build_optimizer", "check_args", "check_mesh", "data_mean",
-           "data_rank", "gather_params", "init_weights", "loss_fn", "lr_schedule", "main", "materialize", "num_experts",
-           "parallelize", "parse_args", "plan_name", "resume_mode", "sample", "train", "train_single_device",
+           "data_rank", "gather_params", "init_weights", "loss_fn", "lr_factor", "lr_schedule", "main", "materialize",
+           "num_experts", "parallelize", "parse_args", "plan_name", "resume_mode", "sample", "train", "train_single_device",
            "validation_loss"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float64}
@@ -317,14 +318,24 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, args: argparse.Namespace) 
     return list(module.chunks), engine
 
 
-def lr_schedule(optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup to --lr, then cosine decay to --min-lr at --steps."""
+def lr_schedule(optimizer: torch.optim.Optimizer, args: argparse.Namespace,
+                extended_from: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup to --lr, then cosine decay to --min-lr at --steps. ``extended_from``: a run of that
+    many steps resumed with this longer --steps, its schedule until then and this one's after (what
+    the resumed run steps by; the one-process reference of an extended run)."""
+    before, after = lr_factor(args, extended_from or args.steps), lr_factor(args, args.steps)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: (before if extended_from and step < extended_from else after)(step))
+
+
+def lr_factor(args: argparse.Namespace, steps: int) -> Callable[[int], float]:
+    """The lr schedule of a run of ``steps`` steps: step index -> multiple of --lr."""
     def factor(step: int) -> float:
         if step < args.warmup:
             return (step + 1) / args.warmup
-        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        progress = min(1.0, (step - args.warmup) / max(1, steps - args.warmup))
         return (args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))) / args.lr
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return factor
 
 
 def adamw_kwargs(args: argparse.Namespace) -> dict:
@@ -559,6 +570,10 @@ def _resume_changes(state: dict, scheduler: torch.optim.lr_scheduler.LambdaLR, a
                for key, value in (("global_batch", args.global_batch), ("lr", args.lr), ("steps", args.steps))
                if saved.get(key, value) != value]
     scheduler.base_lrs = [args.lr] * len(scheduler.base_lrs)  # the schedule's peak is this run's --lr
+    # the next step's lr from this run's schedule: the optimizer's checkpoint holds the lr the old
+    # schedule (another --steps or --lr) set for it
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
     state["settings"] = {"global_batch": args.global_batch, "lr": args.lr, "steps": args.steps}
     return changes
 
@@ -569,12 +584,14 @@ def _resized(history: list[float], steps: int) -> list[float]:
 
 
 def train_single_device(args: argparse.Namespace, micro_batches: int = 1, last: int | None = None,
-                        model: nn.Module | None = None) -> RunResult:
+                        model: nn.Module | None = None, extended_from: int | None = None) -> RunResult:
     """The same run on this one process with plain torch (AdamW, clip_grad_norm_, the same lr
     schedule and data), through the reference loop every parity test uses; ``micro_batches > 1``
     accumulates each batch's gradient in that many parts: the same math, summed in another order.
     bf16 parameters get fp32 masters, as in the parallel run. ``model``: start from it (e.g. what
-    transformers' ``from_pretrained`` loads), else from the job's model and --init-from."""
+    transformers' ``from_pretrained`` loads), else from the job's model and --init-from.
+    ``extended_from``: the run was written with that --steps and resumed with this longer one there
+    (``--resume --steps N``): the shorter lr schedule until then (:func:`lr_schedule`)."""
     if model is None:
         model = build_model(args)
         if args.init_from:
@@ -596,8 +613,8 @@ def train_single_device(args: argparse.Namespace, micro_batches: int = 1, last: 
 
     run = train_one_process(model, batches(), optimizer=lambda params: torch.optim.AdamW(params, **adamw_kwargs(args)),
                             loss_fn=lambda output, y: loss_fn(output[0], y), micro_batches=micro_batches,
-                            clip=args.clip, fp32_masters=True, scheduler=lambda opt: lr_schedule(opt, args),
-                            on_step=validate)
+                            clip=args.clip, fp32_masters=True, on_step=validate,
+                            scheduler=lambda opt: lr_schedule(opt, args, extended_from))
     losses = {step: loss for step, loss in enumerate(run.losses, start=1)}
     final = {n: p.cpu() for n, p in run.final.items()}
     return RunResult(losses, final, val_losses=val_losses, sample=_sample_one_process(model, args) if args.sample else "")

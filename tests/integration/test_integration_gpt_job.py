@@ -6,6 +6,8 @@ harness's ranks (float64) against its own single-device run, strict:
 * PP=2 x DP=2 x TP(+SP)=2 on 8 ranks, stopped at step 2 with a checkpoint, resumed at DP=4 on 4
   ranks up to step 3, then on one rank up to step 4: each part's losses are the uninterrupted
   run's (the checkpoint holds step, data position, lr schedule, RNG), and so are the parameters;
+* a 6-step run at DP=2 extended by ``--resume --steps 9`` at PP=2: one process's 6 + 3 steps;
+* ``--eval-every`` at PP=2 x DP=2: one process's validation losses, in the JSONL file and the report;
 * the real launcher: two torchrun agents ("nodes") on loopback with c10d rendezvous;
 * MoE blocks (``--moe-experts 4 --moe-top-k 2``) at PP=2 x DP=2 x EP=2 on 8 ranks, stopped at step 2
   with a checkpoint, resumed at DP=2 x EP=2 on 4 ranks up to step 3, then on one process up to step 4:
@@ -169,6 +171,47 @@ def test_resuming_with_more_steps_extends_the_run_and_fewer_is_refused(tmp_path)
     assert all("at step 5, past --steps 4: pass --steps 5 or more" in m for m in messages), messages
 
 
+@pytest.mark.parity
+def test_a_run_extended_on_another_mesh_continues_like_one_process(tmp_path):
+    """The issue's extend: 6 steps at DP=2, then ``--resume --steps 9`` at PP=2 trains steps 7..9 on
+    the lr schedule stretched to step 9 (from step 7 on), like one process training the same 6 + 3."""
+    base = [*TINY, "--checkpoint-dir", str(tmp_path)]
+    run_distributed(_run, 2, [*base, "--mesh", "dp=2", "--steps", "6"], timeout=300)
+    extended = run_distributed(_run, 2, [*base, "--mesh", "pp=2", "--steps", "9", "--resume"], timeout=300)
+    reference = job.train_single_device(_args("--steps", "9"), extended_from=6)
+    for rank, result in enumerate(extended):
+        assert sorted(result.losses) == [7, 8, 9] and sorted(result.history) == list(range(1, 10))
+        _check(result, reference, f"steps 7..9 at PP=2, rank {rank}")
+        _check(types.SimpleNamespace(losses=result.history), reference, f"the history 1..9, rank {rank}")
+        _check_params(result, reference, f"PP=2 at step 9, rank {rank}")
+
+
+@pytest.mark.parity
+def test_validation_at_pp2_dp2_is_one_process_in_the_metrics_and_the_report(tmp_path, capsys):
+    """``--eval-every 2`` on PP=2 x DP=2 (forward only through the pipeline, the held-out batch split
+    over DP): one process's validation losses, in the JSONL file at steps 2 and 3 (the last), and the
+    final report gives the training and the validation loss."""
+    argv = [*TINY, "--mesh", "pp=2,dp=2", "--steps", "3", "--eval-every", "2", "--checkpoint-dir", str(tmp_path),
+            "--metrics", str(tmp_path / "m.jsonl"), "--plot", str(tmp_path / "loss.png")]
+    results = run_distributed(_run, 4, argv, timeout=300)
+    reference = job.train_single_device(job.parse_args(argv))
+    assert sorted(reference.val_losses) == [2, 3]
+    for rank, result in enumerate(results):
+        assert sorted(result.val_losses) == [2, 3], rank
+        _check(types.SimpleNamespace(losses=result.val_losses), types.SimpleNamespace(losses=reference.val_losses),
+               f"validation at PP=2 x DP=2, rank {rank}")
+        _check(result, reference, f"training at PP=2 x DP=2, rank {rank}")
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["val_loss"]) for r in rows] == [(1, None), (2, results[0].val_losses[2]),
+                                                          (3, results[0].val_losses[3])]
+    args = job.parse_args([a for a in argv if a != "--quiet"])
+    job.report.finish(results[0], args)
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done: ")]
+    assert len(done) == 1 and f"final loss {results[0].losses[3]:.4f}, validation loss " \
+        f"{results[0].val_losses[3]:.4f}" in done[0], done
+    assert (tmp_path / "loss.png").stat().st_size > 0  # the training and validation curves
+
+
 def test_tensorboard_without_its_package_is_named_with_the_fix(capsys):
     """TensorBoard is optional: without the package the flag is refused naming it; with it, the
     metrics are event files (the JSONL file is written either way)."""
@@ -213,6 +256,7 @@ def test_a_resume_may_change_the_batch_and_lr_and_says_so():
     assert job._resume_changes(state, scheduler, args) == [
         "--global-batch 16 (the checkpoint's run had 8)", "--lr 0.02 (the checkpoint's run had 0.01)"]
     assert scheduler.base_lrs == [2e-2] and state["settings"]["lr"] == 2e-2
+    assert scheduler.optimizer.param_groups[0]["lr"] == 2e-2 / 2  # the next step's: warmup's first, of the new peak
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -7,6 +7,7 @@ strict, against one process starting from what transformers itself loads:
   loaded by ``AutoModelForCausalLM.from_pretrained``: the trained parameters and their logits;
 * HF Qwen2 (sharded safetensors with an index, the "auto" plan) at PP=2 x DP=2 x
   TP=2 with ``--activation-checkpointing``: equal to one process without it;
+* HF Mixtral (the tiny preset, 4 experts) at PP=2 x EP=2, the experts over EP: one process;
 * nanoGPT from a torch ``.pt`` state dict, and with activation checkpointing at PP=2 x TP=2;
 * the flags the job refuses, and the MFU estimate's formula.
 """
@@ -107,6 +108,24 @@ def test_nanogpt_from_a_torch_state_dict_and_with_activation_checkpointing_match
     for rank, result in enumerate(results):
         _check(result, reference, f"nanogpt from gpt.pt, PP=2 x TP=2, rank {rank}")
         _check_params(result, reference, f"nanogpt from gpt.pt, PP=2 x TP=2, rank {rank}")
+
+
+@pytest.mark.parity
+@pytest.mark.heavy
+def test_hf_mixtral_with_experts_over_ep_on_pp2_ep2_equals_one_process(tmp_path):
+    """``--model hf:mixtral --config tiny --moe-experts 4`` at PP=2 x EP=2: the zoo's hf_mixtral plan
+    divides each stage's experts over EP (EP ranks splitting the batch), trained like one process."""
+    pytest.importorskip("transformers")
+    argv = [*TINY, "--model", "hf:mixtral", "--moe-experts", "4", "--moe-top-k", "2", "--mesh", "pp=2,ep=2",
+            "--steps", "3", "--checkpoint-dir", str(tmp_path)]
+    results = run_distributed(_run, 4, argv, timeout=500)
+    args = job.parse_args(argv)
+    assert job.plan_name(args) == "hf_mixtral" and job.num_experts(args) == 4
+    reference = job.train_single_device(args)
+    for rank, result in enumerate(results):
+        assert result.mesh == "PP=2 x DP=1 x EP=2 x TP=1", result.mesh
+        _check(result, reference, f"hf:mixtral PP=2 x EP=2, rank {rank}")
+        _check_params(result, reference, f"hf:mixtral PP=2 x EP=2, rank {rank}")
 
 
 def _refused(argv: list[str], capsys) -> str:
