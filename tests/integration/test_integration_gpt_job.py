@@ -189,10 +189,12 @@ def test_a_run_extended_on_another_mesh_continues_like_one_process(tmp_path):
 @pytest.mark.parity
 def test_validation_at_pp2_dp2_is_one_process_in_the_metrics_and_the_report(tmp_path, capsys):
     """``--eval-every 2`` on PP=2 x DP=2 (forward only through the pipeline, the held-out batch split
-    over DP): one process's validation losses, in the JSONL file at steps 2 and 3 (the last), and the
-    final report gives the training and the validation loss."""
+    over DP): one process's validation losses, in the JSONL file at steps 2 and 3 (the last) and in
+    TensorBoard's event files (``--tensorboard``, when its package is installed), and the final
+    report gives the training and the validation loss."""
     argv = [*TINY, "--mesh", "pp=2,dp=2", "--steps", "3", "--eval-every", "2", "--checkpoint-dir", str(tmp_path),
-            "--metrics", str(tmp_path / "m.jsonl"), "--plot", str(tmp_path / "loss.png")]
+            "--metrics", str(tmp_path / "m.jsonl"), "--plot", str(tmp_path / "loss.png"),
+            *(["--tensorboard", str(tmp_path / "tb")] if importlib.util.find_spec("tensorboard") else [])]
     results = run_distributed(_run, 4, argv, timeout=300)
     reference = job.train_single_device(job.parse_args(argv))
     assert sorted(reference.val_losses) == [2, 3]
@@ -204,6 +206,17 @@ def test_validation_at_pp2_dp2_is_one_process_in_the_metrics_and_the_report(tmp_
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [(r["step"], r["val_loss"]) for r in rows] == [(1, None), (2, results[0].val_losses[2]),
                                                           (3, results[0].val_losses[3])]
+    if "--tensorboard" in argv:  # the same rows as event files, read back as TensorBoard reads them
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        board = EventAccumulator(str(tmp_path / "tb"))
+        board.Reload()
+        for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_s", "step_s", "peak_bytes"):
+            events = [(e.step, e.value) for e in board.Scalars(key)]
+            expected = [(r["step"], r[key]) for r in rows if r[key] is not None]
+            assert [s for s, _ in events] == [s for s, _ in expected], key
+            assert_close(torch.tensor([v for _, v in events], dtype=torch.float64),  # stored as float32
+                         torch.tensor([v for _, v in expected], dtype=torch.float64), rtol=1e-6, atol=0, name=key)
     args = job.parse_args([a for a in argv if a != "--quiet"])
     job.report.finish(results[0], args)
     done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done: ")]

@@ -127,3 +127,40 @@ def test_a_rank_warning_is_raised_again_in_the_test():
     with pytest.raises(DeprecationWarning, match="old name"), warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         run_distributed(_warn_on_rank_one, 2)
+
+
+
+def _make_groups(count):
+    before = len(dist.distributed_c10d._world.pg_names)
+    for _ in range(count):
+        dist.all_reduce(torch.ones(1), group=dist.new_group([0, 1]))
+    return os.getpid(), before
+
+
+def _state(pid: int) -> str:
+    """The process's state letter, once it is stopped ("T") or after a second (a signal lands a moment
+    after it is sent)."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+        if state == "T" or time.monotonic() > deadline:
+            return state
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
+def test_a_pool_is_stopped_between_its_tasks_and_started_afresh_past_its_groups():
+    """Every gloo group keeps a thread that wakes every few milliseconds: idle ranks are stopped
+    (their threads poll nothing while the test or another pool works), and a pool holding more than
+    MAX_GROUPS groups starts afresh before its next task."""
+    from ndweave.mesh.testing.pool import MAX_GROUPS
+
+    first = run_distributed(_make_groups, 2, 3)
+    assert [_state(pid) for pid, _ in first] == ["T", "T"]  # stopped (SIGSTOP) until the next task
+    second = run_distributed(_make_groups, 2, MAX_GROUPS)  # continued for it; ends past the bound
+    assert [pid for pid, _ in second] == [pid for pid, _ in first]
+    assert [before for _, before in second] == [before + 3 for _, before in first]
+    third = run_distributed(_make_groups, 2, 0)
+    assert not {pid for pid, _ in third} & {pid for pid, _ in first}  # new ranks
+    assert [before for _, before in third] == [1, 1]  # the default group alone

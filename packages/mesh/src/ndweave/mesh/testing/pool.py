@@ -9,6 +9,17 @@ stacks are dumped (where each one was waiting) and the pool is killed, so a test
 while rank 0 waits in a receive fails in about a second, with rank 1's traceback first. A rank that
 *dies* leaves the others ``FAILURE_GRACE_S`` to finish: tests kill a rank on purpose to check how the
 survivors react.
+
+Idle pools cost nothing: every gloo group keeps a thread that wakes every few milliseconds for as
+long as it lives, and a rank that had run a few hundred tests held hundreds of them, spending most
+of a core doing nothing, which slowed the test running and every launched job on a 2-core machine
+until collectives timed out. So a pool's ranks are stopped (``SIGSTOP``) as soon as a task has
+finished, while the test goes on in this process or in another pool, and continued when their next
+task comes; and a pool whose ranks hold more than ``MAX_GROUPS`` groups is started afresh before its
+next task, which bounds what they poll while they work. (Destroying a test's groups
+instead is not safe: DTensor caches sharding decisions keyed on meshes by value, so a later equal
+mesh would be answered with the destroyed groups, and in torch 2.13 clearing its C++ cache corrupts
+the heap.)
 """
 
 from __future__ import annotations
@@ -38,6 +49,10 @@ FAILURE_GRACE_S = 10.0
 #: later reports its own) and to dump their stacks before they are killed.
 STOP_AFTER_RAISE_S = 0.5
 _START_TIMEOUT_S = 300.0
+#: A pool whose ranks hold more process groups than this (each with a polling gloo thread) is
+#: started afresh before its next task.
+MAX_GROUPS = 48
+_START_ATTEMPTS = 3
 
 
 @dataclass
@@ -79,8 +94,22 @@ class _Pool:
     procs: list = field(default_factory=list)
     conns: list = field(default_factory=list)
     tmpdir: str = ""
+    groups: int = 0
+    """The most process groups a rank held after the last task."""
+    paused: bool = False
 
     def start(self) -> None:
+        """Start the ranks. The store's port is picked free, then bound by rank 0 a moment later:
+        another process (a launched job's gloo sockets) can take it in between, so a start that fails
+        on the address alone is tried again on another port."""
+        for attempt in range(_START_ATTEMPTS):
+            try:
+                return self._start()
+            except DistributedTestError as error:
+                if attempt == _START_ATTEMPTS - 1 or "EADDRINUSE" not in str(error):
+                    raise
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self.tmpdir = tempfile.mkdtemp(prefix=f"ndweave-pool{self.world_size}-")
         port = _free_port()
@@ -110,6 +139,7 @@ class _Pool:
             raise DistributedTestError("starting the ranks", self.world_size, failures)
 
     def run(self, ref: FunctionRef, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        self.resume()
         task = Task(ref, args, kwargs, master_port=None if self.init_process_group else _free_port())
         for conn in self.conns:
             conn.send(task)
@@ -119,6 +149,8 @@ class _Pool:
                 if replies[rank].output:
                     print(f"[rank {rank}] " + replies[rank].output.rstrip().replace("\n", f"\n[rank {rank}] "))
             _reraise_warnings(replies)
+            self.groups = max(rep.groups for rep in replies.values())
+            self.pause()  # until its next task: the test goes on in this process, or in another pool
             return [replies[rank].payload for rank in range(self.world_size)]
         failures = self._failures(replies)
         self.kill()
@@ -200,7 +232,27 @@ class _Pool:
         log = _tail(os.path.join(self.tmpdir, f"rank{rank}.log"), 4000)
         return Reply("died", f"the process exited with code {proc.exitcode}\nits log:\n{log}", failed_at=when)
 
+    def pause(self) -> None:
+        """Stop the ranks (``SIGSTOP``) while they wait for a task: their gloo threads stop polling."""
+        if not self.paused:
+            self._signal(signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self._signal(signal.SIGCONT)
+            self.paused = False
+
+    def _signal(self, signum: int) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                try:
+                    os.kill(proc.pid, signum)
+                except ProcessLookupError:  # it ended meanwhile
+                    pass
+
     def kill(self) -> None:
+        self.resume()  # a stopped process is killed too, but joins only once continued
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
@@ -212,6 +264,7 @@ class _Pool:
 
     def close(self) -> None:
         """Ask the ranks to leave cleanly (barrier, destroy groups); kill any that do not."""
+        self.resume()
         for conn in self.conns:
             try:
                 conn.send(None)
@@ -260,6 +313,8 @@ def run_distributed(
     ref = function_ref(fn)
     key = (world_size, num_nodes, device_type, init_process_group)
     pool = _POOLS.get(key)
+    if pool is not None and pool.procs and pool.groups > MAX_GROUPS:
+        pool.close()
     if pool is None or not pool.procs or not all(p.is_alive() for p in pool.procs):
         if pool is not None:
             pool.kill()

@@ -62,6 +62,9 @@ class Reply:
     failed_at: float | None = None
     """When it failed (``time.time()``: the ranks share the machine's clock), so the first failure
     is reported first whichever reply arrives first."""
+    groups: int = 0
+    """Process groups alive on the rank after the task (the pool's own included): each gloo group
+    keeps a thread that wakes every few milliseconds, so the pool starts afresh past a bound."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,14 @@ def _after_task(cfg: WorkerConfig, failed: bool) -> None:
                            "give a test that ends the job @distributed(..., init_process_group=False)")
 
 
+def _live_group_count() -> int:
+    import torch.distributed as dist
+
+    from ndweave.mesh.torch_compat import live_groups
+
+    return len(live_groups()) if dist.is_initialized() else 0
+
+
 def worker_main(cfg: WorkerConfig, conn) -> None:
     try:
         _setup(cfg)
@@ -223,6 +234,7 @@ def worker_main(cfg: WorkerConfig, conn) -> None:
             failed = reply.payload + "\n" if reply.status == "err" else ""  # the test's own error first
             reply = dataclasses.replace(reply, status="err", failed_at=reply.failed_at or time.time(),
                                         payload=failed + "cleanup after the test failed:\n" + traceback.format_exc())
+        reply = dataclasses.replace(reply, groups=_live_group_count())
         try:
             conn.send(reply)
         except Exception:  # an unpicklable result
