@@ -252,7 +252,7 @@ class _Pool:
                     pass
 
     def kill(self) -> None:
-        self.resume()  # a stopped process is killed too, but joins only once continued
+        self.resume()  # SIGKILL ends a stopped rank as well; continued so none is ever left stopped
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
