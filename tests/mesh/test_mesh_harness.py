@@ -129,7 +129,6 @@ def test_a_rank_warning_is_raised_again_in_the_test():
         run_distributed(_warn_on_rank_one, 2)
 
 
-
 def _make_groups(count):
     from ndweave.mesh.torch_compat import live_groups
 
@@ -156,9 +155,12 @@ def test_a_pool_is_stopped_between_its_tasks_and_started_afresh_past_its_groups(
     """Every gloo group keeps a thread that wakes every few milliseconds: idle ranks are stopped
     (their threads poll nothing while the test or another pool works), and a pool holding more than
     MAX_GROUPS groups starts afresh before its next task."""
+    from ndweave.mesh.testing import shutdown_pools
     from ndweave.mesh.testing.pool import MAX_GROUPS
 
+    shutdown_pools()  # whatever earlier tests left in the pool, this one counts from a fresh start
     first = run_distributed(_make_groups, 2, 3)
+    assert [before for _, before in first] == [1, 1]
     assert [_state(pid) for pid, _ in first] == ["T", "T"]  # stopped (SIGSTOP) until the next task
     second = run_distributed(_make_groups, 2, MAX_GROUPS)  # continued for it; ends past the bound
     assert [pid for pid, _ in second] == [pid for pid, _ in first]
