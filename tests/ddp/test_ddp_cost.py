@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ndweave.ddp import DistributedDataParallel as DDP
-from ndweave.ddp.buffer import plan_buckets
+from ndweave.ddp.buffer import plan_buckets, plan_buffers
 from ndweave.mesh import init_device_mesh
 from ndweave.mesh.contracts import padded_bucket_numel
 from ndweave.mesh.testing import distributed
@@ -43,3 +43,20 @@ def test_ddp_allocates_exactly_the_planned_layout():
         assert [b.grad_data.numel() for b in buckets] == [b.end - b.start for b in plan]
         assert [[(q.name, q.offset, q.numel) for q in b.params] for b in buckets] == [list(b.entries) for b in plan]
         assert all((b.param_data is not None) == zero for b in buckets)
+
+
+@distributed(world_size=2, timeout=60)
+def test_ddp_allocates_exactly_the_planned_buffers_per_dtype():
+    model = _model()
+    model[1].to(torch.bfloat16)  # two buffers: bf16 params (fp32 grads) apart from fp32 ones
+    fp32 = lambda dt: torch.promote_types(dt, torch.float32)  # noqa: E731
+    plans = plan_buffers([(n, p.dtype, p.numel(), p.numel(), "DP", 2) for n, p in model.named_parameters()],
+                         bucket_size=100, grad_dtype_of=fp32)
+    ddp = DDP(model, init_device_mesh("cpu", (2,), mesh_dim_names=("DP",)), bucket_size=100,
+              use_distributed_optimizer=True)
+    buckets = ddp.grad_buckets()
+    assert [p.param_dtype for p in plans] == [torch.float32, torch.bfloat16]
+    assert [[(q.name, q.offset, q.numel) for q in b.params] for b in buckets] == \
+        [list(b.entries) for p in plans for b in p.buckets]
+    assert sum(b.grad_data.numel() * b.grad_data.element_size() for b in buckets) == sum(p.grad_bytes() for p in plans)
+    assert sum(b.param_data.numel() * b.param_data.element_size() for b in buckets) == sum(p.param_bytes() for p in plans)

@@ -2,9 +2,11 @@
 model built on meta with no process group, equals what ``parallelize_module`` allocates on that rank:
 zoo plans and ``"auto"`` at TP=2 (beside DP) and TP=4, sequence parallel, GPT-2's fused ``c_attn``
 (``_StridedShard``) and uneven vocabulary (50257 rows), Mixtral's experts ``Shard(0)`` over EP with and
-without TP."""
+without TP; and ``parallelize_on_meta`` builds those shapes as meta DTensors that run forward and backward."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -15,9 +17,9 @@ from dmodule_zoo_models import build  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from ndweave.dmodule import get_plan, parallelize_module  # noqa: E402
-from ndweave.dmodule.cost import local_param_shapes  # noqa: E402
+from ndweave.dmodule.cost import local_param_shapes, parallelize_on_meta  # noqa: E402
 from ndweave.mesh import init_device_mesh  # noqa: E402
-from ndweave.mesh.testing import distributed  # noqa: E402
+from ndweave.mesh.testing import distributed, fake_world  # noqa: E402
 
 
 def _mixtral() -> torch.nn.Module:
@@ -85,3 +87,27 @@ def test_a_coordinate_outside_the_mesh_and_experts_without_an_ep_dim_are_refused
         local_param_shapes(model, get_plan("hf_mixtral", model, expert_parallel=True), {"TP": 2}, {"TP": 2})
     with pytest.raises(ValueError, match=r"experts of 'model.layers.0.mlp.experts' over an 'EP' dim"):
         local_param_shapes(model, get_plan("hf_mixtral", model, expert_parallel=True), {"TP": 2}, {"TP": 0})
+
+
+@pytest.mark.parametrize("name,plan_name,kwargs,dims", [CASES[1], CASES[4], CASES[7]], ids=["nanogpt", "llama", "mixtral"])
+def test_a_meta_model_parallelized_on_meta_has_the_predicted_shapes_and_a_dense_one_runs(name, plan_name,
+                                                                                     kwargs, dims):
+    coordinate = {d: n - 1 for d, n in dims.items()}  # the last rank of the mesh
+    rank = sum(c * math.prod(list(dims.values())[i + 1:]) for i, c in enumerate(coordinate.values()))
+    with fake_world(math.prod(dims.values()), rank=rank):
+        mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+        with torch.device("meta"):
+            model = _model(name)
+        plan = get_plan(plan_name, model, **kwargs)
+        with pytest.raises(ValueError, match="is on the meta device and has no values"):
+            parallelize_module(model, mesh, plan)  # a model to train needs values
+        model = parallelize_on_meta(model, mesh, plan)
+        got = {fqn: (p.to_local() if isinstance(p, DTensor) else p).shape for fqn, p in model.named_parameters()}
+        assert _predicted(name, plan_name, kwargs, dims, coordinate) == got
+        assert all((p.to_local() if isinstance(p, DTensor) else p).is_meta for p in model.parameters())
+        if name == "mixtral":
+            return  # routing tokens to experts needs their values (bincount has no meta kernel)
+        out = model(torch.zeros(2, 8, dtype=torch.long, device="meta"))
+        logits = out[0] if isinstance(out, tuple) else out.logits
+        logits.float().sum().backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -20,7 +20,7 @@ every parameter's (local) tensor is re-pointed into it, so a sharded optimizer c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ndweave.mesh.contracts import BucketParam, GradBucket, move_param_into, padded_bucket_numel, slot_numel
 from ndweave.mesh.torch_compat import local_tensor
 
-__all__ = ["BucketPlan", "ParamSlot", "build_buckets", "plan_buckets"]
+__all__ = ["BucketPlan", "BufferPlan", "ParamSlot", "build_buckets", "plan_buckets", "plan_buffers"]
 
 
 @dataclass(eq=False)
@@ -127,6 +127,55 @@ def plan_buckets(sizes: list[tuple[str, int, int]], *, data_parallel_size: int,
     return plans
 
 
+@dataclass(frozen=True)
+class BufferPlan:
+    """One group's flat buffers (grad, and param with a distributed optimizer), before they exist."""
+
+    key: Hashable
+    """What the caller grouped by beside the dtypes (``build_buckets``: the device and the group)."""
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    data_parallel_size: int
+    """Ranks the group's grads are reduced over (each bucket is padded for them)."""
+    buckets: tuple[BucketPlan, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the group's buffer, every bucket's padding included."""
+        return self.buckets[-1].end if self.buckets else 0
+
+    def grad_bytes(self) -> int:
+        return self.numel * self.grad_dtype.itemsize
+
+    def param_bytes(self) -> int:
+        """Bytes of the param buffer ``use_distributed_optimizer=True`` builds (params moved into it)."""
+        return self.numel * self.param_dtype.itemsize
+
+
+def plan_buffers(params: Sequence[tuple[str, torch.dtype, int, int, Hashable, int]], *, bucket_size: int | None,
+                 grad_dtype_of: Callable[[torch.dtype], torch.dtype]) -> list[BufferPlan]:
+    """The buffers :func:`build_buckets` allocates, grouped and bucketed as it does, from sizes alone.
+
+    ``params``: ``(name, param dtype, local numel, slot numel, group key, group size)`` per synced
+    parameter in registration order (laid out reversed); params with equal dtypes and group key share
+    a buffer. A memory estimate gives what DDP will find (an expert over DP, a dense param over DP x
+    EP: two keys), DDP gives its process groups. Example::
+
+        plan_buffers([("w", torch.bfloat16, 4096, 4096, "DP", 8)], bucket_size=None,
+                     grad_dtype_of=lambda dt: torch.float32)[0].grad_bytes()   # 4096 * 4, padded for 8
+    """
+    groups: dict[tuple, list[tuple[str, int, int]]] = {}
+    sizes: dict[tuple, int] = {}
+    for name, dtype, numel, slot, key, size in reversed(params):
+        group = (dtype, grad_dtype_of(dtype), key)
+        groups.setdefault(group, []).append((name, numel, slot))
+        sizes[group] = size
+    return [BufferPlan(key, dtype, grad_dtype, sizes[(dtype, grad_dtype, key)],
+                       tuple(plan_buckets(members, data_parallel_size=sizes[(dtype, grad_dtype, key)],
+                                          bucket_size=bucket_size)))
+            for (dtype, grad_dtype, key), members in groups.items()]
+
+
 def build_buckets(
     named_params: list[tuple[str, torch.nn.Parameter]],
     *,
@@ -141,27 +190,22 @@ def build_buckets(
     is the group its grad is reduced over (``None``: no collective). With ``with_param_data`` the
     params' local tensors are moved into the new parameter buffers (values preserved).
     """
-    groups: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}
-    for name, p in reversed(named_params):
-        local = local_tensor(p)
-        key = (local.device, p.dtype, grad_dtype_of(p.dtype), group_of(name, p))
-        groups.setdefault(key, []).append((name, p))
-
+    by_name = {name: p for name, p in named_params}
+    plans = plan_buffers([(name, p.dtype, local_tensor(p).numel(), slot_numel(p), (local_tensor(p).device, group),
+                           1 if group is None else dist.get_world_size(group))
+                          for name, p in named_params for group in (group_of(name, p),)],
+                         bucket_size=bucket_size, grad_dtype_of=grad_dtype_of)
     buckets: list[GradBucket] = []
     slots: list[ParamSlot] = []
     grad_buffers: list[torch.Tensor] = []
-    for (device, param_dtype, grad_dtype, data_parallel_group), members in groups.items():
-        dp_size = 1 if data_parallel_group is None else dist.get_world_size(data_parallel_group)
-        params = iter(p for _, p in members)  # the plan keeps members' order
-        plan = plan_buckets([(name, local_tensor(p).numel(), slot_numel(p)) for name, p in members],
-                            data_parallel_size=dp_size, bucket_size=bucket_size)
-        start = plan[-1].end if plan else 0
-        grad_buffer = torch.zeros(start, dtype=grad_dtype, device=device)
-        param_buffer = torch.zeros(start, dtype=param_dtype, device=device) if with_param_data else None
+    for layout in plans:
+        (device, data_parallel_group), dp_size, param_dtype = layout.key, layout.data_parallel_size, layout.param_dtype
+        grad_buffer = torch.zeros(layout.numel, dtype=layout.grad_dtype, device=device)
+        param_buffer = torch.zeros(layout.numel, dtype=param_dtype, device=device) if with_param_data else None
         grad_buffers.append(grad_buffer)
-        for bucket in plan:
+        for bucket in layout.buckets:
             grad_data = grad_buffer[bucket.start:bucket.end]
-            entries = [(name, next(params), offset, n) for name, offset, n in bucket.entries]
+            entries = [(name, by_name[name], offset, n) for name, offset, n in bucket.entries]
             param_data = param_buffer[bucket.start:bucket.end] if param_buffer is not None else None
             bucket_index = len(buckets)
             for name, p, offset, n in entries:

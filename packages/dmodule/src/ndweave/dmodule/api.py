@@ -86,6 +86,15 @@ def parallelize_module(
         loss.backward()
         dmlp.finish_grad_sync()
     """
+    return _parallelize(module, device_mesh, sharding_plan, param_sharding_plan, fwd_resharding_plan,
+                        is_model_sharded, factory, patches, use_local_output, on_meta=False)
+
+
+def _parallelize(module: nn.Module, device_mesh: DeviceMesh | ParallelMesh | None, sharding_plan: Any,
+                 param_sharding_plan: Any, fwd_resharding_plan: Any, is_model_sharded: bool, factory: FactoryArg,
+                 patches: Any, use_local_output: bool, *, on_meta: bool) -> nn.Module:
+    """:func:`parallelize_module`; ``on_meta=True`` (``cost.parallelize_on_meta``, shapes only): a
+    model on meta becomes meta DTensors with this rank's local shapes instead of an error."""
     _check_arguments(module, sharding_plan, param_sharding_plan, fwd_resharding_plan, patches,
                      is_model_sharded, use_local_output)
     mesh, tensor_parallel = _resolve(device_mesh)
@@ -94,7 +103,7 @@ def parallelize_module(
         plan = normalize_plan(sharding_plan, param_sharding_plan, fwd_resharding_plan, patches)
         _check_experts_planned(device_mesh, plan)
         layouts = _choose_layouts(module, mesh, plan.parameter if tensor_parallel else {}, is_model_sharded,
-                                  keep_plain=not tensor_parallel)
+                                  keep_plain=not tensor_parallel, on_meta=on_meta)
         targets = _patch_targets(module, plan.patch)
         if not tensor_parallel:  # tensor parallel over one rank changes nothing: only experts move
             targets = [t for t in targets if getattr(t[2], "func", t[2]) is expert_parallel]
@@ -104,7 +113,7 @@ def parallelize_module(
     # mistake on one rank (a plan or model that differs by rank) raises on all instead of a hang
     (plan, layouts, targets), local_shapes = agree_or_raise(mesh, "parallelize_module", validate)
     global_shapes = sharded_global_shapes(mesh, layouts, local_shapes) if is_model_sharded else {}
-    _distribute_tensors(module, mesh, layouts, global_shapes)
+    _distribute_tensors(module, mesh, layouts, global_shapes, "meta" if on_meta else mesh.device_type)
     for fqn, m, patch in targets:
         patch(m, mesh, fqn)
     factory_mode, factory_handles = install_factory(module, mesh, factory)
@@ -205,7 +214,7 @@ class _Layout:
 
 
 def _choose_layouts(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str, PlacementSpec],
-                    is_model_sharded: bool, *, keep_plain: bool = False) -> list[_Layout]:
+                    is_model_sharded: bool, *, keep_plain: bool = False, on_meta: bool = False) -> list[_Layout]:
     # Every (module, leaf) slot holding each tensor: tied weights share one tensor, hence one plan.
     slots: dict[int, list[tuple[str, nn.Module, str]]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -248,7 +257,7 @@ def _choose_layouts(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str, Pla
                 raise RuntimeError(f"{what} is a fake tensor: parallelize the module deferred_init returned, not a part of it")
             if any(isinstance(p, Partial) for p in placements):
                 raise ValueError(f"{what}: a deferred-init tensor cannot start Partial on {mesh}")
-        elif t.is_meta:
+        elif t.is_meta and not on_meta:
             raise ValueError(f"{what} is on the meta device and has no values; build the module with "
                              "deferred_init(module_fn, ...) to get values equal to eager init")
         # An unplanned non-persistent buffer is a cache the model rebuilds from its config (a RoPE
@@ -288,7 +297,8 @@ def _describe(value: Any) -> str:
 
 
 def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, layouts: list[_Layout],
-                        global_shapes: dict[str, torch.Size]) -> None:
+                        global_shapes: dict[str, torch.Size], device: str) -> None:
+    """Each tensor as its layout says, its local values on ``device`` (the mesh's, or meta: shapes only)."""
     program = take_program(root) if is_deferred(root) else None
     targets: dict[int, list[Callable[[torch.Tensor], int]]] = {}  # storage key -> its tensors' installers
     for x in layouts:
@@ -306,13 +316,13 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, layouts: list[_Layout
         elif isinstance(t, DTensor):
             install(t if tuple(t.placements) == placements else t.redistribute(mesh, placements))
         elif plain:
-            install(t.to(mesh.device_type))
+            install(t.to(device))
         elif x.name in global_shapes:  # is_model_sharded
             shape = global_shapes[x.name]
-            install(DTensor.from_local(t.detach().contiguous().to(mesh.device_type), mesh, placements,
+            install(DTensor.from_local(t.detach().contiguous().to(device), mesh, placements,
                                        run_check=False, shape=shape, stride=_contiguous_stride(shape)))
         else:
-            install(distribute_tensor(t.detach().to(mesh.device_type), mesh, placements))
+            install(distribute_tensor(t.detach().to(device), mesh, placements))
     if program is not None:
         stats = replay(program, targets)
         root.__dict__["_materialize_stats"] = stats

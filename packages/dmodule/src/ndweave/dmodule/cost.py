@@ -7,6 +7,11 @@ over a ``"TP"`` dim of more than one rank where the mesh has an ``"EP"`` dim; th
 patch's modules ``Shard(0)`` over ``"EP"`` (``Replicate`` over ``"TP"``). The local shape is torch's own
 (``torch_compat.local_shape_at``), so uneven vocabularies and ``_StridedShard`` come out as DTensor
 makes them. ``tests/dmodule/test_dmodule_cost.py`` checks it against real ``parallelize_module``.
+
+:func:`parallelize_on_meta` is ``parallelize_module`` itself on a model built on meta: its tensors
+become meta DTensors with this rank's local shapes, so one forward and backward on meta inputs (over
+a fake process group, ``ndweave.mesh.testing.fake_world``) shows the activations and collectives
+tensor parallelism makes, with nothing allocated.
 """
 
 from __future__ import annotations
@@ -19,13 +24,13 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ndweave.dmodule.api import _patch_targets
+from ndweave.dmodule.api import _parallelize, _patch_targets
 from ndweave.dmodule.experts.parallel import EXPERT_DIM, expert_parallel
 from ndweave.dmodule.plan import check_placements, match_modules, names_removed_module, no_match_error
 from ndweave.dmodule.spec import PlacementSpec, normalize_plan, split_key
 from ndweave.mesh.torch_compat import local_shape_at
 
-__all__ = ["local_param_shapes"]
+__all__ = ["local_param_shapes", "parallelize_on_meta"]
 
 
 def local_param_shapes(model: nn.Module, plan: Mapping[str, Any] | None, mesh_shape: Mapping[str, int],
@@ -60,6 +65,25 @@ def local_param_shapes(model: nn.Module, plan: Mapping[str, Any] | None, mesh_sh
         shapes[fqn] = torch.Size(local_shape_at(p.shape, [mesh_shape[d] for d in dims],
                                                 [coordinate[d] for d in dims], placements))
     return shapes
+
+
+def parallelize_on_meta(model: nn.Module, mesh: Any, plan: Mapping[str, Any] | None, **kwargs: Any) -> nn.Module:
+    """``parallelize_module(model, mesh, plan, **kwargs)`` for a ``model`` built on meta, values
+    undefined: every tensor a meta DTensor (plain ones on meta) with the local shape this rank gets,
+    every hook and patch installed as for a real model. For estimates only (``parallelize_module``
+    refuses a meta model, which has no values to train). Example::
+
+        with fake_world(4, rank=1):
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
+            with torch.device("meta"):
+                model = GPT(config)
+            sharded = parallelize_on_meta(model, mesh["TP"], get_plan("nanogpt", model))
+            sharded(torch.zeros(2, 64, dtype=torch.long, device="meta"))   # TP's activations, on meta
+    """
+    return _parallelize(model, mesh, plan, kwargs.pop("param_sharding_plan", None),
+                        kwargs.pop("fwd_resharding_plan", None), kwargs.pop("is_model_sharded", False),
+                        kwargs.pop("factory", False), kwargs.pop("patches", None),
+                        kwargs.pop("use_local_output", True), on_meta=True, **kwargs)
 
 
 def _check_mesh(mesh_shape: Mapping[str, int], coordinate: Mapping[str, int]) -> None:

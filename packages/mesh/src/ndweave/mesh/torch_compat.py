@@ -3,7 +3,7 @@
 torch keeps some things we need behind underscores: a DTensor's local shard without an autograd
 node, ``_StridedShard``, the chunking DTensor itself uses, the local shape/offset of a shard, mesh
 flattening, the fake process group's store, the autograd engine's end-of-backward callback, fake
-tensors and pytrees, whether a tensor is a view. Packages import them from here, never from torch
+tensors and pytrees, whether a tensor is a view, the tracker of live tensor bytes. Packages import them from here, never from torch
 directly, so a torch release that moves one breaks one file, and ``tests/mesh/test_mesh_torch_compat.py``
 says which.
 
@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout, _world
+from torch.distributed._tools.mem_tracker import MemTracker  # noqa: F401  (re-exported)
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset, compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -39,6 +40,8 @@ __all__ = [
     "adopt_mesh_state",
     "FakeTensor",
     "FakeTensorMode",
+    "MemTracker",
+    "TensorMemory",
     "StridedShard",
     "TorchDispatchMode",
     "chunk_sizes",
@@ -326,3 +329,39 @@ def abort_group(group: torch.distributed.ProcessGroup) -> None:
     _abort_process_group(group)
     torch.distributed.new_group([torch.distributed.get_rank()], use_local_synchronization=True,
                                 group_desc="ndweave:aborted-group-placeholder")
+
+
+class TensorMemory(MemTracker):
+    """Live tensor bytes per device while active (a context manager): ``ndweave.mesh.testing.memory``."""
+
+    def __enter__(self) -> TensorMemory:
+        # MemTracker's own __enter__ also starts its module tracker, whose backward hooks
+        # (register_multi_grad_hook) fail inside the autograd.grad a pipeline stage runs; the
+        # totals need only the dispatch mode and the storage-resize patch, started here
+        self._fake_mode_on_entry = None  # eager: ops under DTensor's propagation fake mode are skipped
+        self._track_resize()
+        self.reset_peak()
+        TorchDispatchMode.__enter__(self)
+        return self
+
+    def __exit__(self, *args) -> None:
+        self._restore_resize()
+        TorchDispatchMode.__exit__(self, *args)
+
+    def current_bytes(self, device: str | torch.device = "cpu") -> int:
+        """Bytes of live tensors on ``device`` now."""
+        return self._total(self.get_tracker_snapshot("current"), device)
+
+    def peak_bytes(self, device: str | torch.device = "cpu") -> int:
+        """The most bytes of live tensors on ``device`` at once since the start (or the last
+        :meth:`reset_peak`)."""
+        return self._total(self.get_tracker_snapshot("peak"), device)
+
+    def reset_peak(self) -> None:
+        """From here on the peak starts at what is live now."""
+        self._peak_mem_snap = self.get_tracker_snapshot("current")
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
+
+    @staticmethod
+    def _total(snapshot: dict, device: str | torch.device) -> int:
+        return int(snapshot.get(torch.device(device), {}).get("Total", 0))

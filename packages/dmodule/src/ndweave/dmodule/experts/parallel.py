@@ -60,7 +60,8 @@ def parallelize_experts(module: nn.Module, ep_mesh: DeviceMesh, *, fqn: str = ""
     coordinate = ep_mesh.get_coordinate()[0]
     for name, param in stacked.items():
         full = _whole(param, f"{fqn}.{name}")
-        local = split_tensor(Shard(0), full, ep)[coordinate].detach().clone().to(ep_mesh.device_type)
+        # a meta model (cost.parallelize_on_meta) stays on meta: shapes only
+        local = split_tensor(Shard(0), full, ep)[coordinate].detach().clone().to("meta" if full.is_meta else ep_mesh.device_type)
         dt = DTensor.from_local(local, ep_mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
         module._parameters[name] = nn.Parameter(dt, requires_grad=param.requires_grad)
     num_experts = next(iter(stacked.values())).shape[0]
