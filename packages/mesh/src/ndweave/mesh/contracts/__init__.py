@@ -13,6 +13,7 @@ from ndweave.mesh.contracts.data_parallel import (
     MicroBatchControl,
     uses_distributed_optimizer,
 )
+from ndweave.mesh.contracts.estimate import MemoryTerm, RankMemory
 from ndweave.mesh.contracts.grad_buckets import (
     BUCKET_ALIGNMENT,
     BucketParam,
@@ -51,7 +52,9 @@ __all__ = [
     "GradReduction",
     "GradSyncable",
     "MASTER_KEY",
+    "MemoryTerm",
     "MicroBatchControl",
+    "RankMemory",
     "SCALAR_KEYS",
     "ShardLayout",
     "StatePiece",
