@@ -141,7 +141,10 @@ def count_saved_bytes(params: nn.Module) -> Iterator[list[int]]:
         if key not in skip and key not in seen:
             seen.add(key)
             total[0] += num_bytes
-        return tensor
+        # an alias without grad_fn, as autograd saves a node's own output unhooked: the tensor itself
+        # would tie the node to itself through its saved output, a cycle gc cannot see, and split
+        # backward (I, W) never runs some nodes (attention), which then outlive the step
+        return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield total
