@@ -80,9 +80,11 @@ def _run(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> tuple[to
 
 
 def check_auto_parity(arch: str, *, sequence_parallel: bool = False, steps: int = 2, tol: Tolerance = STRICT,
-                      **overrides) -> None:
+                      activation_checkpointing: bool = False, **overrides) -> None:
     """Run on every rank: ``get_plan("auto", model)`` on a 1-D TP mesh matches one process (logits,
-    loss, gradients and parameters within ``tol``)."""
+    loss, gradients and parameters within ``tol``). ``activation_checkpointing``: transformers' own,
+    enabled before the plan is derived (as the GPT job does) and run in training mode (for models
+    without dropout), against one process without it."""
     from ndweave.dmodule import parallelize_module
     from ndweave.dmodule.plans import get_plan
 
@@ -90,6 +92,9 @@ def check_auto_parity(arch: str, *, sequence_parallel: bool = False, steps: int 
     torch.manual_seed(0)
     reference = build_hf(arch, **overrides).eval()  # eval: no dropout, whatever the config calls it
     model = copy.deepcopy(reference)
+    if activation_checkpointing:
+        model.activation_checkpointing_enable()
+        model.train()  # (transformers checkpoints its layers in training mode only)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("TP",))
     model = parallelize_module(model, mesh, get_plan("auto", model, sequence_parallel=sequence_parallel))
     ref_params, params = dict(reference.named_parameters()), dict(model.named_parameters())

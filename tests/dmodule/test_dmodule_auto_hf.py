@@ -30,6 +30,32 @@ def test_what_cannot_be_sharded_runs_replicated(arch, overrides):
     check_auto_parity(arch, sequence_parallel=True, **overrides)
 
 
+@pytest.mark.parity
+@MODES
+@distributed(world_size=2, timeout=180)
+def test_tied_head_with_activation_checkpointing_matches_one_process(sequence_parallel):
+    """Qwen2 with its LM head tied to the embedding (as its small models are) and transformers'
+    activation checkpointing enabled before the plan is derived, as the GPT job does: the embedding
+    stays vocab-parallel, one Shard(0) tensor with the column-wise head, and trains as one process
+    without checkpointing."""
+    check_auto_parity("qwen2", sequence_parallel=sequence_parallel, activation_checkpointing=True,
+                      tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "gpt2"])
+def test_activation_checkpointing_does_not_change_the_plan(arch, tied):
+    """transformers' activation checkpointing puts a forward hook on the input embeddings that calls
+    ``output.requires_grad_(True)``: it sets a flag and carries no data, so the plan is the one
+    without checkpointing (the embedding vocab-parallel, not replicated)."""
+    from ndweave.dmodule.plans import get_plan
+
+    model = build_hf(arch, tie_word_embeddings=tied)
+    without = [get_plan("auto", model, sequence_parallel=sp) for sp in (False, True)]
+    model.activation_checkpointing_enable()
+    assert [get_plan("auto", model, sequence_parallel=sp) for sp in (False, True)] == without
+
+
 @pytest.mark.kernels
 @pytest.mark.parity
 @MODES

@@ -17,7 +17,7 @@ traced call) are kept out of every block and divided over ``"EP"`` (the ``expert
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -37,6 +37,11 @@ from ndweave.mesh.trace import Trace, meta_copy, trace
 __all__ = ["Derivation", "auto_plan", "derive", "guess_inputs"]
 
 _BATCH, _SEQ = 2, 8
+# Tensor methods that only set autograd's flags on a tensor, in place, and hand it back unchanged. A
+# forward hook may run one inside a module's call: transformers' gradient checkpointing puts
+# ``output.requires_grad_(True)`` on the input embeddings (so that checkpointed layers take an input
+# requiring grad), which would read as a lookup that is not alone in its forward
+_AUTOGRAD_FLAGS = frozenset(("Tensor.requires_grad_",))
 
 
 @dataclass
@@ -137,6 +142,13 @@ def guess_inputs(model: nn.Module) -> tuple[tuple, dict]:
                      "the shapes it takes (any device: only shapes are read)")
 
 
+def _without_autograd_flags(recorded: Trace) -> Trace:
+    """``recorded`` without the ops of ``_AUTOGRAD_FLAGS``: they carry no data, so the plan of a model
+    is the same with such hooks on or off."""
+    ops = [op for op in recorded.ops if not (op.name in _AUTOGRAD_FLAGS and op.outputs == op.inputs[:1])]
+    return replace(recorded, ops=ops)
+
+
 def _to_meta(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
@@ -164,6 +176,7 @@ def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: 
         raise ValueError(f"auto plan: {type(model).__name__}'s forward failed on meta inputs "
                          f"{[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]} ({type(error).__name__}: "
                          f"{error}); pass example_inputs=(args, kwargs) it accepts") from error
+    recorded = _without_autograd_flags(recorded)
     boundaries = Boundaries(recorded)
     experts, replicated = _experts(boundaries, twin, model) if expert_parallel else ([], [])
     in_experts = {name for e in experts for name in e.params}

@@ -194,7 +194,7 @@ def emit_embeddings(entries: Entries, embeddings: list[Embedding], b: Boundaries
         linear = call is not None and follow_partials(b.trace, {emb.op: emb.y}, call)[0] is not None
         if b.chain(emb.ids)[-1] in inputs and isinstance(model.get_submodule(emb.module), nn.Embedding) and linear:
             entries.param(emb.weight, [Shard(0)], "vocab-parallel embedding: each rank holds a block of rows")
-            if call is not None and call.end_op - call.first_op == 1:  # its forward is the lookup alone
+            if len(b.ops_in(emb.module)) == 1:  # its forward is the lookup alone
                 entries.add("patch", emb.module, "", "vocab_parallel_embedding",
                             "looks up only this rank's rows; the output is a partial sum")
             else:  # it does more (scales the rows), linearly: checked by the caller
@@ -207,7 +207,7 @@ def emit_embeddings(entries: Entries, embeddings: list[Embedding], b: Boundaries
         notes.append(f"{emb.weight}: replicated (" + ("an embedding of ids other than the model's input ids)"
                      if b.chain(emb.ids)[-1] not in inputs else "its module's forward is not linear in the lookup)"))
         arg = b.argument(emb.module, emb.ids)
-        if call is not None and call.end_op - call.first_op == 1 and arg is not None:
+        if len(b.ops_in(emb.module)) == 1 and arg is not None:
             entries.add("forward", emb.module, "input", input_value(arg, [Replicate()]),
                         "plain ids (positions) meet its replicated weight: taken as Replicate")
         else:  # it computes its ids itself (from a mask, an offset): all of it runs on plain tensors

@@ -82,6 +82,11 @@ class Boundaries:
                 return self.returned_by[vid], vid
         return None
 
+    def ops_in(self, module: str) -> list[int]:
+        """Indices of the ops recorded inside ``module``'s (first) call, its children's included."""
+        call = self.calls.get(module)
+        return [] if call is None else [i for i in range(call.first_op, call.end_op) if i in self.ops]
+
     def last_op(self, vid: int) -> str | None:
         """Name of the op that made ``vid``."""
         producer = self.trace.values[vid].producer
