@@ -129,6 +129,13 @@ def step(bar: tqdm, loss: float, tokens: int, seconds: float, val_loss: float = 
     bar.update(1)
 
 
+def memory_check(measured: list[int], estimated: list[Any]) -> None:
+    """--memory-check: each rank's measured peak of live tensor bytes beside the estimate's."""
+    print("rank  measured MiB  estimated MiB  estimate/measured")
+    for rank, (got, guess) in enumerate(zip(measured, estimated)):
+        print(f"{rank:>4}  {got / 2**20:>12.2f}  {guess.peak / 2**20:>13.2f}  {guess.peak / max(got, 1):>17.3f}")
+
+
 def finish(result: Any, args: argparse.Namespace) -> None:
     if args.quiet:
         return

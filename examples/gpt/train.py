@@ -6,6 +6,7 @@ parallelism and a ZeRO optimizer over one device mesh, checkpointed, resumable o
     hatch run train --mesh pp=2,dp=2,ep=2 --moe-experts 4    # MoE blocks, experts over EP (8 ranks)
     hatch run train --model hf:qwen2 --config small          # a transformers model (the zoo's plan, else auto)
     hatch run train --init-from llama-dir --export-hf out    # fine-tune a transformers folder, write it back
+    hatch run train --mesh pp=2,dp=4 --estimate              # each rank's peak memory, nothing launched
     torchrun --nproc-per-node 8 examples/gpt/train.py --mesh pp=2,dp=-1,tp=2 --device cuda
     torchrun --nnodes=1:4 --nproc-per-node 4 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
         examples/gpt/train.py --mesh pp=2,dp=-1,tp=2 --resume   # elastic: restarts resume, any 4k ranks
@@ -37,6 +38,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import estimate  # noqa: E402
 import faults  # noqa: E402
 from export_hf import export_hf  # noqa: E402
 import hf_models  # noqa: E402
@@ -45,11 +47,12 @@ from data import VALIDATION_WINDOWS, VOCAB_SIZE, TextData  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 from ndweave.checkpoint import CheckpointManager, DataPosition, load  # noqa: E402
-from ndweave.ddp import DistributedDataParallel as DDP  # noqa: E402
+from ndweave.ddp import DEFAULT_BUCKET_SIZE, DistributedDataParallel as DDP  # noqa: E402
 from ndweave.dmodule import get_plan, parallelize_module  # noqa: E402
 from ndweave.mesh import ParallelMesh, init_mesh_from_spec, resolve_spec, shutdown  # noqa: E402
 from ndweave.mesh.elastic import lost_ranks, restart_count  # noqa: E402
 from ndweave.mesh.testing import train_one_process  # noqa: E402
+from ndweave.mesh.testing.memory import TensorMemory  # noqa: E402
 from ndweave.optim import DistributedOptimizer  # noqa: E402
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage, generate  # noqa: E402
 
@@ -126,6 +129,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "peak_bytes ('' for none)")
     p.add_argument("--tensorboard", default="", metavar="DIR",
                    help="also write the metrics as TensorBoard event files in DIR (needs the tensorboard package)")
+    p.add_argument("--estimate", action="store_true",
+                   help="print each rank's estimated peak memory for --mesh (parameters, grads, optimizer state, "
+                        "activations in flight, ...) and exit: nothing launched, nothing allocated")
+    p.add_argument("--memory-check", action="store_true",
+                   help="also measure each rank's peak of live tensor bytes over the training steps (torch's tracker: "
+                        "slow) and print it beside the estimate")
     p.add_argument("--quiet", action="store_true", help="no progress bar or report (tests)")
     faults.add_args(p)
     args = p.parse_args(argv)
@@ -296,19 +305,17 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, args: argparse.Namespace) 
     tensor_parallel, expert_parallel = mesh["TP"].size() > 1, mesh["EP"].size() > 1
     # "auto" derives the plan from the whole model, before the cut: stage chunks keep its FQNs, and a
     # plan key naming a module another stage holds matches nothing there, as expected
-    name, sp = plan_name(args), not args.no_sp
-    auto = get_plan("auto", model, sequence_parallel=sp) if name == "auto" and tensor_parallel else None
+    sizes = {d: mesh[d].size() for d in DIMS}
+    auto = sharding_plan(model, args, sizes) if plan_name(args) == "auto" else None
     ties = hf_models.tied_aliases(model)  # before the cut, which gives the last stage a copy of its own
     module = construct_pipeline_stage(model, plan, mesh, example_inputs=example)
     for i in range(len(module)):
         if on_meta:  # this stage only, before TP shards it
             materialize(module[i], args.device)
         if tensor_parallel:
-            module[i] = parallelize_module(module[i], mesh["TP"], auto or get_plan(name, module[i], sequence_parallel=sp))
+            module[i] = parallelize_module(module[i], mesh["TP"], auto or sharding_plan(module[i], args, sizes))
         elif expert_parallel:  # this chunk's experts over EP (the mesh passed whole: the patch finds "EP")
-            experts = get_plan(name, module[i], expert_parallel=True) if args.hf_config is not None \
-                else {"patch": {EXPERTS: ["expert_parallel"]}}
-            module[i] = parallelize_module(module[i], mesh, experts)
+            module[i] = parallelize_module(module[i], mesh, sharding_plan(module[i], args, sizes))
     if args.init_from:
         init_weights(list(module.chunks), ties, args)
     for i in range(len(module)):
@@ -316,6 +323,24 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, args: argparse.Namespace) 
         module[i] = DDP(module[i], mesh if expert_parallel else mesh["DP"], use_distributed_optimizer=True)
     engine = PipeEngine(module, mesh, loss_fn, plan)  # before the optimizer: it marks the tied copy
     return list(module.chunks), engine
+
+
+def sharding_plan(model: nn.Module, args: argparse.Namespace, sizes: dict[str, int]) -> dict | None:
+    """The TP+SP plan (``tp > 1``), else the experts' EP plan (``ep > 1``), of ``model`` (the whole
+    model or a stage chunk) for a mesh of ``sizes``; ``None`` when neither applies."""
+    name = plan_name(args)
+    if sizes["TP"] > 1:
+        return get_plan(name, model, sequence_parallel=not args.no_sp)
+    if sizes["EP"] > 1:
+        return get_plan(name, model, expert_parallel=True) if args.hf_config is not None \
+            else {"patch": {EXPERTS: ["expert_parallel"]}}
+    return None
+
+
+def memory_estimate(args: argparse.Namespace) -> list:
+    """Each rank's estimated peak memory for ``args.mesh`` (:mod:`estimate`), in rank order."""
+    return estimate.estimate_memory(args, build_model, lambda model, sizes: sharding_plan(model, args, sizes), loss_fn,
+                                    DEFAULT_BUCKET_SIZE, adamw_kwargs(args))
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, args: argparse.Namespace,
@@ -372,6 +397,9 @@ class RunResult:
     """The text the trained model wrote (``--sample``)."""
     mfu: float | None = None
     """Estimated model FLOPs utilization over ``seconds`` (None: not on a GPU whose peak is known)."""
+    tensor_peak: list[int] = field(default_factory=list)
+    """``--memory-check``: each rank's peak of live tensor bytes over the training steps (checkpoint
+    saves left out), by torch's tracker; empty otherwise."""
 
 
 def gather_params(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
@@ -472,7 +500,15 @@ def peak_memory(device: str) -> int:
 
 
 def train(args: argparse.Namespace) -> RunResult:
-    """The job on this rank (the default process group may exist already, as in the test harness)."""
+    """The job on this rank (the default process group may exist already, as in the test harness);
+    ``--memory-check``: every tensor tracked from before the model is built."""
+    if not args.memory_check:
+        return _train(args, None)
+    with TensorMemory() as memory:
+        return _train(args, memory)
+
+
+def _train(args: argparse.Namespace, memory: TensorMemory | None) -> RunResult:
     mesh = build_mesh(args)
     rank, (dp_rank, dp_size) = dist.get_rank(), data_rank(mesh)
     check_mesh(mesh, args)
@@ -517,6 +553,9 @@ def train(args: argparse.Namespace) -> RunResult:
     last = min(args.steps, args.stop_at or args.steps)
     losses, bar, begin = {}, report.progress(start, last, show), time.perf_counter()
     metrics = report.Metrics(args.metrics, args.tensorboard) if rank == 0 and (args.metrics or args.tensorboard) else None
+    steps_peak = 0
+    if memory is not None:
+        memory.reset_peak()  # the steps' peak: what is live now (model state, data) and what they add
     for step in range(start + 1, last + 1):
         fault.before_step(step)
         tick = time.perf_counter()
@@ -538,9 +577,13 @@ def train(args: argparse.Namespace) -> RunResult:
             metrics.write(step=step, loss=losses[step], val_loss=val_history[step - 1], lr=lr,
                           grad_norm=optimizer.last_grad_norm, seconds=seconds, tokens=tokens,
                           peak_bytes=peak_memory(args.device), mfu=utilization)
+        if memory is not None:
+            steps_peak = max(steps_peak, memory.peak_bytes(args.device))
         if step == last or (args.checkpoint_every and step % args.checkpoint_every == 0):
             state["step"], state["rng"] = step, torch.get_rng_state()
             manager.save(step, state)
+            if memory is not None:  # a save's staging is the checkpoint's, not the step's
+                memory.reset_peak()
             if show:
                 report.say(f"checkpoint: step {step} -> {manager.path(step)}")
     seconds = time.perf_counter() - begin
@@ -548,13 +591,16 @@ def train(args: argparse.Namespace) -> RunResult:
     if metrics is not None:
         metrics.close()
     text = sample(engine, chunks, args) if args.sample else ""
-    memory: list[int] = [0] * dist.get_world_size()
-    dist.all_gather_object(memory, peak_memory(args.device))
+    peaks: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak_memory(args.device))
+    tensor_peaks: list[int] = [0] * dist.get_world_size() if memory is not None else []
+    if memory is not None:
+        dist.all_gather_object(tensor_peaks, steps_peak)
     tokens = (last - start) * args.global_batch * args.block_size
     shown = [d for d in DIMS if d != "EP" or mesh["EP"].size() > 1]  # EP where the run has it
-    return RunResult(losses, gather_params(chunks), seconds, tokens / max(seconds, 1e-9), memory,
+    return RunResult(losses, gather_params(chunks), seconds, tokens / max(seconds, 1e-9), peaks,
                      " x ".join(f"{d}={mesh[d].size()}" for d in shown), _steps(history), _steps(val_history), text,
-                     report.mfu(flops, tokens / max(seconds, 1e-9), peak, dist.get_world_size()))
+                     report.mfu(flops, tokens / max(seconds, 1e-9), peak, dist.get_world_size()), tensor_peaks)
 
 
 def _steps(history: list[float]) -> dict[int, float]:
@@ -636,6 +682,12 @@ def _sample_one_process(model: nn.Module, args: argparse.Namespace, prompt: byte
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.estimate:  # before any launch: one process, nothing allocated
+        try:
+            print(estimate.table(memory_estimate(args)))
+        except (NotImplementedError, ValueError) as error:  # a layout it cannot estimate (yet), or a bad spec
+            raise SystemExit(f"error: --estimate: {error}") from None
+        return 0
     if "TORCHELASTIC_RUN_ID" not in os.environ and "RANK" not in os.environ:
         relaunch_under_torchrun(args, argv)
     try:
@@ -656,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     if rank == 0:  # single-process work from here on, so the others need not wait (nor time out)
         report.finish(result, args)
+        if args.memory_check:
+            report.memory_check(result.tensor_peak, memory_estimate(args))
         if args.compare_single_device:
             ok = report.compare(result, args, lambda k, last: train_single_device(args, k, last))
         if result.sample:
