@@ -4,8 +4,8 @@ allocated (the model is built on meta).
 Each package answers for its own layout and the job only adds the answers up (the packages never
 import each other; they meet in ``ndweave.mesh.contracts``' ``MemoryTerm``):
 
-* ``ndweave.pipeline.cost``: the parameters each stage holds, the micro-batches its schedule keeps in
-  flight;
+* ``ndweave.pipeline.cost``: the parameters each stage holds, one micro-batch's activations per stage
+  (its forward and backward run on meta) and the order in which the schedule runs its micro-batches;
 * ``ndweave.dmodule.cost``: each parameter's local shape under the TP (or EP) plan, and the model
   itself sharded on meta, whose forward and backward of one micro-batch, run on meta over a fake
   process group, shows what tensor parallelism leaves saved for backward and the step's temporaries;
@@ -13,7 +13,20 @@ import each other; they meet in ``ndweave.mesh.contracts``' ``MemoryTerm``):
   padding included (the function DDP itself calls);
 * ``ndweave.optim.cost.state_bytes_per_rank``: AdamW's state and master weights for this rank's range
   of each bucket (the arithmetic ``DistributedOptimizer`` does);
-* the job: its dataset, held whole by every rank.
+* the job: its dataset, held whole by every rank (in host memory: counted on ``--device cpu`` only),
+  and what torch's pipeline stage and the wrappers hold around those layouts, each found by
+  measuring the job (``--memory-check``): a stage's output, kept until its micro-batch's backward,
+  and the buffers it receives into (``receive buffers``); a split backward's grads between its
+  input and weight steps; a tied weight's grads summed across PP ranks; and at the end of each
+  chunk's backward its grad sync (``grad sync``): DDP's ``.grad`` copies in the parameters' dtype,
+  gloo's copy of each bucket it reduces.
+
+The attention is traced with the kernel the job's device runs (meta alone takes the math path, which
+saves the T x T weights). A rank's peak is its model state and receive buffers plus the larger of two
+moments of its step: the most micro-batches in flight, one micro-batch's temporaries on top; or a
+chunk's grad sync. The terms add up to it (``grad sync`` is what the sync holds beyond the first).
+Against every rank's measured peak of live tensor bytes on 24 layouts over 1 to 8 ranks
+(``tests/integration/test_integration_estimate.py``): 0.980 to 1.017.
 
     python examples/gpt/train.py --mesh pp=2,dp=2,tp=2 --estimate   # the table, nothing launched
 """
@@ -21,24 +34,30 @@ import each other; they meet in ``ndweave.mesh.contracts``' ``MemoryTerm``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+from torch.nn.attention import SDPBackend
 
 from data import TextData
 from ndweave.ddp.buffer import plan_buffers
-from ndweave.dmodule import get_plan
 from ndweave.dmodule.cost import local_param_shapes, parallelize_on_meta
 from ndweave.mesh import init_device_mesh, resolve_spec
 from ndweave.mesh.contracts import MemoryTerm, RankMemory
 from ndweave.mesh.testing import fake_world
 from ndweave.mesh.testing.memory import TensorMemory
+from ndweave.mesh.torch_compat import local_tensor, storage_id
 from ndweave.optim.cost import state_bytes_per_rank
 from ndweave.pipeline import PipelineParallelPlan
-from ndweave.pipeline.cost import held_saved_bytes, stage_activations, stage_param_names
-from ndweave.pipeline.plan import resolve_plan
+from ndweave.pipeline.cost import (StageActivations, held_saved_bytes, stage_activations, stage_param_names,
+                                   torch_action_order)
+from ndweave.pipeline.plan import ResolvedPlan, resolve_plan
 
 __all__ = ["estimate_memory", "table"]
 
@@ -62,18 +81,23 @@ def estimate_memory(args: argparse.Namespace, build_model: Callable[..., nn.Modu
     example = torch.zeros((rows, args.block_size), dtype=torch.long, device="meta")
     names = stage_param_names(model, plan, pp, example_inputs=example)
     plan_dict = sharding(model, sizes)
-    data = _data_bytes(args)
+    # the dataset stays in host memory: on a GPU it is no part of the device's peak
+    data = _data_bytes(args) if torch.device(args.device).type == "cpu" else 0
     # one micro-batch's activations per stage, traced once: the TP peers' differ only by an uneven
     # vocabulary's last row block
-    traced = _trace(build_model(args, "meta"), plan, example, plan_dict, sizes, loss_fn)
+    traced, io = _trace(build_model(args, "meta"), plan, example, plan_dict, sizes, loss_fn, args.device)
+    tied = _tied_across_ranks(model, names, resolved)
     ranks = []
     for coordinate in _coordinates(sizes):
         shapes = _local_shapes(model, plan_dict, sizes, coordinate)
-        activations = _activation_terms(resolved, traced, coordinate)
-        terms = [MemoryTerm("data", data, "job")]
-        for stage in resolved.stages_of(coordinate["PP"]):
-            terms += _model_state_terms(model, names[stage], shapes, sizes, coordinate, bucket_size, optimizer_kwargs)
-        terms += activations
+        terms, syncs = [MemoryTerm("data", data, "job")], {}
+        stages = resolved.stages_of(coordinate["PP"])
+        for stage in stages:
+            state, syncs[stage] = _model_state_terms(model, names[stage], shapes, sizes, coordinate, bucket_size,
+                                                     optimizer_kwargs, args.device)
+            terms += state
+        tied_grads = sum(_local_bytes(model, n, shapes) for s in stages for n in tied[s])
+        terms += _activation_terms(resolved, traced, io, coordinate, tied_grads, syncs)
         ranks.append(RankMemory(coordinate, tuple(terms)))
     return ranks
 
@@ -98,59 +122,262 @@ def _local_shapes(model: nn.Module, sharding: dict | None, sizes: dict[str, int]
     return {n: [s[first[id(p)]] for s in peers] for n, p in model.named_parameters(remove_duplicate=False)}
 
 
+@dataclass(frozen=True)
+class _GradSync:
+    """What a chunk's grad sync holds at the end of its backward, beyond its buffers."""
+
+    published: int
+    """The ``.grad`` DDP hands out in the parameters' dtype where its buffer's is wider (bf16 params,
+    fp32 grads): a copy, held until the next ``zero_grad``."""
+    reduce_copy: int
+    """What reducing its buckets copies: gloo (``--device cpu``) reduces a copy of each bucket over the
+    data-parallel group, held until the sync is waited for (at the end of the chunk's backward)."""
+
+
 def _model_state_terms(model: nn.Module, names: list[str], shapes: dict[str, list[torch.Size]], sizes: dict[str, int],
-                       coordinate: dict[str, int], bucket_size: int, optimizer_kwargs: dict) -> list[MemoryTerm]:
-    """One stage chunk's parameters and grads (DDP's buffers), optimizer state and masters (ZeRO-1)."""
+                       coordinate: dict[str, int], bucket_size: int, optimizer_kwargs: dict,
+                       device: str) -> tuple[list[MemoryTerm], _GradSync]:
+    """One stage chunk's parameters and grads (DDP's buffers), optimizer state and masters (ZeRO-1),
+    and what its grad sync adds."""
     dp, ep = sizes["DP"], sizes["EP"]
-    params = []
+    params, published, seen = [], 0, set()
     for n in names:
         p = model.get_parameter(n)
         local, *_ = shapes[n]
         expert = ep > 1 and local != p.shape  # sharded over EP: reduced over DP only; dense over DP x EP
         group, size = ("DP", dp) if expert or ep == 1 else ("DPxEP", dp * ep)
         params.append((n, p.dtype, local.numel(), max(s.numel() for s in shapes[n]), group, size))
-    buffers = plan_buffers(params, bucket_size=bucket_size,
-                           grad_dtype_of=lambda dt: torch.promote_types(dt, torch.float32))
+        if _grad_dtype(p.dtype) != p.dtype and id(p) not in seen:
+            published += local.numel() * p.element_size()
+        seen.add(id(p))
+    buffers = plan_buffers(params, bucket_size=bucket_size, grad_dtype_of=_grad_dtype)
     state = masters = 0
     for buffer in buffers:
-        rank_in_group = coordinate["DP"] if buffer.data_parallel_size == dp else coordinate["DP"] * ep + coordinate["EP"]
+        rank_in_group = (coordinate["DP"] if buffer.data_parallel_size == dp
+                         else coordinate["DP"] * ep + coordinate["EP"])
         layout = [(b.end - b.start, [(offset, n) for _, offset, n in b.entries]) for b in buffer.buckets]
         opt = state_bytes_per_rank(layout, data_parallel_size=buffer.data_parallel_size, dp_rank=rank_in_group,
                                    param_dtype=buffer.param_dtype, optimizer=torch.optim.AdamW,
                                    optimizer_kwargs=optimizer_kwargs)
         state, masters = state + opt.state, masters + opt.masters
-    return [MemoryTerm("parameters", sum(b.param_bytes() for b in buffers), "ddp"),
-            MemoryTerm("gradients", sum(b.grad_bytes() for b in buffers), "ddp"),
-            MemoryTerm("optimizer state", state, "optim"),
-            MemoryTerm("master weights", masters, "optim")]
+    reduce_copy = sum(b.grad_bytes() for b in buffers if b.data_parallel_size > 1) if device == "cpu" else 0
+    return ([MemoryTerm("parameters", sum(b.param_bytes() for b in buffers), "ddp"),
+             MemoryTerm("gradients", sum(b.grad_bytes() for b in buffers), "ddp"),
+             MemoryTerm("optimizer state", state, "optim"),
+             MemoryTerm("master weights", masters, "optim")], _GradSync(published, reduce_copy))
+
+
+def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype DDP keeps a parameter's grads in: at least fp32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _tied_across_ranks(model: nn.Module, names: list[list[str]], resolved: ResolvedPlan) -> list[list[str]]:
+    """Per stage, its names of the weights it shares with a stage of another PP rank (a tied embedding
+    and LM head): the pipeline sums their grads across those ranks, holding a copy of each over the step."""
+    rank_of = {stage: rank for rank in range(resolved.pp_size) for stage in resolved.stages_of(rank)}
+    ranks_of: dict[int, set[int]] = {}
+    for stage, stage_names in enumerate(names):
+        for n in stage_names:
+            ranks_of.setdefault(id(model.get_parameter(n)), set()).add(rank_of[stage])
+    return [[n for n in stage_names if len(ranks_of[id(model.get_parameter(n))]) > 1] for stage_names in names]
+
+
+def _local_bytes(model: nn.Module, name: str, shapes: dict[str, list[torch.Size]]) -> int:
+    """This rank's shard of parameter ``name``, in bytes."""
+    return shapes[name][0].numel() * model.get_parameter(name).element_size()
+
+
+@dataclass(frozen=True)
+class _StageIO:
+    """What one micro-batch hands a stage, what the stage keeps of its own output, and what a split
+    backward keeps between its two steps, in bytes (local shards, floating-point tensors)."""
+
+    received: int
+    """Its inputs from the stage before (0 on the first stage, whose input is the token ids)."""
+    output: int
+    """Its output, which the engine keeps until the micro-batch's backward: the tensors sent on, or
+    the last stage's logits (its first tensor, which the loss takes)."""
+    weight_op_outputs: int
+    """The outputs of the ops that take a weight (linear, norm, embedding layers): with split
+    backward (zero bubble) torch's input-grad step keeps their grads for the weight-grad step (none on
+    the first stage, whose whole backward is the weight step)."""
+    loss_saved: int
+    """What the loss saves for backward (on the last stage)."""
 
 
 def _trace(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tensor, sharding: dict | None,
-           sizes: dict[str, int], loss_fn: Callable) -> list:
-    """One micro-batch's activations on every stage as TP rank 0 runs them: forward and backward on
-    meta, the TP plan applied over a fake world of the TP size. The mesh's dim gets a name of its own
-    per trace: DTensor caches sharding decisions by mesh *value*, and an equal mesh of an earlier
-    (destroyed) fake world would bring back its process groups."""
+           sizes: dict[str, int], loss_fn: Callable, device: str) -> tuple[list[StageActivations], list[_StageIO]]:
+    """One micro-batch's activations on every stage as TP rank 0 runs them, and each stage's
+    :class:`_StageIO`: forward and backward on meta, the TP plan applied over a fake world of the TP
+    size. The mesh's dim gets a name of its own per trace: DTensor caches sharding decisions by mesh
+    *value*, and an equal mesh of an earlier (destroyed) fake world would bring back its process
+    groups."""
     if sizes["EP"] > 1:
         raise NotImplementedError("--estimate with ep > 1: routing tokens to experts needs their values (no meta "
                                   "kernel for bincount), so the experts' activations are not traced yet")
-    if sizes["TP"] == 1:
-        return stage_activations(model, plan, sizes["PP"], example, loss_fn=loss_fn)
-    with fake_world(sizes["TP"], rank=0):
-        name = f"TP{next(_TRACES)}"
-        mesh = init_device_mesh("cpu", (sizes["TP"],), mesh_dim_names=(name,))[name]
-        return stage_activations(model, plan, sizes["PP"], example, loss_fn=loss_fn,
-                                 prepare=lambda chunk: parallelize_on_meta(chunk, mesh, sharding))
+    seen: list[list[int]] = []  # per stage: received, output, its first tensor, weight ops' outputs
+    loss_saved = _SavedBytes()
+
+    def counted_loss(output, targets) -> torch.Tensor:
+        # the loss's own saved-tensor hooks: they count what it saves, and (innermost hooks win) keep
+        # it out of the stage's saved bytes, which are then its forward's alone, as the engine counts them
+        with torch.autograd.graph.saved_tensors_hooks(loss_saved.pack, loss_saved.unpack):
+            return loss_fn(output, targets)
+
+    def watched(chunk: nn.Module) -> nn.Module:  # called once per stage, in stage order
+        counts = [0, 0, 0, 0]
+        seen.append(counts)
+        running = [False]  # the chunk's own forward, not a checkpoint's recompute in backward
+
+        def start(_, args) -> None:
+            counts[0], running[0] = _bytes(args), True
+
+        def end(_, args, out) -> None:
+            counts[1], counts[2], running[0] = _bytes(out), _bytes(_first(out)), False
+
+        def weight_op(_, args, out) -> None:
+            counts[3] += _bytes(out) if running[0] else 0
+
+        chunk.register_forward_pre_hook(start)
+        chunk.register_forward_hook(end)
+        for module in chunk.modules():
+            if any(p.requires_grad for p in module.parameters(recurse=False)):
+                module.register_forward_hook(weight_op)
+        return chunk
+
+    with _fused_attention(device):
+        if sizes["TP"] == 1:
+            traced = stage_activations(model, plan, sizes["PP"], example, loss_fn=counted_loss, prepare=watched)
+        else:
+            with fake_world(sizes["TP"], rank=0):
+                name = f"TP{next(_TRACES)}"
+                mesh = init_device_mesh("cpu", (sizes["TP"],), mesh_dim_names=(name,))[name]
+                traced = stage_activations(model, plan, sizes["PP"], example, loss_fn=counted_loss,
+                                           prepare=lambda chunk: watched(parallelize_on_meta(chunk, mesh, sharding)))
+    last = len(seen) - 1
+    return traced, [_StageIO(received, first if stage == last else output, weight_ops if stage > 0 else 0,
+                             loss_saved.bytes if stage == last else 0)
+                    for stage, (received, output, first, weight_ops) in enumerate(seen)]
 
 
-def _activation_terms(resolved, traced: list, coordinate: dict[str, int]) -> list[MemoryTerm]:
-    """What the rank's stages keep for backward at the schedule's peak, plus the temporaries of one
-    micro-batch's forward and backward on top."""
-    stages = resolved.stages_of(coordinate["PP"])
-    saved = held_saved_bytes(resolved, coordinate["PP"], [one.saved_bytes for one in traced])
-    temporary = max(traced[s].peak_bytes - traced[s].saved_bytes for s in stages)
+class _SavedBytes:
+    """Counts what autograd saves while it is the innermost saved-tensor hook: each storage once."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        local = local_tensor(tensor)
+        if storage_id(local) not in self._seen:
+            self._seen.add(storage_id(local))
+            self.bytes += local.untyped_storage().nbytes()
+        return tensor.detach()  # as autograd keeps it: the tensor itself could tie a node to itself
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def _bytes(values) -> int:
+    """The bytes of the floating-point tensors among ``values`` (a DTensor's local shard)."""
+    leaves = torch.utils._pytree.tree_leaves(values)
+    return sum(local_tensor(t).numel() * t.element_size() for t in leaves
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def _first(values) -> torch.Tensor | None:
+    """The first tensor among ``values`` (a model output's logits)."""
+    return next((t for t in torch.utils._pytree.tree_leaves(values) if isinstance(t, torch.Tensor)), None)
+
+
+@contextlib.contextmanager
+def _fused_attention(device: str) -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` on meta as the job's device runs it, while the trace runs.
+    Meta always takes the math path, which saves the T x T attention weights for backward; CPU's flash
+    kernel (where torch picks it: asked of stand-ins with the inputs' shapes and dtypes that allocate
+    one row) and CUDA's fused kernels save the output and its log-sum-exp instead. The function is
+    swapped in ``torch.nn.functional`` (where the GPT's and transformers' attention look it up at each
+    call), not by a torch-function mode: a mode is off inside its own handler, so the backward it
+    would catch recomputes checkpointed layers without it."""
+    math = F.scaled_dot_product_attention
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        tensors = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
+        if all(type(t) is torch.Tensor and t.is_meta for t in tensors) and dropout_p == 0.0:
+            row = [torch.empty(t.shape[-1], dtype=t.dtype).expand(t.shape) for t in tensors]
+            mask = row[3] if attn_mask is not None else None
+            if device != "cpu" or torch._fused_sdp_choice(*row[:3], attn_mask=mask, is_causal=is_causal, scale=scale,
+                                                          enable_gqa=enable_gqa) == SDPBackend.FLASH_ATTENTION.value:
+                # CPU's flash kernel has a meta kernel and a backward, and takes grouped keys as they are
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        return math(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = math
+
+
+def _activation_terms(resolved: ResolvedPlan, traced: list[StageActivations], io: list[_StageIO],
+                      coordinate: dict[str, int], tied_grads: int, syncs: dict[int, _GradSync]) -> list[MemoryTerm]:
+    """What the rank holds during its steps beyond the model state: the micro-batches in flight at the
+    schedule's peak, the buffers torch's pipeline stage receives into, the temporaries of one
+    micro-batch's forward and backward on top, and the grad syncs where they hold more than those.
+
+    A micro-batch holds, from its forward to its backward, what its forward and the loss saved and
+    the stage's output (torch's stage keeps it for the backward; a cut's output is saved by no op of
+    its stage); with split backward also, from the input-grad step to the weight-grad step, the grads
+    of its weight ops' outputs. A stage receives into buffers of its own, one per micro-batch for the
+    whole run (allocated at the first step): the activations from the stage before and the output's
+    grads from the stage after; so the received activations, which the stage's first op saves, are
+    counted there once, not per micro-batch in flight. The temporaries are the trace's peak less what
+    it saved and the output, plus the grads summed for a weight tied across ranks (held over the step).
+    A chunk's grad sync, at the end of its last backward, holds its reduce copies and published grads
+    (:class:`_GradSync`) besides what the rank's other chunks still hold."""
+    pp_rank = coordinate["PP"]
+    stages = resolved.stages_of(pp_rank)
+    last, m = resolved.num_stages - 1, resolved.num_microbatches
+    held = [one.saved_bytes + x.loss_saved - x.received + x.output for one, x in zip(traced, io)]
+    # the input-grad step detaches the loss (or the outputs), freeing the graph above the weight ops:
+    # on the last stage the loss's saved tensors and the logits go there (an earlier stage's outputs
+    # stay referenced until the weight step)
+    split = [x.weight_op_outputs - (x.loss_saved + x.output if s == last else 0) for s, x in enumerate(io)]
+    saved, at_sync = _held_bytes(resolved, pp_rank, held, split, syncs)
+    if not issubclass(resolved.schedule, PipelineScheduleMulti) and last in stages:
+        at_sync += io[last].output  # torch's single-stage loop keeps the last forward's logits until it returns
+    buffers = sum(m * (io[s].received + (io[s].output if s < last else 0)) for s in stages)
+    temporary = max(traced[s].peak_bytes - traced[s].saved_bytes - io[s].loss_saved - io[s].output
+                    for s in stages) + tied_grads
     return [MemoryTerm("activations", saved, "pipeline", persistent=False),
-            MemoryTerm("temporaries", temporary, "pipeline", persistent=False)]
+            MemoryTerm("receive buffers", buffers, "pipeline"),
+            MemoryTerm("temporaries", temporary, "pipeline", persistent=False),
+            MemoryTerm("grad sync", max(0, at_sync - saved - temporary), "ddp", persistent=False)]
+
+
+def _held_bytes(resolved: ResolvedPlan, pp_rank: int, held: list[int], split: list[int],
+                syncs: dict[int, _GradSync]) -> tuple[int, int]:
+    """The most bytes the rank's micro-batches in flight hold at once, and the most its grad syncs
+    hold with them, along the order torch runs the rank's actions: ``held`` per micro-batch and stage
+    from its forward to its backward (``pipeline.cost.held_saved_bytes``), with split backward
+    ``split`` from its input-grad step (``I``) to its weight-grad step (``W``); each chunk's sync
+    comes with its last backward, its published grads held from then on."""
+    if not issubclass(resolved.schedule, PipelineScheduleMulti):  # one stage: its sync ends the step
+        (stage,) = resolved.stages_of(pp_rank)
+        return held_saved_bytes(resolved, pp_rank, held), syncs[stage].published + syncs[stage].reduce_copy
+    actions = torch_action_order(resolved)[pp_rank]
+    last_backward = {stage: i for i, (kind, stage, _) in enumerate(actions) if kind in ("B", "W")}
+    now = peak = published = at_sync = 0
+    for i, (kind, stage, _) in enumerate(actions):
+        now += {"F": held[stage], "I": split[stage], "W": -held[stage] - split[stage], "B": -held[stage]}[kind]
+        peak = max(peak, now)
+        if last_backward[stage] == i:
+            published += syncs[stage].published
+            at_sync = max(at_sync, now + published + syncs[stage].reduce_copy)
+    return peak, at_sync
 
 
 def _data_bytes(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ the model is built in.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import math
 import os
@@ -518,6 +519,10 @@ def _train(args: argparse.Namespace, memory: TensorMemory | None) -> RunResult:
         report.start(mesh, model, args)
     flops, peak = model_flops(model, args), device_peak_flops(args)  # MFU: on CUDA (a known GPU) only
     chunks, engine = parallelize(model, mesh, args)
+    # the stage chunks hold what this rank trains; the rest of the model goes, at once: the pipeline's
+    # trace (torch.fx's tracer) leaves it in reference cycles, which only the cyclic collector frees
+    del model
+    gc.collect()
     optimizer, scheduler = build_optimizer(chunks, args)
     data, position = TextData(args.block_size, args.seed), DataPosition()
     # every step's loss so far (NaN: not trained yet), so a resumed run's plot shows the whole curve

@@ -5,7 +5,9 @@ before anything exists:
   ``DistributedOptimizer``'s state and masters the estimate predicts are those the job allocates
   (PP x DP x TP with sequence parallel, PP x DP in bf16 with fp32 masters, HF Llama on the auto plan);
 * the peak: each rank's peak of live tensor bytes over the training steps (``--memory-check``,
-  torch's tracker) against the estimate's, within the bound measured here (see ``PEAK_BOUND``);
+  torch's tracker) against the estimate's, within ±5% (``PEAK_BOUND``) on every rank of 24 layouts
+  over 1 to 8 ranks (``PEAK_CASES``: PP x DP x TP, ZeRO-1, every kind of schedule, activation
+  checkpointing, fp32 and bf16, the GPT and HF Llama);
 * ``--estimate`` itself: a row per rank, and a clear error for what it cannot estimate yet (MoE).
 """
 
@@ -22,10 +24,10 @@ from ndweave.mesh.testing import run_distributed
 job = load_example("gpt/train")
 SMALL = ["--n-layer", "4", "--n-embd", "64", "--n-head", "4", "--block-size", "32", "--global-batch", "8",
          "--micro-batches", "2", "--steps", "2", "--quiet", "--plot", "", "--metrics", "", "--checkpoint-every", "0"]
-#: The measured peak of live tensor bytes over the estimated one stays within this factor either way
-#: on every rank (measured here: 0.937 to 1.151 over the four layouts; the model-state terms are exact, the activations and
-#: temporaries come from one micro-batch traced on meta, whose kernels save a little more than CPU's)
-PEAK_BOUND = 0.2
+#: The estimated peak over the measured peak of live tensor bytes stays within 1 ± this on every rank
+#: of every layout in ``PEAK_CASES`` (measured here: 0.980 to 1.017; the part beyond the dataset every
+#: rank holds, 2.4 MiB of the 3.6 to 7 MiB, alone: 0.956 to 1.036)
+PEAK_BOUND = 0.05
 
 
 def _sizes(argv: list[str]) -> int:
@@ -70,30 +72,60 @@ def _model_states(argvs: list[list[str]]) -> list[dict[str, int]]:
     return [_model_state(argv) for argv in argvs]
 
 
-PEAK_CASES = [
-    ["--mesh", "pp=2,dp=2,tp=2"],
-    ["--mesh", "dp=2"],
-    ["--mesh", "pp=2", "--schedule", "gpipe", "--micro-batches", "4"],
-    ["--mesh", "pp=2,tp=2", "--activation-checkpointing"],
-]
+#: Layouts by world size (one rank pool run each): PP x DP x TP (+SP) with ZeRO-1 over DP, every
+#: kind of schedule (1F1B, GPipe, interleaved 1F1B, zero bubble with one and two stages per rank),
+#: activation checkpointing, fp32 and bf16 (fp32 masters), the GPT and HF Llama on the zoo's and the
+#: auto plan; tiny models, two steps each (the second has the optimizer state the first creates)
+PEAK_CASES = {
+    1: [["--mesh", "dp=1"],
+        ["--mesh", "dp=1", "--model", "hf:llama", "--dtype", "bf16"],
+        ["--mesh", "dp=1", "--activation-checkpointing", "--dtype", "bf16"]],
+    2: [["--mesh", "dp=2"],
+        ["--mesh", "dp=2", "--dtype", "bf16"],
+        ["--mesh", "pp=2", "--schedule", "gpipe", "--micro-batches", "4"],
+        ["--mesh", "pp=2", "--schedule", "interleaved_1f1b", "--virtual-chunks", "2", "--micro-batches", "4"],
+        ["--mesh", "pp=2", "--schedule", "zero_bubble", "--micro-batches", "4"],
+        ["--mesh", "pp=2", "--schedule", "zero_bubble", "--virtual-chunks", "2", "--micro-batches", "4"],
+        ["--mesh", "tp=2"],
+        ["--mesh", "tp=2", "--activation-checkpointing", "--dtype", "bf16"],
+        ["--mesh", "tp=2", "--model", "hf:llama", "--plan", "auto"],
+        ["--mesh", "pp=2", "--model", "hf:llama"],
+        ["--mesh", "dp=2", "--model", "hf:llama", "--activation-checkpointing"]],
+    4: [["--mesh", "dp=4"],
+        ["--mesh", "pp=4", "--micro-batches", "4"],
+        ["--mesh", "pp=2,dp=2", "--schedule", "interleaved_1f1b", "--virtual-chunks", "2", "--dtype", "bf16"],
+        ["--mesh", "pp=2,dp=2", "--schedule", "zero_bubble"],
+        ["--mesh", "pp=2,tp=2", "--activation-checkpointing"],
+        ["--mesh", "dp=2,tp=2", "--model", "hf:llama"],
+        ["--mesh", "pp=2,tp=2", "--model", "hf:llama", "--plan", "auto", "--dtype", "bf16"]],
+    8: [["--mesh", "pp=2,dp=2,tp=2"],
+        ["--mesh", "pp=2,dp=2,tp=2", "--model", "hf:llama", "--dtype", "bf16", "--schedule", "gpipe"],
+        ["--mesh", "pp=4,dp=2", "--schedule", "interleaved_1f1b", "--virtual-chunks", "2", "--micro-batches", "4",
+         "--global-batch", "16"]],
+}
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("flags", PEAK_CASES, ids=[" ".join(f[1:]) for f in PEAK_CASES])
-def test_each_ranks_measured_peak_is_near_the_estimate(flags, tmp_path):
-    argv = [*SMALL, *flags, "--memory-check", "--checkpoint-dir", str(tmp_path)]
-    measured = _run_peaks(argv)
-    estimated = [r.peak for r in job.memory_estimate(job.parse_args(argv))]
-    ratios = [e / m for e, m in zip(estimated, measured)]
-    assert all(abs(r - 1) <= PEAK_BOUND for r in ratios), f"estimate / measured per rank: {ratios}"
+@pytest.mark.parametrize("world", sorted(PEAK_CASES), ids=[f"world{w}" for w in sorted(PEAK_CASES)])
+def test_each_ranks_measured_peak_is_near_the_estimate(world, tmp_path):
+    argvs = [[*SMALL, *flags, "--memory-check", "--checkpoint-dir", str(tmp_path / str(i))]
+             for i, flags in enumerate(PEAK_CASES[world])]
+    assert all(_sizes(argv) == world for argv in argvs)
+    measured = run_distributed(_peaks_on_rank, world, argvs, timeout=600)[0]  # per case: every rank's peak
+    off = {}
+    for flags, argv, peaks in zip(PEAK_CASES[world], argvs, measured):
+        ratios = [r.peak / m for r, m in zip(job.memory_estimate(job.parse_args(argv)), peaks)]
+        if not all(abs(r - 1) <= PEAK_BOUND for r in ratios):
+            off[" ".join(flags)] = [round(r, 3) for r in ratios]
+    assert not off, f"estimate / measured per rank: {off}"
 
 
-def _run_peaks(argv: list[str]) -> list[int]:
-    return run_distributed(_peaks_on_rank, _sizes(argv), argv, timeout=300)[0]
-
-
-def _peaks_on_rank(argv: list[str]) -> list[int]:
-    return job.train(job.parse_args(argv)).tensor_peak
+def _peaks_on_rank(argvs: list[list[str]]) -> list[list[int]]:
+    # the pipeline's trace patches torch's factories while it runs, and torch.overrides caches the
+    # overridable functions (patched ones included, which hold the tracer and so the whole model) the
+    # first time they are asked for: asked here first, so a fresh rank does not keep its first model
+    torch.overrides.get_overridable_functions()
+    return [job.train(job.parse_args(argv)).tensor_peak for argv in argvs]
 
 
 def test_estimate_prints_a_row_per_rank_and_names_what_it_cannot_estimate(capsys):

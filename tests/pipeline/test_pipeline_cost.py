@@ -5,7 +5,9 @@ interleaved, with a weight tied across stages and a root-owned weight the forwar
 
 ``saved_bytes_by_stage`` times ``microbatches_in_flight`` equals the peak ``engine.stage_report()``
 measures on every stage, byte for byte, under every schedule the plan accepts (PP=2, and one on PP=4),
-and the multi-stage schedules run exactly the actions ``torch_action_order`` counts along."""
+and the multi-stage schedules run exactly the actions ``torch_action_order`` counts along.
+``stage_activations``' peak of one micro-batch on meta equals the same forward, loss and backward on
+CPU, beyond the parameters."""
 
 from __future__ import annotations
 
@@ -308,3 +310,31 @@ def test_one_microbatch_traced_on_meta_saves_what_saved_bytes_counts_and_a_rank_
         assert max(saved[s] for s in stages) <= held_saved_bytes(resolved, rank, saved) <= by_stage
     gpipe = resolve_plan(PipelineParallelPlan(schedule_type="gpipe", num_microbatches=4), 2)
     assert held_saved_bytes(gpipe, 1, [10, 7]) == 7 * 4  # every forward first: all four held
+
+
+def test_a_stages_traced_peak_is_what_its_forward_and_backward_hold_beyond_its_parameters_on_cpu():
+    """``peak_bytes`` on meta equals the same micro-batch's forward, loss and backward on CPU, measured
+    beyond the parameters (allocated before, as a rank's are), grads dropped as they land: the
+    parameters an op only views (a linear's transposed weight) are not counted as the step's."""
+    from pipeline_models import loss_fn
+
+    from ndweave.mesh.torch_compat import TensorMemory
+    from ndweave.pipeline.cost import stage_activations
+
+    torch.manual_seed(0)
+    model = TinyLM(num_layers=2)
+    with torch.device("meta"):
+        meta_model = TinyLM(num_layers=2)
+    x = torch.zeros(2, SEQ, dtype=torch.long)
+    (traced,) = stage_activations(meta_model, PipelineParallelPlan(schedule_type="gpipe"), 1, x.to("meta"),
+                                  loss_fn=loss_fn)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    with TensorMemory() as memory:
+        memory.track_external(model)
+        before = memory.current_bytes()
+        memory.track_external(x)  # the stage's input is its own (a received buffer), not a parameter
+        output = model(x)  # held to the end, as the engine holds it until the micro-batch's backward
+        loss_fn(output, torch.zeros_like(x)).backward()
+        measured = memory.peak_bytes() - before
+    assert traced.peak_bytes == measured, (traced.peak_bytes, measured)

@@ -224,6 +224,12 @@ def stage_activations(model: nn.Module, plan: PipelineParallelPlan, pp_size: int
             chunk = prepare(chunk) if prepare is not None else chunk
             hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in chunk.parameters() if p.requires_grad]
             with TensorMemory() as memory, count_saved_bytes(chunk) as counted:
+                # the tracker counts a storage made before it started once an op returns a view of it
+                # (a linear's ``t()`` of its weight): the parameters are counted up front and left out
+                # of the peak, the inputs (which the stage's forward may save) kept in it
+                memory.track_external(chunk)
+                before = memory.current_bytes("meta")
+                memory.track_external(*[t for t in values if isinstance(t, torch.Tensor)])
                 output = chunk(*values)
                 sent = stage_program(chunk).sent
                 if stage == resolved.num_stages - 1 and loss_fn is not None:
@@ -233,7 +239,7 @@ def stage_activations(model: nn.Module, plan: PipelineParallelPlan, pp_size: int
                     torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
             for hook in hooks:
                 hook.remove()
-            out.append(StageActivations(counted[0], memory.peak_bytes("meta")))
+            out.append(StageActivations(counted[0], memory.peak_bytes("meta") - before))
             # what the next stage receives: a fresh buffer there, as a P2P receive makes it
             values = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in sent)
     return out
