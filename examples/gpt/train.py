@@ -41,6 +41,8 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import estimate  # noqa: E402
 import faults  # noqa: E402
+import step_time  # noqa: E402
+import auto_mesh  # noqa: E402
 from export_hf import export_hf  # noqa: E402
 import hf_models  # noqa: E402
 import report  # noqa: E402
@@ -51,6 +53,7 @@ from ndweave.checkpoint import CheckpointManager, DataPosition, load  # noqa: E4
 from ndweave.ddp import DEFAULT_BUCKET_SIZE, DistributedDataParallel as DDP  # noqa: E402
 from ndweave.dmodule import get_plan, parallelize_module  # noqa: E402
 from ndweave.mesh import ParallelMesh, init_mesh_from_spec, resolve_spec, shutdown  # noqa: E402
+from ndweave.mesh.calibrate import calibrate  # noqa: E402
 from ndweave.mesh.elastic import lost_ranks, restart_count  # noqa: E402
 from ndweave.mesh.testing import train_one_process  # noqa: E402
 from ndweave.mesh.testing.memory import TensorMemory  # noqa: E402
@@ -73,7 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mesh", default="pp=2,dp=2,tp=2",
                    help="sizes of pp, dp, ep, tp (omitted: 1; one of them -1: the rest of the world, e.g. dp=-1); "
                         "ep (expert parallel, with --moe-experts): EP ranks split the batch like DP ranks and "
-                        "divide the experts")
+                        "divide the experts; auto: the fastest layout (mesh, schedule, micro-batches, recompute) "
+                        "whose estimated memory fits --memory-per-device on --world-size ranks, printed, then run")
+    p.add_argument("--world-size", type=int, default=0,
+                   help="--mesh auto: ranks to plan for (default: torchrun's WORLD_SIZE, the visible GPUs, or 8 CPU ranks)")
+    p.add_argument("--memory-per-device", type=float, default=0.0, metavar="GiB",
+                   help="--mesh auto: memory each rank may hold (default: a GPU's memory, or the host's available "
+                        "memory shared by the ranks)")
     p.add_argument("--model", default="nanogpt", metavar="nanogpt|hf:TYPE",
                    help="model.py's GPT, or a transformers causal LM of that model type (hf:llama, hf:qwen2, "
                         "hf:mixtral, ...; needs the transformers package)")
@@ -344,6 +353,42 @@ def memory_estimate(args: argparse.Namespace) -> list:
                                     DEFAULT_BUCKET_SIZE, adamw_kwargs(args))
 
 
+def step_seconds(args: argparse.Namespace) -> float:
+    """One training step's estimated seconds for ``args.mesh`` (:mod:`step_time`, on this machine's
+    rates: ``ndweave.mesh.calibrate``, measured once and saved)."""
+    machine = calibrate(args.device, dtypes=[DTYPES[args.dtype]])
+    return step_time.estimate_step_seconds(args, machine, build_model, lambda model, sizes: sharding_plan(model, args, sizes),
+                                           loss_fn, DEFAULT_BUCKET_SIZE, adamw_kwargs(args)).seconds
+
+
+def plan_mesh(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """``--mesh auto``: the fastest layout that fits (:mod:`auto_mesh`), its table printed; ``argv`` with the
+    chosen layout's flags in place of the mesh and schedule flags."""
+    world = auto_mesh.world_size(args)
+    budget = auto_mesh.memory_per_device(args, world)
+    model = build_model(args, "meta")
+    planned = auto_mesh.choose_layout(
+        args, auto_mesh.model_shape(model, args, num_experts(args)), world, budget,
+        peak_bytes=lambda a: max(r.peak for r in memory_estimate(a)), step_seconds=step_seconds,
+        job_rule=lambda a: mesh_problem(a, resolve_spec(a.mesh, None, dims=DIMS)))
+    print(f"--mesh auto: {world} ranks, {budget / 2**30:.2f} GiB each\n{planned.table()}")
+    if planned.best is None:
+        raise SystemExit(f"error: --mesh auto: no layout of {world} ranks fits {budget / 2**30:.2f} GiB per rank "
+                         "(see the table): use more ranks, a smaller --global-batch or model, or --memory-per-device")
+    keep, skip = [], {"--mesh": 1, "--schedule": 1, "--virtual-chunks": 1, "--micro-batches": 1,
+                      "--activation-checkpointing": 0}
+    items = iter(argv)
+    for item in items:
+        name = item.split("=")[0]
+        if name in skip:
+            if "=" not in item:
+                for _ in range(skip[name]):
+                    next(items, None)
+            continue
+        keep.append(item)
+    return keep + auto_mesh.layout_flags(planned.best)
+
+
 def lr_schedule(optimizer: torch.optim.Optimizer, args: argparse.Namespace,
                 extended_from: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup to --lr, then cosine decay to --min-lr at --steps. ``extended_from``: a run of that
@@ -430,25 +475,33 @@ def data_mean(value: torch.Tensor, mesh: ParallelMesh) -> float:
 
 def check_mesh(mesh: ParallelMesh, args: argparse.Namespace) -> None:
     """What the mesh and the flags cannot run together: one error naming both (every rank alike)."""
-    (_, slices), ep, tp, experts = data_rank(mesh), mesh["EP"].size(), mesh["TP"].size(), num_experts(args)
+    problem = mesh_problem(args, {d: mesh[d].size() for d in DIMS})
+    if problem:
+        raise SystemExit(f"error: {problem}")
+
+
+def mesh_problem(args: argparse.Namespace, sizes: dict[str, int]) -> str | None:
+    """Why the flags cannot run on a mesh of ``sizes`` (None: they can); ``--mesh auto`` skips such layouts."""
+    ep, tp, experts = sizes["EP"], sizes["TP"], num_experts(args)
+    slices = sizes["DP"] * ep
     if args.global_batch % (slices * args.micro_batches):
-        raise SystemExit(f"error: --global-batch {args.global_batch} must split into DP x EP={slices} ranks x "
-                         f"--micro-batches {args.micro_batches}: use a multiple of {slices * args.micro_batches}")
+        return (f"--global-batch {args.global_batch} must split into DP x EP={slices} ranks x --micro-batches "
+                f"{args.micro_batches}: use a multiple of {slices * args.micro_batches}")
     if ep > 1 and not experts:
-        raise SystemExit(f"error: --mesh {args.mesh} has ep={ep}, but the model has no experts to divide over it: "
-                         "add --moe-experts N (MoE blocks), or make those ranks data parallel (dp)")
+        return (f"--mesh {args.mesh} has ep={ep}, but the model has no experts to divide over it: add --moe-experts N "
+                "(MoE blocks), or make those ranks data parallel (dp)")
     what = f"--moe-experts {experts}" if args.hf_config is None else f"{args.model}'s {experts} experts"
     if experts % ep:
-        raise SystemExit(f"error: {what} do not divide over ep={ep} ranks: use a multiple of {ep} experts, or an ep "
-                         f"that divides {experts}")
+        return f"{what} do not divide over ep={ep} ranks: use a multiple of {ep} experts, or an ep that divides {experts}"
     if experts and tp > 1:
         plan = "the nanogpt plan has" if args.hf_config is None else "the job has"
-        raise SystemExit(f"error: {what.split(' ')[0]} with tp={tp}: {plan} no tensor-parallel layout for MoE "
-                         "blocks; use tp=1 (ep and dp split the batch)")
+        return (f"{what.split(' ')[0]} with tp={tp}: {plan} no tensor-parallel layout for MoE blocks; use tp=1 (ep and "
+                "dp split the batch)")
     if ep > 1 and plan_name(args) == "auto":
-        raise SystemExit(f"error: ep={ep} divides experts with the zoo's MoE plans (hf:mixtral, hf:qwen2_moe, "
-                         f"hf:qwen3_moe, hf:deepseek_v3, nanogpt); {args.model} with --plan {args.plan} has none: "
-                         "make those ranks data parallel (dp)")
+        return (f"ep={ep} divides experts with the zoo's MoE plans (hf:mixtral, hf:qwen2_moe, hf:qwen3_moe, "
+                f"hf:deepseek_v3, nanogpt); {args.model} with --plan {args.plan} has none: make those ranks data "
+                "parallel (dp)")
+    return None
 
 
 def validation_loss(engine: PipeEngine, chunks: list[nn.Module], data: TextData, mesh: ParallelMesh,
@@ -687,6 +740,9 @@ def _sample_one_process(model: nn.Module, args: argparse.Namespace, prompt: byte
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.mesh == "auto":  # planned here, once, before any launch: the ranks get the chosen flags
+        argv = plan_mesh(args, argv)
+        args = parse_args(argv)
     if args.estimate:  # before any launch: one process, nothing allocated
         try:
             print(estimate.table(memory_estimate(args)))

@@ -134,3 +134,21 @@ def test_estimate_prints_a_row_per_rank_and_names_what_it_cannot_estimate(capsys
     assert "activations" in rows[0] and "peak MiB" in rows[0] and len(rows) == 1 + 8
     with pytest.raises(SystemExit, match="--estimate: .*ep > 1.*experts"):
         job.main([*SMALL, "--mesh", "dp=2,ep=2", "--moe-experts", "4", "--estimate"])
+
+
+@pytest.mark.heavy
+def test_mesh_auto_prints_the_table_and_its_choice_runs(capsys, tmp_path):
+    base = [*SMALL, "--checkpoint-dir", str(tmp_path)]
+    argv = job.plan_mesh(job.parse_args(["--mesh", "auto", "--world-size", "2", *base]), ["--mesh", "auto", *base])
+    table = capsys.readouterr().out
+    assert "<- chosen" in table and "cut" in table
+    args = job.parse_args(argv)
+    assert args.mesh != "auto" and math.prod(job.resolve_spec(args.mesh, None, dims=job.DIMS).values()) == 2
+    chosen = next(line for line in table.splitlines() if "<- chosen" in line)
+    assert chosen.split()[0] == args.mesh.replace("ep=1,", "")  # the table's row is what runs
+    losses = run_distributed(_losses_on_rank, 2, [*argv, "--steps", "1"], timeout=300)
+    assert losses[0] == losses[1] and len(losses[0]) == 1
+
+
+def _losses_on_rank(argv: list[str]) -> list[float]:
+    return list(job.train(job.parse_args(argv)).losses.values())

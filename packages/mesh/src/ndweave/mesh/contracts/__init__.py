@@ -13,7 +13,7 @@ from ndweave.mesh.contracts.data_parallel import (
     MicroBatchControl,
     uses_distributed_optimizer,
 )
-from ndweave.mesh.contracts.estimate import MemoryTerm, RankMemory
+from ndweave.mesh.contracts.estimate import MemoryTerm, RankMemory, StepTime, TimeTerm
 from ndweave.mesh.contracts.grad_buckets import (
     BUCKET_ALIGNMENT,
     BucketParam,
@@ -58,6 +58,8 @@ __all__ = [
     "SCALAR_KEYS",
     "ShardLayout",
     "StatePiece",
+    "StepTime",
+    "TimeTerm",
     "finish_grad_sync",
     "from_torch_state_dict",
     "is_elementwise",

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["MemoryTerm", "RankMemory"]
+__all__ = ["MemoryTerm", "RankMemory", "StepTime", "TimeTerm"]
 
 
 @dataclass(frozen=True)
@@ -47,4 +47,37 @@ class RankMemory:
         out: dict[str, int] = {}
         for t in self.terms:
             out[t.name] = out.get(t.name, 0) + t.bytes
+        return out
+
+
+@dataclass(frozen=True)
+class TimeTerm:
+    """One part of a training step's time (a step-time estimate's :class:`MemoryTerm`)."""
+
+    name: str
+    """What it is: ``"pipeline schedule"``, ``"grad sync"``, ``"optimizer step"``, ..."""
+    seconds: float
+    owner: str
+    """The package (or job) whose model computed it, e.g. ``"pipeline"``."""
+    in_total: bool = True
+    """Part of the step's sum; ``False``: a breakdown of another term (the compute inside the
+    schedule, its bubble), shown, not added again."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One training step's estimated time: its terms, and their sum, the step."""
+
+    terms: tuple[TimeTerm, ...] = field(default_factory=tuple)
+
+    @property
+    def seconds(self) -> float:
+        """The step: the terms that follow one another (``in_total``) added up."""
+        return sum(t.seconds for t in self.terms if t.in_total)
+
+    def by_name(self) -> dict[str, float]:
+        """``{term name: seconds}`` (terms of one name added)."""
+        out: dict[str, float] = {}
+        for t in self.terms:
+            out[t.name] = out.get(t.name, 0.0) + t.seconds
         return out

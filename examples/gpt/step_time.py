@@ -1,0 +1,265 @@
+"""How long one training step of a layout takes, before launch: no process started, nothing
+allocated (the model is traced on meta), with the machine's rates measured once
+(``ndweave.mesh.calibrate``).
+
+What a step asks for comes from the packages that run it, as the memory estimate's terms do
+(``estimate.py``), and ``ndweave.mesh.calibrate.Machine`` turns each into seconds:
+
+* compute, per stage and micro-batch: one micro-batch's forward and backward traced on meta
+  (``ndweave.pipeline.cost.stage_activations``, TP applied by ``ndweave.dmodule.cost.parallelize_on_meta``
+  over a fake world) under a ``WorkCounter``: matmul FLOPs, elementwise bytes and ops per rank, and
+  the bytes of each TP collective DTensor issues;
+* the schedule: ``ndweave.pipeline.step_time.schedule_seconds`` simulates the actions in torch's
+  order with those times, activations crossing to another rank over the link;
+* the data-parallel grad sync: a reduce-scatter of every grad bucket and an all-gather of its
+  parameters after the step, over the DP group, from the buckets DDP lays out
+  (``ndweave.ddp.buffer.plan_buffers``, the function DDP calls); the grads tensor parallelism leaves
+  partial (replicated parameters') are all-reduced over TP;
+* the optimizer: AdamW and the grad clip over this rank's owned pieces
+  (``ndweave.optim.cost.owned_elements``), run on meta under the counter;
+* the job's own collectives per step (the engine's batch agreement and loss broadcast over PP, the
+  loss mean over DP, DDP's desync check, the grad norm), their latency.
+
+Ranks on CPU each run one thread; more ranks than cores share them (``Machine.concurrent_ranks``):
+the schedule's ranks compute at ``cores / (dp * tp)`` pipelines' speed when more compute at once, and
+the terms every rank runs together (grad sync, optimizer) take ``world / cores`` times as long.
+
+    machine = calibrate(args.device)
+    estimate_step_seconds(args, machine, build_model, sharding, loss_fn, bucket_size, adamw_kwargs).seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ndweave.ddp.buffer import plan_buffers
+from ndweave.dmodule.cost import local_param_shapes, parallelize_on_meta
+from ndweave.mesh import init_device_mesh, resolve_spec
+from ndweave.mesh.calibrate import Machine, Work, WorkCounter
+from ndweave.mesh.contracts import StepTime, TimeTerm
+from ndweave.mesh.testing import fake_world
+from ndweave.mesh.torch_compat import local_tensor, tree_flatten
+from ndweave.optim.cost import owned_elements
+from ndweave.pipeline import PipelineParallelPlan
+from ndweave.pipeline.cost import stage_activations
+from ndweave.pipeline.plan import resolve_plan
+from ndweave.pipeline.step_time import simulate_schedule
+
+__all__ = ["StageWork", "estimate_step_seconds", "stage_work", "table"]
+
+DIMS = ("PP", "DP", "EP", "TP")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float64}
+_TRACES = itertools.count()  # a fresh mesh dim name per trace (see estimate._trace)
+
+
+def estimate_step_seconds(args: argparse.Namespace, machine: Machine, build_model: Callable[..., nn.Module],
+                          sharding: Callable[[nn.Module, dict[str, int]], dict | None], loss_fn: Callable,
+                          bucket_size: int | None, optimizer_kwargs: dict) -> StepTime:
+    """One training step of ``args.mesh`` (sizes resolved without a world: no ``-1``) on
+    ``machine``, term by term (the module's docstring says how each is modelled). The arguments are
+    :func:`estimate.estimate_memory`'s: ``build_model(args, "meta")`` is the job's model on meta,
+    ``sharding(model, sizes)`` its TP plan for the mesh's sizes (or ``None``), ``bucket_size`` DDP's,
+    ``optimizer_kwargs`` AdamW's. ``machine`` must rate ``--dtype``'s matmuls
+    (``calibrate(device, dtypes=[...])``)."""
+    sizes = resolve_spec(args.mesh, None, dims=DIMS)
+    pp, dp, ep, tp = (sizes[d] for d in DIMS)
+    if ep > 1:
+        raise NotImplementedError("step time with ep > 1: routing tokens to experts needs their values (no meta "
+                                  "kernel for bincount), so the experts' work is not traced yet")
+    plan = PipelineParallelPlan(schedule_type=args.schedule, virtual_chunks=args.virtual_chunks,
+                                num_microbatches=args.micro_batches)
+    resolved = resolve_plan(plan, pp)
+    rows = args.global_batch // (dp * args.micro_batches)
+    example = torch.zeros((rows, args.block_size), dtype=torch.long, device="meta")
+    traced = stage_work(build_model(args, "meta"), plan, example, sharding, sizes, loss_fn)
+    world = pp * dp * tp
+    shared = machine.device_type == "cpu" and world > machine.concurrent_ranks
+    # more CPU ranks than cores: the dp * tp pipelines run side by side, so a pipeline's ranks have
+    # cores / (dp * tp) ranks' speed between them; what every rank does at once takes world / cores as long
+    concurrency = machine.concurrent_ranks / (dp * tp) if shared else None
+    slowdown = world / machine.concurrent_ranks if shared else 1.0
+
+    forward, backward, links = _action_seconds(traced, resolved, machine, DTYPES[args.dtype], tp)
+    timeline = simulate_schedule(resolved, forward, backward, links, concurrency=concurrency)
+    schedule = max(timeline.durations)
+    sync, optimizer = _sync_and_optimizer(build_model(args, "meta"), traced, resolved, sharding, sizes, machine,
+                                          bucket_size, optimizer_kwargs, args.clip)
+    bookkeeping = (2 * machine.collective_seconds("all_gather", 64, pp)  # the engine's batch agreement, loss broadcast
+                   + machine.collective_seconds("all_reduce", 8, dp)  # the loss's mean
+                   + machine.collective_seconds("all_gather", 40 * dp, dp)  # DDP's desync check
+                   + machine.collective_seconds("all_reduce", 8, world))  # the grad norm
+    busiest = max(range(resolved.num_stages), key=lambda s: forward[s] + backward[s])
+    compute = max(sum(a.end - a.start for a in acts) for acts in timeline.ranks)
+    tp_comm = max(machine.communication_seconds(w.forward + w.backward, {w.group: tp}) for w in traced)
+    return StepTime((
+        TimeTerm("pipeline schedule", schedule, "pipeline"),
+        TimeTerm("grad sync", sync * slowdown, "ddp"),
+        TimeTerm("optimizer step", optimizer * slowdown, "optim"),
+        TimeTerm("step collectives", bookkeeping * slowdown, "job"),
+        TimeTerm("compute (busiest PP rank)", compute, "pipeline", in_total=False),
+        TimeTerm("bubble", schedule - compute, "pipeline", in_total=False),
+        TimeTerm(f"one micro-batch on stage {busiest}", forward[busiest] + backward[busiest], "pipeline",
+                 in_total=False),
+        TimeTerm("TP collectives per micro-batch (busiest stage)", tp_comm, "dmodule", in_total=False),
+    ))
+
+
+def _action_seconds(traced: list[StageWork], resolved, machine: Machine, dtype: torch.dtype,
+                    tp: int) -> tuple[list[float], list[float], list[float]]:
+    """Each stage's forward and backward of one micro-batch (compute and TP collectives), and the
+    time an activation takes to the next stage."""
+    groups = {w.group: tp for w in traced}
+
+    def seconds(work: Work) -> float:
+        # every op of a TP stage runs on DTensors (the counter sees their local ops: the memory
+        # tracker inside stage_activations steps aside for DTensor first, hiding the DTensor ops)
+        return (machine.compute_seconds(work, dtype, tensor_parallel=tp > 1)
+                + machine.communication_seconds(work, groups))
+
+    import os
+    K = float(os.environ.get("ST_K", "100")); T = float(os.environ.get("ST_T", "0"))
+    host = machine.link_latency_s if machine.device_type == "cpu" else 0.0
+    apart = [[0 <= n < resolved.num_stages and resolved.stage_rank(n) != resolved.stage_rank(s) for n in (s - 1, s + 1)]
+             for s in range(resolved.num_stages)]
+    talks = [sum(neighbours) for neighbours in apart]
+    per_action = K * machine.op_overhead_s
+    forward = [seconds(w.forward) + per_action + T * talks[s] * host for s, w in enumerate(traced)]
+    backward = [seconds(w.backward) + per_action + T * talks[s] * host for s, w in enumerate(traced)]
+    links = [machine.collective_seconds("send", w.sent_bytes, 2) for w in traced[:-1]]
+    return forward, backward, links
+
+
+def _sync_and_optimizer(model: nn.Module, traced: list[StageWork], resolved, sharding: Callable, sizes: dict[str, int],
+                        machine: Machine, bucket_size: int | None, optimizer_kwargs: dict,
+                        clip: float) -> tuple[float, float]:
+    """The slowest PP rank's grad sync (every bucket reduce-scattered and its parameters all-gathered
+    over DP; TP's partial grads all-reduced) and optimizer step (its owned pieces of every bucket)."""
+    dp, tp = sizes["DP"], sizes["TP"]
+    plan_dict = sharding(model, sizes)
+    sync = optimizer = 0.0
+    for pp_rank in range(resolved.pp_size):
+        rank_sync, rank_optimizer = 0.0, Work()
+        for stage in resolved.stages_of(pp_rank):
+            buffers, replicated = _buffers(model, traced[stage].param_names, plan_dict, sizes, bucket_size)
+            for buffer in buffers:
+                for b in buffer.buckets:
+                    numel = b.end - b.start
+                    rank_sync += machine.collective_seconds("reduce_scatter", numel * buffer.grad_dtype.itemsize, dp)
+                    rank_sync += machine.collective_seconds("all_gather", numel * buffer.param_dtype.itemsize, dp)
+                    pieces = owned_elements(numel, [(offset, n) for _, offset, n in b.entries], dp, 0)
+                    rank_optimizer += _optimizer_work(pieces, buffer.param_dtype, optimizer_kwargs, clip)
+            rank_sync += machine.collective_seconds("all_reduce", replicated, tp)
+        sync = max(sync, rank_sync)
+        optimizer = max(optimizer, machine.compute_seconds(rank_optimizer, torch.float32))
+    return sync, optimizer
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """One micro-batch's work on one stage, as TP rank 0 runs it."""
+
+    forward: Work
+    backward: Work
+    sent_bytes: int
+    """Bytes of the activations the stage sends the next one (its output)."""
+    group: str
+    """The name of the TP group its collectives ran over (the fake world's; ``""`` without TP)."""
+    param_names: list[str]
+    """The FQNs of the stage chunk's parameters (``stage_param_names``' answer for the stage)."""
+
+
+def stage_work(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tensor,
+               sharding: Callable[[nn.Module, dict[str, int]], dict | None], sizes: dict[str, int],
+               loss_fn: Callable) -> list[StageWork]:
+    """Each stage's :class:`StageWork`: one micro-batch's forward and backward on meta under a
+    ``WorkCounter`` (through ``stage_activations``, which hands each stage what the previous one
+    sends), with the TP plan applied over a fake world of the TP size (a fresh mesh dim name per
+    trace, as ``estimate._trace`` does)."""
+    counter, sent, names = WorkCounter(), [], []
+
+    def counted(chunk: nn.Module, prepare: Callable[[nn.Module], nn.Module] = lambda chunk: chunk) -> nn.Module:
+        names.append([n for n, _ in chunk.named_parameters()])  # before TP replaces them
+        chunk = prepare(chunk)
+        index = len(sent)
+        counter.region(index)
+        sent.append(0)
+        chunk.register_forward_hook(lambda module, args, output: sent.__setitem__(index, _bytes(output)))
+        return chunk
+
+    if sizes["TP"] == 1:
+        with counter:
+            stage_activations(model, plan, sizes["PP"], example, prepare=counted, loss_fn=loss_fn)
+        group = ""
+    else:
+        plan_dict = sharding(model, sizes)
+        with fake_world(sizes["TP"], rank=0):
+            name = f"TP{next(_TRACES)}"
+            mesh = init_device_mesh("cpu", (sizes["TP"],), mesh_dim_names=(name,))[name]
+            group = mesh.get_group().group_name
+            shard = functools.partial(parallelize_on_meta, mesh=mesh, plan=plan_dict)
+            with counter:
+                stage_activations(model, plan, sizes["PP"], example, loss_fn=loss_fn,
+                                  prepare=lambda chunk: counted(chunk, shard))
+    return [StageWork(counter.work[s].forward, counter.work[s].backward, sent[s], group, names[s])
+            for s in range(len(sent))]
+
+
+def _bytes(output) -> int:
+    """Bytes of the floating-point tensors in a stage's output (a DTensor's local shard)."""
+    return sum(local_tensor(t).numel() * t.element_size() for t in tree_flatten(output)[0]
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def _buffers(model: nn.Module, names: list[str], plan_dict: dict | None, sizes: dict[str, int],
+             bucket_size: int | None) -> tuple[list, int]:
+    """DDP's buffers for one stage chunk on TP rank 0 (``plan_buffers``, as the memory estimate
+    builds them), and the bytes of the chunk's parameters TP replicates (their grads are partial
+    over TP: all-reduced once per step)."""
+    tp = sizes["TP"]
+    shapes = local_param_shapes(model, plan_dict, {"TP": tp}, {"TP": 0})
+    first = {id(p): n for n, p in model.named_parameters()}
+    params, replicated = [], 0
+    for n in names:
+        p = model.get_parameter(n)
+        local = shapes[first[id(p)]]
+        params.append((n, p.dtype, local.numel(), local.numel(), "DP", sizes["DP"]))
+        if tp > 1 and local == p.shape:
+            replicated += p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize
+    buffers = plan_buffers(params, bucket_size=bucket_size,
+                           grad_dtype_of=lambda dt: torch.promote_types(dt, torch.float32))
+    return buffers, replicated
+
+
+def _optimizer_work(pieces: list[int], param_dtype: torch.dtype, optimizer_kwargs: dict, clip: float) -> Work:
+    """AdamW and the grad clip over master pieces of these sizes, counted on meta (the ops the
+    ``DistributedOptimizer`` runs per owned piece)."""
+    master = torch.promote_types(param_dtype, torch.float32)
+    params = [nn.Parameter(torch.zeros(n, dtype=master, device="meta")) for n in pieces]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    if not params:
+        return Work()
+    optimizer = torch.optim.AdamW(params, **optimizer_kwargs)
+    optimizer.step()  # the state exists from the first step on
+    with WorkCounter() as counter:
+        if clip:
+            norms = torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params])
+            coefficient = torch.clamp(clip / (norms.square().sum().sqrt() + 1e-6), max=1.0)
+            for p in params:
+                p.grad.mul_(coefficient)
+        optimizer.step()
+    return counter.work["all"].total
+
+
+def table(step: StepTime) -> str:
+    """The estimate as text: a row per term (ms), the step last."""
+    rows = [f"{t.name:<48} {t.seconds * 1e3:>10.2f} ms  {t.owner}{'' if t.in_total else '  (in the above)'}"
+            for t in step.terms]
+    return "\n".join(rows + [f"{'step':<48} {step.seconds * 1e3:>10.2f} ms"])
