@@ -453,8 +453,9 @@ def gather_params(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
     local = {}
     for chunk in chunks:
         for name, p in chunk.named_parameters(remove_duplicate=False):
-            # full_tensor is a collective over TP: every TP rank holds the same chunk, same order
-            local[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+            # full_tensor is a collective over TP: every TP rank holds the same chunk, same order;
+            # cloned: a parameter is a view of DDP's flat buffer, which pickling would send whole
+            local[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
     everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(everyone, local)
     return {k: v for part in everyone for k, v in part.items()}

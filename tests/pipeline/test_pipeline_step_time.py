@@ -27,8 +27,9 @@ from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipelin
 from ndweave.pipeline.plan import resolve_plan
 from ndweave.pipeline.step_time import rank_actions, schedule_seconds, simulate_schedule
 
-#: Simulated step over measured step, given the measured action times, the host's time between two
-#: actions and an activation's trip: within 0.90-1.00 here.
+#: Simulated step over measured step (the fastest of 5: the one other jobs on the machine disturbed
+#: least), given its measured action times, the host's time between two actions and an activation's
+#: trip: within 0.92-1.04 here.
 TOLERANCE = 0.10
 #: The same, given the kernels' nominal times: the host's time (Linear layers, autograd, the
 #: schedule, a sleep's overshoot) left out, so the simulation falls short, by 11-21% here (2 cores
@@ -181,7 +182,7 @@ def _measured_vs_simulated(pp: int) -> list[tuple]:
         engine(x, y)  # shape inference
         engine.recorder.enabled = True
         steps = []
-        for _ in range(3):
+        for _ in range(5):
             engine(x, y)
             timeline = engine.timeline()
             times = {}
@@ -199,7 +200,7 @@ def _measured_vs_simulated(pp: int) -> list[tuple]:
         link = _one_way_seconds(mesh["PP"].get_group(), 8 // m)
         steps = [(measured, schedule_seconds(resolved, forward, backward, link))
                  for measured, forward, backward in steps]
-        measured, given_measured = sorted(steps)[1]  # the median step
+        measured, given_measured = min(steps)  # the fastest step: the one other jobs disturbed least
         nominal = schedule_seconds(resolved, [layers_per_stage * KERNEL_MS / 1e3] * resolved.num_stages,
                                    [2 * layers_per_stage * KERNEL_MS / 1e3] * resolved.num_stages)
         rows.append((schedule, measured, given_measured, nominal))
