@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 from collections.abc import Callable
 
@@ -90,7 +91,8 @@ def choose_layout(args: argparse.Namespace, shape: ModelShape, world: int, budge
 
     def estimate(layout: Layout) -> tuple[int, float]:
         chosen = layout_args(args, layout)
-        return peak_bytes(chosen), step_seconds(chosen)
+        peak = peak_bytes(chosen)
+        return peak, step_seconds(chosen) if peak <= budget else math.inf  # a layout that does not fit is cut unpriced
 
     rows = args.global_batch
     counts = [m for m in (1, 2, 4, 8, 16) if m <= rows]  # beyond 16 micro-batches a step only slows

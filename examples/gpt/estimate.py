@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -51,7 +52,6 @@ from ndweave.dmodule.cost import local_param_shapes, parallelize_on_meta
 from ndweave.mesh import init_device_mesh, resolve_spec
 from ndweave.mesh.contracts import MemoryTerm, RankMemory
 from ndweave.mesh.testing import fake_world
-from ndweave.mesh.testing.memory import TensorMemory
 from ndweave.mesh.torch_compat import local_tensor, storage_id
 from ndweave.optim.cost import state_bytes_per_rank
 from ndweave.pipeline import PipelineParallelPlan
@@ -63,6 +63,7 @@ __all__ = ["estimate_memory", "table"]
 
 DIMS = ("PP", "DP", "EP", "TP")
 _TRACES = itertools.count()  # a fresh mesh dim name per trace (see _trace)
+_PARAMETERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # see parameters()
 
 
 def estimate_memory(args: argparse.Namespace, build_model: Callable[..., nn.Module],
@@ -111,15 +112,22 @@ def _coordinates(sizes: dict[str, int]) -> list[dict[str, int]]:
 
 
 def _local_shapes(model: nn.Module, sharding: dict | None, sizes: dict[str, int],
-                  coordinate: dict[str, int]) -> dict[str, list[torch.Size]]:
+                  coordinate: dict[str, int], peers: list[dict[str, torch.Size]] | None = None) -> dict[str, list[torch.Size]]:
     """``{fqn: [local shape on each TP peer]}`` (a tied parameter under each of its names), this
-    rank's first: a buffer slot is as large as the largest peer's shard (``slot_numel``)."""
+    rank's first: a buffer slot is as large as the largest peer's shard (``slot_numel``). ``peers``:
+    :func:`_peer_shapes` for the coordinate, where the caller has them."""
+    peers = _peer_shapes(model, sharding, sizes, coordinate) if peers is None else peers
+    order = [coordinate["TP"]] + [t for t in range(sizes["TP"]) if t != coordinate["TP"]]
+    first = {id(p): n for n, p in model.named_parameters()}
+    return {n: [peers[t][first[id(p)]] for t in order] for n, p in parameters(model).items()}
+
+
+def _peer_shapes(model: nn.Module, sharding: dict | None, sizes: dict[str, int],
+                 coordinate: dict[str, int]) -> list[dict[str, torch.Size]]:
+    """Each TP rank's local shapes (``local_param_shapes``) beside ``coordinate`` (its EP rank)."""
     mesh = {"EP": sizes["EP"], "TP": sizes["TP"]} if sizes["EP"] > 1 else {"TP": sizes["TP"]}
     at = {d: coordinate[d] for d in mesh}
-    peers = [local_param_shapes(model, sharding, mesh, {**at, "TP": t})
-             for t in [at["TP"]] + [t for t in range(sizes["TP"]) if t != at["TP"]]]
-    first = {id(p): n for n, p in model.named_parameters()}
-    return {n: [s[first[id(p)]] for s in peers] for n, p in model.named_parameters(remove_duplicate=False)}
+    return [local_param_shapes(model, sharding, mesh, {**at, "TP": t}) for t in range(sizes["TP"])]
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,7 @@ def _model_state_terms(model: nn.Module, names: list[str], shapes: dict[str, lis
     dp, ep = sizes["DP"], sizes["EP"]
     params, published, seen = [], 0, set()
     for n in names:
-        p = model.get_parameter(n)
+        p = parameters(model)[n]
         local, *_ = shapes[n]
         expert = ep > 1 and local != p.shape  # sharded over EP: reduced over DP only; dense over DP x EP
         group, size = ("DP", dp) if expert or ep == 1 else ("DPxEP", dp * ep)
@@ -167,6 +175,15 @@ def _model_state_terms(model: nn.Module, names: list[str], shapes: dict[str, lis
              MemoryTerm("master weights", masters, "optim")], _GradSync(published, reduce_copy))
 
 
+def parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """``model``'s parameters by every FQN (a tied one under each), looked up once per model:
+    ``get_parameter`` walks the module tree per call, which pricing many layouts of a big model repeats."""
+    table = _PARAMETERS.get(model)
+    if table is None:
+        table = _PARAMETERS[model] = dict(model.named_parameters(remove_duplicate=False))
+    return table
+
+
 def _grad_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype DDP keeps a parameter's grads in: at least fp32."""
     return torch.promote_types(dtype, torch.float32)
@@ -179,13 +196,13 @@ def _tied_across_ranks(model: nn.Module, names: list[list[str]], resolved: Resol
     ranks_of: dict[int, set[int]] = {}
     for stage, stage_names in enumerate(names):
         for n in stage_names:
-            ranks_of.setdefault(id(model.get_parameter(n)), set()).add(rank_of[stage])
-    return [[n for n in stage_names if len(ranks_of[id(model.get_parameter(n))]) > 1] for stage_names in names]
+            ranks_of.setdefault(id(parameters(model)[n]), set()).add(rank_of[stage])
+    return [[n for n in stage_names if len(ranks_of[id(parameters(model)[n])]) > 1] for stage_names in names]
 
 
 def _local_bytes(model: nn.Module, name: str, shapes: dict[str, list[torch.Size]]) -> int:
     """This rank's shard of parameter ``name``, in bytes."""
-    return shapes[name][0].numel() * model.get_parameter(name).element_size()
+    return shapes[name][0].numel() * parameters(model)[name].element_size()
 
 
 @dataclass(frozen=True)
@@ -207,12 +224,16 @@ class _StageIO:
 
 
 def _trace(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tensor, sharding: dict | None,
-           sizes: dict[str, int], loss_fn: Callable, device: str) -> tuple[list[StageActivations], list[_StageIO]]:
+           sizes: dict[str, int], loss_fn: Callable, device: str, *, mesh=None,
+           wrap: Callable[[nn.Module], nn.Module] | None = None,
+           setup: Callable[[], None] | None = None) -> tuple[list[StageActivations], list[_StageIO]]:
     """One micro-batch's activations on every stage as TP rank 0 runs them, and each stage's
     :class:`_StageIO`: forward and backward on meta, the TP plan applied over a fake world of the TP
-    size. The mesh's dim gets a name of its own per trace: DTensor caches sharding decisions by mesh
-    *value*, and an equal mesh of an earlier (destroyed) fake world would bring back its process
-    groups."""
+    size (``mesh``: the TP mesh of a fake world the caller holds open; by default one of its own).
+    Without a ``mesh``, the mesh's dim gets a name of its own per trace: DTensor caches sharding
+    decisions by mesh *value*, and an equal mesh of an earlier (destroyed) fake world would bring back
+    its process groups. ``wrap(chunk)``: called on each stage's chunk, TP applied, before it runs;
+    ``setup()``: before TP is applied to it (a work counter's region for what is not the stage's work)."""
     if sizes["EP"] > 1:
         raise NotImplementedError("--estimate with ep > 1: routing tokens to experts needs their values (no meta "
                                   "kernel for bincount), so the experts' activations are not traced yet")
@@ -226,6 +247,7 @@ def _trace(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tensor, 
             return loss_fn(output, targets)
 
     def watched(chunk: nn.Module) -> nn.Module:  # called once per stage, in stage order
+        chunk = wrap(chunk) if wrap is not None else chunk
         counts = [0, 0, 0, 0]
         seen.append(counts)
         running = [False]  # the chunk's own forward, not a checkpoint's recompute in backward
@@ -246,19 +268,33 @@ def _trace(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tensor, 
                 module.register_forward_hook(weight_op)
         return chunk
 
-    with _fused_attention(device):
+    with _fused_attention(device), contextlib.ExitStack() as stack:
         if sizes["TP"] == 1:
-            traced = stage_activations(model, plan, sizes["PP"], example, loss_fn=counted_loss, prepare=watched)
+            traced = stage_activations(model, plan, sizes["PP"], example, loss_fn=counted_loss,
+                                       prepare=lambda chunk: watched(_set_up(chunk, setup)))
         else:
-            with fake_world(sizes["TP"], rank=0):
-                name = f"TP{next(_TRACES)}"
-                mesh = init_device_mesh("cpu", (sizes["TP"],), mesh_dim_names=(name,))[name]
-                traced = stage_activations(model, plan, sizes["PP"], example, loss_fn=counted_loss,
-                                           prepare=lambda chunk: watched(parallelize_on_meta(chunk, mesh, sharding)))
+            if mesh is None:
+                stack.enter_context(fake_world(sizes["TP"], rank=0))
+                mesh = tp_mesh(sizes["TP"])
+            traced = stage_activations(model, plan, sizes["PP"], example, loss_fn=counted_loss,
+                                       prepare=lambda chunk: watched(parallelize_on_meta(_set_up(chunk, setup), mesh,
+                                                                                         sharding)))
     last = len(seen) - 1
     return traced, [_StageIO(received, first if stage == last else output, weight_ops if stage > 0 else 0,
                              loss_saved.bytes if stage == last else 0)
                     for stage, (received, output, first, weight_ops) in enumerate(seen)]
+
+
+def _set_up(chunk: nn.Module, setup: Callable[[], None] | None) -> nn.Module:
+    if setup is not None:
+        setup()
+    return chunk
+
+
+def tp_mesh(size: int):
+    """A one-dim TP mesh of ``size`` ranks in the open fake world, its dim named afresh (see :func:`_trace`)."""
+    name = f"TP{next(_TRACES)}"
+    return init_device_mesh("cpu", (size,), mesh_dim_names=(name,))[name]
 
 
 class _SavedBytes:
@@ -382,6 +418,8 @@ def _held_bytes(resolved: ResolvedPlan, pp_rank: int, held: list[int], split: li
 
 def _data_bytes(args: argparse.Namespace) -> int:
     """The dataset every rank holds (its tensors, once per storage)."""
+    from ndweave.mesh.testing.memory import TensorMemory  # loaded only to measure (see torch_compat)
+
     with TensorMemory() as memory:
         data = TextData(args.block_size, args.seed)
         held = memory.current_bytes()

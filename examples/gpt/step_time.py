@@ -17,8 +17,8 @@ What a step asks for comes from the packages that run it, as the memory estimate
   parameters after the step, over the DP group, from the buckets DDP lays out
   (``ndweave.ddp.buffer.plan_buffers``, the function DDP calls); the grads tensor parallelism leaves
   partial (replicated parameters') are all-reduced over TP;
-* the optimizer: AdamW and the grad clip over this rank's owned pieces
-  (``ndweave.optim.cost.owned_elements``), run on meta under the counter;
+* the optimizer: AdamW and the grad clip over this rank's owned runs of each bucket (one flat master
+  each: ``ndweave.optim.cost.owned_runs``), run on meta under the counter;
 * the job's own collectives per step (the engine's batch agreement and loss broadcast over PP, the
   loss mean over DP, DDP's desync check, the grad norm), their latency.
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,22 +47,25 @@ from torch import nn
 
 from ndweave.ddp.buffer import plan_buffers
 from ndweave.dmodule.cost import local_param_shapes, parallelize_on_meta
-from ndweave.mesh import init_device_mesh, resolve_spec
+from ndweave.mesh import resolve_spec
 from ndweave.mesh.calibrate import Machine, Work, WorkCounter
 from ndweave.mesh.contracts import StepTime, TimeTerm
 from ndweave.mesh.testing import fake_world
 from ndweave.mesh.torch_compat import local_tensor, tree_flatten
-from ndweave.optim.cost import owned_elements
+from ndweave.optim.cost import owned_runs
 from ndweave.pipeline import PipelineParallelPlan
 from ndweave.pipeline.cost import stage_activations
 from ndweave.pipeline.plan import resolve_plan
 from ndweave.pipeline.step_time import simulate_schedule
 
-__all__ = ["StageWork", "estimate_step_seconds", "stage_work", "table"]
+from estimate import _fused_attention as fused_attention
+from estimate import parameters, tp_mesh
+
+__all__ = ["StageWork", "estimate_step_seconds", "host_seconds", "optimizer_seconds", "stage_buffers", "stage_work",
+           "step_terms", "sync_and_optimizer", "table", "tp0_shapes", "work_seconds"]
 
 DIMS = ("PP", "DP", "EP", "TP")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float64}
-_TRACES = itertools.count()  # a fresh mesh dim name per trace (see estimate._trace)
 #: The pipeline engine's host time per action beyond the stage's own ops (torch's schedule loop,
 #: posting and completing the stage's sends and receives, its input and output handling, the
 #: engine's and DDP's hooks), in ops' worth of ``Machine.op_overhead_s``: a stage with next to no
@@ -82,34 +84,55 @@ def estimate_step_seconds(args: argparse.Namespace, machine: Machine, build_mode
     (``calibrate(device, dtypes=[...])``)."""
     sizes = resolve_spec(args.mesh, None, dims=DIMS)
     pp, dp, ep, tp = (sizes[d] for d in DIMS)
-    if ep > 1:
-        raise NotImplementedError("step time with ep > 1: routing tokens to experts needs their values (no meta "
-                                  "kernel for bincount), so the experts' work is not traced yet")
+    refuse_experts(ep)
     plan = PipelineParallelPlan(schedule_type=args.schedule, virtual_chunks=args.virtual_chunks,
                                 num_microbatches=args.micro_batches)
     resolved = resolve_plan(plan, pp)
     rows = args.global_batch // (dp * args.micro_batches)
     example = torch.zeros((rows, args.block_size), dtype=torch.long, device="meta")
-    traced = stage_work(build_model(args, "meta"), plan, example, sharding, sizes, loss_fn)
+    traced = stage_work(build_model(args, "meta"), plan, example, sharding, sizes, loss_fn, args.device)
+    dtype = DTYPES[args.dtype]
+    groups = {w.group: tp for w in traced}
+    host = host_seconds(resolved, machine)
+    forward = [work_seconds(w.forward, machine, dtype, groups) + host[s] for s, w in enumerate(traced)]
+    backward = [work_seconds(w.backward, machine, dtype, groups) + host[s] for s, w in enumerate(traced)]
+    links = [machine.collective_seconds("send", w.sent_bytes, 2) for w in traced[:-1]]
+    model = build_model(args, "meta")
+    plan_dict = sharding(model, sizes)
+    shapes = tp0_shapes(model, plan_dict, tp)
+    sync, optimizer = sync_and_optimizer(
+        resolved, sizes, machine, lambda stage: stage_buffers(model, traced[stage].param_names, shapes, sizes, bucket_size),
+        optimizer_seconds(machine, optimizer_kwargs, args.clip))
+    tp_comm = max(machine.communication_seconds(w.forward + w.backward, groups) for w in traced)
+    return step_terms(resolved, sizes, machine, forward, backward, links, sync, optimizer, tp_comm)
+
+
+def refuse_experts(ep: int) -> None:
+    if ep > 1:
+        raise NotImplementedError("step time with ep > 1: routing tokens to experts needs their values (no meta "
+                                  "kernel for bincount), so the experts' work is not traced yet")
+
+
+def step_terms(resolved, sizes: dict[str, int], machine: Machine, forward: list[float], backward: list[float],
+               links: list[float], sync: float, optimizer: float, tp_comm: float) -> StepTime:
+    """The step from each stage's forward and backward of one micro-batch (host time included), the
+    links between stages, and the slowest PP rank's grad sync and optimizer step: the schedule
+    simulated, every rank's terms slowed where CPU ranks share cores."""
+    pp, dp, tp = sizes["PP"], sizes["DP"], sizes["TP"]
     world = pp * dp * tp
     shared = machine.device_type == "cpu" and world > machine.concurrent_ranks
     # more CPU ranks than cores: the dp * tp pipelines run side by side, so a pipeline's ranks have
     # cores / (dp * tp) ranks' speed between them; what every rank does at once takes world / cores as long
     concurrency = machine.concurrent_ranks / (dp * tp) if shared else None
     slowdown = world / machine.concurrent_ranks if shared else 1.0
-
-    forward, backward, links = _action_seconds(traced, resolved, machine, DTYPES[args.dtype], tp)
     timeline = simulate_schedule(resolved, forward, backward, links, concurrency=concurrency)
     schedule = max(timeline.durations)
-    sync, optimizer = _sync_and_optimizer(build_model(args, "meta"), traced, resolved, sharding, sizes, machine,
-                                          bucket_size, optimizer_kwargs, args.clip)
     bookkeeping = (2 * machine.collective_seconds("all_gather", 64, pp)  # the engine's batch agreement, loss broadcast
                    + machine.collective_seconds("all_reduce", 8, dp)  # the loss's mean
                    + machine.collective_seconds("all_gather", 40 * dp, dp)  # DDP's desync check
                    + machine.collective_seconds("all_reduce", 8, world))  # the grad norm
     busiest = max(range(resolved.num_stages), key=lambda s: forward[s] + backward[s])
     compute = max(sum(a.end - a.start for a in acts) for acts in timeline.ranks)
-    tp_comm = max(machine.communication_seconds(w.forward + w.backward, {w.group: tp}) for w in traced)
     return StepTime((
         TimeTerm("pipeline schedule", schedule, "pipeline"),
         TimeTerm("grad sync", sync * slowdown, "ddp"),
@@ -123,55 +146,50 @@ def estimate_step_seconds(args: argparse.Namespace, machine: Machine, build_mode
     ))
 
 
-def _action_seconds(traced: list[StageWork], resolved, machine: Machine, dtype: torch.dtype,
-                    tp: int) -> tuple[list[float], list[float], list[float]]:
-    """Each stage's forward and backward of one micro-batch (compute and TP collectives), and the
-    time an activation takes to the next stage."""
-    groups = {w.group: tp for w in traced}
+def work_seconds(work: Work, machine: Machine, dtype: torch.dtype, groups: dict[str, int]) -> float:
+    """A stage's ``work`` (compute and TP collectives, over ``groups``: name -> ranks) in seconds.
+    Every op of a TP stage runs on DTensors (the counter sees their local ops: the memory tracker
+    inside stage_activations steps aside for DTensor first, hiding the DTensor ops)."""
+    tensor_parallel = any(size > 1 for size in groups.values())
+    return (machine.compute_seconds(work, dtype, tensor_parallel=tensor_parallel)
+            + machine.communication_seconds(work, groups))
 
-    def seconds(work: Work) -> float:
-        # every op of a TP stage runs on DTensors (the counter sees their local ops: the memory
-        # tracker inside stage_activations steps aside for DTensor first, hiding the DTensor ops)
-        return (machine.compute_seconds(work, dtype, tensor_parallel=tp > 1)
-                + machine.communication_seconds(work, groups))
 
-    # an action's host time beyond its ops: the engine's (ACTION_HOST_OPS), and on CPU, where the link
-    # is the host, each message's latency on both ranks' processes (gloo's syscalls and wake-ups over
-    # loopback), once per neighbour on another rank
+def host_seconds(resolved, machine: Machine) -> list[float]:
+    """Each stage's host time per action beyond its ops: the engine's (ACTION_HOST_OPS), and on CPU,
+    where the link is the host, each message's latency on both ranks' processes (gloo's syscalls and
+    wake-ups over loopback), once per neighbour on another rank."""
     per_message = machine.link_latency_s if machine.device_type == "cpu" else 0.0
     talks = [sum(0 <= n < resolved.num_stages and resolved.stage_rank(n) != resolved.stage_rank(s)
                  for n in (s - 1, s + 1)) for s in range(resolved.num_stages)]
-    host = [ACTION_HOST_OPS * machine.op_overhead_s + talks[s] * per_message for s in range(resolved.num_stages)]
-    forward = [seconds(w.forward) + host[s] for s, w in enumerate(traced)]
-    backward = [seconds(w.backward) + host[s] for s, w in enumerate(traced)]
-    links = [machine.collective_seconds("send", w.sent_bytes, 2) for w in traced[:-1]]
-    return forward, backward, links
+    return [ACTION_HOST_OPS * machine.op_overhead_s + talks[s] * per_message for s in range(resolved.num_stages)]
 
 
-def _sync_and_optimizer(model: nn.Module, traced: list[StageWork], resolved, sharding: Callable, sizes: dict[str, int],
-                        machine: Machine, bucket_size: int | None, optimizer_kwargs: dict,
-                        clip: float) -> tuple[float, float]:
+def sync_and_optimizer(resolved, sizes: dict[str, int], machine: Machine, buffers_of: Callable[[int], tuple[list, int]],
+                       optimizer: Callable[[int, int, torch.dtype], float]) -> tuple[float, float]:
     """The slowest PP rank's grad sync (every bucket reduce-scattered and its parameters all-gathered
-    over DP; TP's partial grads all-reduced) and optimizer step (its owned pieces of every bucket)."""
+    over DP; TP's partial grads all-reduced) and optimizer step (its owned runs of every bucket, one
+    step: ``optimizer(runs, elements, param_dtype)``, :func:`optimizer_seconds`). ``buffers_of(stage)``:
+    DDP's buffers of the stage's chunk and its TP-replicated grad bytes (:func:`stage_buffers`)."""
     dp, tp = sizes["DP"], sizes["TP"]
-    plan_dict = sharding(model, sizes)
-    sync = optimizer = 0.0
+    sync = slowest = 0.0
     for pp_rank in range(resolved.pp_size):
-        rank_sync, rank_optimizer = 0.0, Work()
+        rank_sync, owned = 0.0, {}
         for stage in resolved.stages_of(pp_rank):
-            buffers, replicated = _buffers(model, traced[stage].param_names, plan_dict, sizes, bucket_size)
+            buffers, replicated = buffers_of(stage)
             for buffer in buffers:
+                runs, elements = owned.get(buffer.param_dtype, (0, 0))
                 for b in buffer.buckets:
                     numel = b.end - b.start
                     rank_sync += machine.collective_seconds("reduce_scatter", numel * buffer.grad_dtype.itemsize, dp)
                     rank_sync += machine.collective_seconds("all_gather", numel * buffer.param_dtype.itemsize, dp)
-                    pieces = owned_elements(numel, [(offset, n) for _, offset, n in b.entries], dp, 0)
-                    rank_optimizer += _optimizer_work(pieces, buffer.param_dtype, optimizer_kwargs, clip)
+                    mine = owned_runs(numel, [(offset, n) for _, offset, n in b.entries], dp, 0)
+                    runs, elements = runs + len(mine), elements + sum(mine)
+                owned[buffer.param_dtype] = (runs, elements)
             rank_sync += machine.collective_seconds("all_reduce", replicated, tp)
         sync = max(sync, rank_sync)
-        optimizer = max(optimizer, machine.compute_seconds(rank_optimizer, torch.float32))
-    return sync, optimizer
-
+        slowest = max(slowest, sum(optimizer(runs, n, dtype) for dtype, (runs, n) in owned.items() if runs))
+    return sync, slowest
 
 @dataclass(frozen=True)
 class StageWork:
@@ -189,7 +207,7 @@ class StageWork:
 
 def stage_work(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tensor,
                sharding: Callable[[nn.Module, dict[str, int]], dict | None], sizes: dict[str, int],
-               loss_fn: Callable) -> list[StageWork]:
+               loss_fn: Callable, device: str) -> list[StageWork]:
     """Each stage's :class:`StageWork`: one micro-batch's forward and backward on meta under a
     ``WorkCounter`` (through ``stage_activations``, which hands each stage what the previous one
     sends), with the TP plan applied over a fake world of the TP size (a fresh mesh dim name per
@@ -198,6 +216,7 @@ def stage_work(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tens
 
     def counted(chunk: nn.Module, prepare: Callable[[nn.Module], nn.Module] = lambda chunk: chunk) -> nn.Module:
         names.append([n for n, _ in chunk.named_parameters()])  # before TP replaces them
+        counter.region("setup")  # applying TP is no stage's work
         chunk = prepare(chunk)
         index = len(sent)
         counter.region(index)
@@ -206,17 +225,16 @@ def stage_work(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tens
         return chunk
 
     if sizes["TP"] == 1:
-        with counter:
+        with fused_attention(device), counter:
             stage_activations(model, plan, sizes["PP"], example, prepare=counted, loss_fn=loss_fn)
         group = ""
     else:
         plan_dict = sharding(model, sizes)
         with fake_world(sizes["TP"], rank=0):
-            name = f"TP{next(_TRACES)}"
-            mesh = init_device_mesh("cpu", (sizes["TP"],), mesh_dim_names=(name,))[name]
+            mesh = tp_mesh(sizes["TP"])
             group = mesh.get_group().group_name
             shard = functools.partial(parallelize_on_meta, mesh=mesh, plan=plan_dict)
-            with counter:
+            with fused_attention(device), counter:
                 stage_activations(model, plan, sizes["PP"], example, loss_fn=loss_fn,
                                   prepare=lambda chunk: counted(chunk, shard))
     return [StageWork(counter.work[s].forward, counter.work[s].backward, sent[s], group, names[s])
@@ -229,18 +247,16 @@ def _bytes(output) -> int:
                if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
-def _buffers(model: nn.Module, names: list[str], plan_dict: dict | None, sizes: dict[str, int],
-             bucket_size: int | None) -> tuple[list, int]:
+def stage_buffers(model: nn.Module, names: list[str], shapes: dict[str, torch.Size], sizes: dict[str, int],
+                  bucket_size: int | None) -> tuple[list, int]:
     """DDP's buffers for one stage chunk on TP rank 0 (``plan_buffers``, as the memory estimate
-    builds them), and the bytes of the chunk's parameters TP replicates (their grads are partial
-    over TP: all-reduced once per step)."""
+    builds them; ``shapes``: TP rank 0's local shape of each FQN, :func:`tp0_shapes`), and the bytes of
+    the chunk's parameters TP replicates (their grads are partial over TP: all-reduced once per step)."""
     tp = sizes["TP"]
-    shapes = local_param_shapes(model, plan_dict, {"TP": tp}, {"TP": 0})
-    first = {id(p): n for n, p in model.named_parameters()}
     params, replicated = [], 0
     for n in names:
-        p = model.get_parameter(n)
-        local = shapes[first[id(p)]]
+        p = parameters(model)[n]
+        local = shapes[n]
         params.append((n, p.dtype, local.numel(), local.numel(), "DP", sizes["DP"]))
         if tp > 1 and local == p.shape:
             replicated += p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize
@@ -249,15 +265,39 @@ def _buffers(model: nn.Module, names: list[str], plan_dict: dict | None, sizes: 
     return buffers, replicated
 
 
-def _optimizer_work(pieces: list[int], param_dtype: torch.dtype, optimizer_kwargs: dict, clip: float) -> Work:
-    """AdamW and the grad clip over master pieces of these sizes, counted on meta (the ops the
-    ``DistributedOptimizer`` runs per owned piece)."""
-    master = torch.promote_types(param_dtype, torch.float32)
+def tp0_shapes(model: nn.Module, plan_dict: dict | None, tp: int) -> dict[str, torch.Size]:
+    """TP rank 0's local shape of every parameter, under each of its FQNs."""
+    shapes = local_param_shapes(model, plan_dict, {"TP": tp}, {"TP": 0})
+    first = {id(p): n for n, p in model.named_parameters()}
+    return {n: shapes[first[id(p)]] for n, p in parameters(model).items()}
+
+
+def optimizer_seconds(machine: Machine, optimizer_kwargs: dict, clip: float) -> Callable[[int, int, torch.dtype], float]:
+    """``seconds(runs, elements, param_dtype)``: AdamW and the grad clip over ``runs`` flat masters of
+    ``elements`` in all, as ``DistributedOptimizer`` steps its owned runs (one inner step; the clip's
+    norm per run), counted on meta once per dtype for three probes and interpolated: the work is affine
+    in the runs (ops, per-run scalars) and in the elements (bytes)."""
+    probes: dict[torch.dtype, tuple[float, float, float]] = {}
+    size = 1 << 16
+
+    def seconds(runs: int, elements: int, param_dtype: torch.dtype) -> float:
+        if param_dtype not in probes:
+            master = torch.promote_types(param_dtype, torch.float32)
+            probes[param_dtype] = tuple(
+                machine.compute_seconds(_optimizer_work(pieces, master, optimizer_kwargs, clip), master)
+                for pieces in ([size], [size, size], [2 * size]))
+        one, two, double = probes[param_dtype]
+        return one + (runs - 1) * (two - double) + (elements - size) / size * (double - one)
+
+    return seconds
+
+
+def _optimizer_work(pieces: list[int], master: torch.dtype, optimizer_kwargs: dict, clip: float) -> Work:
+    """AdamW (fused where ``DistributedOptimizer`` makes it so) and the grad clip over master runs of
+    these sizes, counted on meta."""
     params = [nn.Parameter(torch.zeros(n, dtype=master, device="meta")) for n in pieces]
     for p in params:
         p.grad = torch.zeros_like(p)
-    if not params:
-        return Work()
     optimizer = torch.optim.AdamW(params, **optimizer_kwargs)
     optimizer.step()  # the state exists from the first step on
     with WorkCounter() as counter:

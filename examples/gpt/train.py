@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ import step_time  # noqa: E402
 import auto_mesh  # noqa: E402
 from export_hf import export_hf  # noqa: E402
 import hf_models  # noqa: E402
+import proxy  # noqa: E402
 import report  # noqa: E402
 from data import VALIDATION_WINDOWS, VOCAB_SIZE, TextData  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -56,7 +58,6 @@ from ndweave.mesh import ParallelMesh, init_mesh_from_spec, resolve_spec, shutdo
 from ndweave.mesh.calibrate import calibrate  # noqa: E402
 from ndweave.mesh.elastic import lost_ranks, restart_count  # noqa: E402
 from ndweave.mesh.testing import train_one_process  # noqa: E402
-from ndweave.mesh.testing.memory import TensorMemory  # noqa: E402
 from ndweave.optim import DistributedOptimizer  # noqa: E402
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage, generate  # noqa: E402
 
@@ -366,10 +367,13 @@ def plan_mesh(args: argparse.Namespace, argv: list[str]) -> list[str]:
     chosen layout's flags in place of the mesh and schedule flags."""
     world = auto_mesh.world_size(args)
     budget = auto_mesh.memory_per_device(args, world)
-    model = build_model(args, "meta")
+    # every layout priced from three traced parts of the model (proxy.py), not a trace of it each
+    pricer = proxy.Pricer(args, calibrate(args.device, dtypes=[DTYPES[args.dtype]]), build_model,
+                          lambda model, sizes: sharding_plan(model, args, sizes), loss_fn, DEFAULT_BUCKET_SIZE,
+                          adamw_kwargs(args))
     planned = auto_mesh.choose_layout(
-        args, auto_mesh.model_shape(model, args, num_experts(args)), world, budget,
-        peak_bytes=lambda a: max(r.peak for r in memory_estimate(a)), step_seconds=step_seconds,
+        args, auto_mesh.model_shape(pricer.model, args, num_experts(args)), world, budget,
+        peak_bytes=pricer.peak_bytes, step_seconds=pricer.step_seconds,
         job_rule=lambda a: mesh_problem(a, resolve_spec(a.mesh, None, dims=DIMS)))
     print(f"--mesh auto: {world} ranks, {budget / 2**30:.2f} GiB each\n{planned.table()}")
     if planned.best is None:
@@ -559,11 +563,13 @@ def train(args: argparse.Namespace) -> RunResult:
     ``--memory-check``: every tensor tracked from before the model is built."""
     if not args.memory_check:
         return _train(args, None)
+    from ndweave.mesh.testing.memory import TensorMemory  # loaded only to measure (see torch_compat)
+
     with TensorMemory() as memory:
         return _train(args, memory)
 
 
-def _train(args: argparse.Namespace, memory: TensorMemory | None) -> RunResult:
+def _train(args: argparse.Namespace, memory: Any | None) -> RunResult:
     mesh = build_mesh(args)
     rank, (dp_rank, dp_size) = dist.get_rank(), data_rank(mesh)
     check_mesh(mesh, args)

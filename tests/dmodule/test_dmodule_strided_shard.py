@@ -6,17 +6,16 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from test_dmodule_deferred_init import _profiled_peak_bytes
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from ndweave.mesh.torch_compat import StridedShard as _StridedShard
-from torch.profiler import ProfilerActivity, profile
 
 from ndweave.dmodule import PlacementSpec, deferred_init, parallelize_module
 from ndweave.dmodule.api import local_shard
 from ndweave.dmodule.plan import check_placements
 from ndweave.mesh.testing import fake_world, run_distributed
+from ndweave.mesh.testing.memory import TensorMemory
 
 
 def _s(dim: int, factor: int = 3) -> _StridedShard:
@@ -106,7 +105,7 @@ def _fused_body():
     eager = parallelize_module(copy.deepcopy(reference), mesh, PLAN)
     torch.manual_seed(0)
     net = deferred_init(Fused)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with TensorMemory() as memory:  # live tensor bytes (see test_dmodule_deferred_init)
         deferred = parallelize_module(net, mesh, PLAN)
     presharded = copy.deepcopy(reference)
     for name, p in presharded.named_parameters():
@@ -134,7 +133,7 @@ def _fused_body():
     full_qkv = reference.qkv.weight.numel() * reference.qkv.weight.element_size()
     assert stats.largest_full_param_bytes == full_qkv
     assert stats.peak_bytes <= local + full_qkv, stats
-    measured = _profiled_peak_bytes(prof)
+    measured = memory.peak_bytes()
     agreement_bytes = 1024  # the ranks' agreement before any collective: a digest per rank, gathered
     assert measured <= local + full_qkv + torch.get_rng_state().numel() + agreement_bytes, (measured, local, full_qkv, stats)
     x = DTensor.from_local(torch.randn(2, 5, 96, generator=torch.Generator().manual_seed(1)), mesh, [Replicate()])

@@ -227,14 +227,22 @@ class WorkCounter(TorchDispatchMode):
     DTensor turns them into (the counter steps aside for DTensor, as torch's ``CommDebugMode`` does),
     so FLOPs and bytes are each rank's own. FLOPs use ``FlopCounterMode``'s formulas (which, given
     DTensors, would count the global shapes). An op without a formula is decomposed, as
-    ``FlopCounterMode`` does, and counted as what it decomposes into. Ops on fake tensors are not
-    counted: they are DTensor's shape propagation, not work."""
+    ``FlopCounterMode`` does, and counted as what it decomposes into. Ops on fake tensors, or making
+    them, are not counted: they are DTensor's shape propagation (on a sharding it has not cached yet),
+    not work."""
 
     def __init__(self) -> None:
         super().__init__()
         self.work: dict = defaultdict(PhasedWork)
         self._region = "all"
-        self._formulas = FlopCounterMode(display=False).flop_registry
+        self._formulas = dict(FlopCounterMode(display=False).flop_registry)
+        # CPU's flash attention has no formula of its own in torch's counter; its math is sdpa's
+        aten = torch.ops.aten
+        for cpu, like in ((aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention),
+                          (aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                           aten._scaled_dot_product_flash_attention_backward)):
+            if like in self._formulas:
+                self._formulas.setdefault(cpu, self._formulas[like])
 
     def region(self, name) -> None:
         """Count what runs from now on under ``name``."""
@@ -257,6 +265,8 @@ class WorkCounter(TorchDispatchMode):
             if decomposed is not NotImplemented:
                 return decomposed
         out = func(*args, **kwargs)
+        if any(isinstance(t, FakeTensor) for t in _tensors(out)):  # a factory inside DTensor's shape propagation
+            return out
         work = self._current()
         work.ops += 1
         if name in _COLLECTIVES:

@@ -27,7 +27,6 @@ from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout, _world
-from torch.distributed._tools.mem_tracker import MemTracker  # noqa: F401  (re-exported)
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset, compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -331,37 +330,13 @@ def abort_group(group: torch.distributed.ProcessGroup) -> None:
                                 group_desc="ndweave:aborted-group-placeholder")
 
 
-class TensorMemory(MemTracker):
-    """Live tensor bytes per device while active (a context manager): ``ndweave.mesh.testing.memory``."""
+def __getattr__(name: str):
+    # torch's memory tracker loads on first use: its package (torch.distributed._tools) imports FSDP,
+    # the activation-checkpointing and runtime estimators and more, which a rank that never measures
+    # memory should not carry
+    if name in ("MemTracker", "TensorMemory"):
+        from ndweave.mesh import _tensor_memory
 
-    def __enter__(self) -> TensorMemory:
-        # MemTracker's own __enter__ also starts its module tracker, whose backward hooks
-        # (register_multi_grad_hook) fail inside the autograd.grad a pipeline stage runs; the
-        # totals need only the dispatch mode and the storage-resize patch, started here
-        self._fake_mode_on_entry = None  # eager: ops under DTensor's propagation fake mode are skipped
-        self._track_resize()
-        self.reset_peak()
-        TorchDispatchMode.__enter__(self)
-        return self
-
-    def __exit__(self, *args) -> None:
-        self._restore_resize()
-        TorchDispatchMode.__exit__(self, *args)
-
-    def current_bytes(self, device: str | torch.device = "cpu") -> int:
-        """Bytes of live tensors on ``device`` now."""
-        return self._total(self.get_tracker_snapshot("current"), device)
-
-    def peak_bytes(self, device: str | torch.device = "cpu") -> int:
-        """The most bytes of live tensors on ``device`` at once since the start (or the last
-        :meth:`reset_peak`)."""
-        return self._total(self.get_tracker_snapshot("peak"), device)
-
-    def reset_peak(self) -> None:
-        """From here on the peak starts at what is live now."""
-        self._peak_mem_snap = self.get_tracker_snapshot("current")
-        self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
-
-    @staticmethod
-    def _total(snapshot: dict, device: str | torch.device) -> int:
-        return int(snapshot.get(torch.device(device), {}).get("Total", 0))
+        globals().update(MemTracker=_tensor_memory.MemTracker, TensorMemory=_tensor_memory.TensorMemory)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

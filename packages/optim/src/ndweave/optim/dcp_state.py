@@ -116,7 +116,8 @@ def dcp_state_dict(buckets: Sequence[GradBucket], shards: Sequence[Any], inner: 
                    master_dtypes: Sequence[torch.dtype]) -> dict[str, dict[str, Any]]:
     """``{fqn: {key: value}}`` of every parameter of ``group_fqns``: elementwise state (and the master
     weights where they are not the model's own ``param_data``) as tensors like the parameter, the
-    rest (``step``) as the owners hold it. ``shards`` are the optimizer's ``_Shard``\\ s,
+    rest (``step``) as the owners hold it. ``shards`` are the optimizer's ``_Shard``\\ s (slices of its
+    flat masters, ``_Flat``\\ s),
     ``master_dtypes`` the masters' dtype per bucket. A collective over each bucket's data-parallel
     group: one all-gather per bucket and elementwise key, one ``all_gather_object`` of the scalars.
     A parameter no rank has stepped yet gets zeros (the destination a load reads into)."""
@@ -129,7 +130,7 @@ def dcp_state_dict(buckets: Sequence[GradBucket], shards: Sequence[Any], inner: 
         for group in {g for _, g in members}:
             if (group, dtype) not in fresh:
                 fresh[group, dtype] = _fresh_state(inner, group, dtype, bucket.param_data.device)
-        mine = [s for s in shards if s.bucket is bucket]
+        mine = list({id(s.flat): s.flat for s in shards if s.flat.bucket is bucket}.values())
         for key, like in _elementwise_keys(members, fresh, dtype, aliased=bucket.param_data.dtype == dtype):
             flat = _gathered(bucket, mine, inner, key, like)
             for bp, group in members:
@@ -158,13 +159,13 @@ def _elementwise_keys(members: Sequence[tuple[Any, int]], fresh: Mapping[tuple[i
 @torch.no_grad()
 def _gathered(bucket: GradBucket, mine: Sequence[Any], inner: torch.optim.Optimizer, key: str,
               like: torch.Tensor) -> torch.Tensor:
-    """A flat buffer like the bucket's holding state ``key`` of every rank's ranges (zeros where no
-    state exists yet), all-gathered in place like ``param_data``."""
+    """A flat buffer like the bucket's holding state ``key`` of every rank's ranges (``mine``: this
+    rank's flat masters; zeros where no state exists yet), all-gathered in place like ``param_data``."""
     flat = torch.zeros(bucket.param_data.numel(), dtype=like.dtype, device=bucket.param_data.device)
-    for shard in mine:
-        value = shard.master if key == MASTER_KEY else inner.state.get(shard.master, {}).get(key)
+    for run in mine:
+        value = run.master if key == MASTER_KEY else inner.state.get(run.master, {}).get(key)
         if isinstance(value, torch.Tensor):
-            flat[shard.bucket_start : shard.bucket_end].copy_(value.reshape(-1))
+            flat[run.bucket_start : run.bucket_end].copy_(value.reshape(-1))
     if bucket.data_parallel_size > 1:
         start, end = bucket.shard_range()
         all_gather_flat(flat, flat[start:end], group=bucket.data_parallel_group)
@@ -178,8 +179,8 @@ def _gather_scalars(buckets: Sequence[GradBucket], shards: Sequence[Any], inner:
     group), since a rank holding no range of a parameter has none."""
     owned: dict[str, dict[str, Any]] = {}
     for shard in shards:
-        for key, value in inner.state.get(shard.master, {}).items():
-            if key in state[shard.name] and not is_elementwise(key, value, shard.master.shape):
+        for key, value in inner.state.get(shard.flat.master, {}).items():
+            if key in state[shard.name] and not is_elementwise(key, value, shard.flat.master.shape):
                 owned.setdefault(shard.name, {})[key] = value.cpu() if isinstance(value, torch.Tensor) else value
     everyone = [owned]
     groups = {id(b.data_parallel_group): b.data_parallel_group for b in buckets if b.data_parallel_size > 1}
@@ -191,7 +192,8 @@ def _gather_scalars(buckets: Sequence[GradBucket], shards: Sequence[Any], inner:
         for fqn, entry in scalars.items():
             for key, value in entry.items():
                 template = state[fqn][key]
-                state[fqn][key] = value.to(template.device) if isinstance(template, torch.Tensor) else value
+                # a copy each: the pieces of one flat master share one scalar, a torch optimizer must not
+                state[fqn][key] = value.to(template.device, copy=True) if isinstance(template, torch.Tensor) else value
 
 
 def pieces_of_dtensors(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:

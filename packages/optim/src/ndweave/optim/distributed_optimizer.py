@@ -6,9 +6,14 @@ How a step goes, on every data-parallel rank ``r``::
     finish_grad_sync(models)          # DDP reduce-scatters: bucket range r holds the averaged grad
     master.grad = grad_data[range r]  # fp32 (a view if grad_data is fp32, else one cast copy)
     unscale / clip                    # global norm: one all-reduce of owned squares
-    inner.step()                      # torch optimizer on fp32 master shards (Parameters)
+    inner.step()                      # torch optimizer (fused where torch has it) on the flat masters
     param_data[range r] = master      # cast to the model dtype (no copy if the model is fp32)
     all_gather_into_tensor(param_data, param_data[range r])   # per bucket; async with overlap
+
+One flat master per param group and bucket range (``_Flat``: a run of consecutive parameter
+pieces; only elementwise optimizers are accepted, so stepping the run equals stepping each piece),
+so the inner step, the norm and the copies are one call per group, not one per parameter;
+``state_dict()`` still cuts the flat state into per-FQN pieces (``_Shard``).
 
 What is sharded (ZeRO level): optimizer state (``exp_avg``, ``exp_avg_sq``, momentum...) and fp32
 master weights are 1/DP per rank: ZeRO-1. Gradients are reduce-scattered, and the fp32 grads the
@@ -54,12 +59,36 @@ __all__ = ["DistributedOptimizer"]
 
 
 @dataclass(eq=False)
-class _Shard:
-    """One parameter's part of this rank's range of one bucket, and its master weights."""
+class _Flat:
+    """This rank's master weights for a run of consecutive parameter pieces of one param group in
+    its range of one bucket (usually the whole range): one tensor the inner optimizer steps."""
 
     bucket: GradBucket
+    group: int
+    bucket_start: int
+    """Range of the run within the bucket's flat buffers."""
+    bucket_end: int
+    master: torch.nn.Parameter
+    """1-D master weights (at least fp32 unless ``grad_to_fp32=False``); its ``.grad`` is the run of
+    ``grad_data`` (a view when the dtypes agree, else one cast)."""
+    aliases_model: bool
+    """``master`` is a view of ``param_data`` (same dtype): stepping it updates the model directly."""
+    owned: list[tuple[int, int]]
+    """Ranges of ``master`` counted in the global grad norm (every piece but replicas, see ``grad_norm``)."""
+
+    def model_range(self) -> torch.Tensor:
+        return self.bucket.param_data[self.bucket_start : self.bucket_end]
+
+    def grad_range(self) -> torch.Tensor:
+        return self.bucket.grad_data[self.bucket_start : self.bucket_end]
+
+
+@dataclass(eq=False)
+class _Shard:
+    """One parameter's part of this rank's range of one bucket: a slice of a ``_Flat``."""
+
+    flat: _Flat
     name: str
-    param: torch.nn.Parameter
     bucket_start: int
     """Range of the piece within the bucket's flat buffers."""
     bucket_end: int
@@ -68,18 +97,15 @@ class _Shard:
     end: int
     layout: ShardLayout
     """Where the param's local tensor lies in the global one (TP shard, strided or not)."""
-    master: torch.nn.Parameter
-    """1-D master weights the inner optimizer steps (at least fp32 unless ``grad_to_fp32=False``)."""
-    aliases_model: bool
-    """``master`` is a view of ``param_data`` (same dtype): stepping it updates the model directly."""
-    counted: bool
-    """Counts in the global grad norm (see ``grad_norm``)."""
 
-    def model_range(self) -> torch.Tensor:
-        return self.bucket.param_data[self.bucket_start : self.bucket_end]
+    def of(self, flat_value: torch.Tensor) -> torch.Tensor:
+        """This piece of a tensor shaped like the flat master (the master, a state tensor)."""
+        offset = self.flat.bucket_start
+        return flat_value.detach()[self.bucket_start - offset : self.bucket_end - offset]
 
-    def grad_range(self) -> torch.Tensor:
-        return self.bucket.grad_data[self.bucket_start : self.bucket_end]
+    @property
+    def master(self) -> torch.Tensor:
+        return self.of(self.flat.master)
 
     def piece(self, data: torch.Tensor) -> StatePiece:
         return GuardedPiece(self.name, data, self.layout, self.start, self.end)
@@ -149,29 +175,13 @@ class DistributedOptimizer(WrappedOptimizer):
         spec = resolve_optimizer(optimizer, optimizer_kwargs)
         check_elementwise(spec.cls, assume_elementwise)
         self.grad_to_fp32 = grad_to_fp32
-        self._shards: list[_Shard] = []
+        dtypes, devices = {self._master_dtype(b) for b in self.buckets}, {b.param_data.device for b in self.buckets}
+        # torch's fused kernel where it has one, in the groups that left the choice to torch
+        self._fused_groups = spec.fused(*dtypes, *devices) if len(dtypes) == len(devices) == 1 else []
         self._group_fqns: list[list[str]] = [[] for _ in spec.groups]
         self._global_shapes: dict[str, tuple[int, ...]] = {}  # of every FQN in a group: what a load checks
-        groups: list[list[torch.Tensor]] = [[] for _ in spec.groups]
-        names: dict[str, int] = {}
-        for bucket in self.buckets:
-            dp_ranks = None if bucket.data_parallel_group is None else tuple(
-                dist.get_process_group_ranks(bucket.data_parallel_group))
-            lo, hi = bucket.shard_range()
-            for bp in bucket.params:
-                if names.setdefault(bp.name, id(bp.param)) != id(bp.param):
-                    raise ValueError(f"two parameters are named {bp.name!r}; FQNs must be unique across models")
-                index = spec.group_index(bp.param)
-                if index is None:  # not in the user's optimizer: never updated, still gathered
-                    continue
-                self._group_fqns[index].append(bp.name)
-                self._global_shapes[bp.name] = tuple(bp.param.shape)
-                start, end = max(lo, bp.offset), min(hi, bp.offset + bp.numel)
-                if start >= end:
-                    continue
-                shard = self._make_shard(bucket, bp, start, end, dp_ranks)
-                self._shards.append(shard)
-                groups[index].append(shard.master)
+        self._flats, self._shards = self._build_flats(spec)
+        groups = [[f.master for f in self._flats if f.group == g] for g in range(len(spec.groups))]
         if not any(groups):  # a rank owning only padding still needs a valid torch optimizer
             groups[0].append(torch.nn.Parameter(torch.zeros(0, device=self.buckets[0].grad_data.device)))
         inner = spec.build(groups)
@@ -212,34 +222,67 @@ class DistributedOptimizer(WrappedOptimizer):
         dtype = bucket.param_data.dtype
         return torch.promote_types(dtype, torch.float32) if self.grad_to_fp32 else dtype
 
-    def _make_shard(self, bucket: GradBucket, bp, start: int, end: int, dp_ranks) -> _Shard:
+    def _build_flats(self, spec) -> tuple[list[_Flat], list[_Shard]]:
+        """One ``_Flat`` per run of consecutive pieces of one group in this rank's range of a bucket."""
+        flats: list[_Flat] = []
+        shards: list[_Shard] = []
+        names: dict[str, int] = {}
+        for bucket in self.buckets:
+            dp_ranks = None if bucket.data_parallel_group is None else tuple(
+                dist.get_process_group_ranks(bucket.data_parallel_group))
+            lo, hi = bucket.shard_range()
+            runs: list[tuple[int, list]] = []  # (group, [(bp, start, end)]): pieces in buffer order
+            for bp in bucket.params:
+                if names.setdefault(bp.name, id(bp.param)) != id(bp.param):
+                    raise ValueError(f"two parameters are named {bp.name!r}; FQNs must be unique across models")
+                index = spec.group_index(bp.param)
+                if index is None:  # not in the user's optimizer: never updated, still gathered
+                    continue
+                self._group_fqns[index].append(bp.name)
+                self._global_shapes[bp.name] = tuple(bp.param.shape)
+                start, end = max(lo, bp.offset), min(hi, bp.offset + bp.numel)
+                if start >= end:
+                    continue
+                if not runs or runs[-1][0] != index or runs[-1][1][-1][2] != start:
+                    runs.append((index, []))
+                runs[-1][1].append((bp, start, end))
+            for index, pieces in runs:
+                flat = self._make_flat(bucket, index, pieces[0][1], pieces[-1][2])
+                for bp, start, end in pieces:
+                    shards.append(_Shard(flat=flat, name=bp.name, bucket_start=start, bucket_end=end,
+                                         start=start - bp.offset, end=end - bp.offset, layout=ShardLayout.of(bp.param)))
+                    if counts_replica(bp.param, dp_ranks) and not is_tied_replica(bp.param):
+                        a, b = start - flat.bucket_start, end - flat.bucket_start
+                        if flat.owned and flat.owned[-1][1] == a:
+                            a = flat.owned.pop()[0]
+                        flat.owned.append((a, b))
+                flats.append(flat)
+        return flats, shards
+
+    def _make_flat(self, bucket: GradBucket, group: int, start: int, end: int) -> _Flat:
         view = bucket.param_data[start:end]
         master_dtype = self._master_dtype(bucket)
         aliases = view.dtype == master_dtype
         master = torch.nn.Parameter(view if aliases else view.detach().to(master_dtype))
-        return _Shard(
-            bucket=bucket, name=bp.name, param=bp.param, bucket_start=start, bucket_end=end,
-            start=start - bp.offset, end=end - bp.offset, layout=ShardLayout.of(bp.param), master=master,
-            aliases_model=aliases,
-            counted=counts_replica(bp.param, dp_ranks) and not is_tied_replica(bp.param),
-        )
+        return _Flat(bucket=bucket, group=group, bucket_start=start, bucket_end=end, master=master,
+                     aliases_model=aliases, owned=[])
 
     # ---- the step ----------------------------------------------------------------------------
     def _sync_grads(self) -> None:
         self._gatherer.wait()
         finish_grad_sync(self.models)
-        for shard in self._shards:
+        for flat in self._flats:
             if not self._grads_seen[0]:  # no backward since zero_grad(): no grads, as in torch
-                shard.master.grad = None
+                flat.master.grad = None
                 continue
-            grad = shard.grad_range()
-            shard.master.grad = grad if grad.dtype == shard.master.dtype else grad.to(shard.master.dtype)
+            grad = flat.grad_range()
+            flat.master.grad = grad if grad.dtype == flat.master.dtype else grad.to(flat.master.dtype)
 
     def _owned_grads(self) -> list[torch.Tensor]:
-        return [s.master.grad for s in self._shards if s.counted and s.master.grad is not None]
+        return [f.master.grad[a:b] for f in self._flats if f.master.grad is not None for a, b in f.owned]
 
     def _local_grads(self) -> list[torch.Tensor]:
-        return [s.master.grad for s in self._shards if s.master.grad is not None]
+        return [f.master.grad for f in self._flats if f.master.grad is not None]
 
     def _apply_step(self) -> None:
         self.inner.step()
@@ -248,24 +291,30 @@ class DistributedOptimizer(WrappedOptimizer):
     def _publish(self) -> None:
         """Write the masters into the model's ranges and all-gather every bucket."""
         with torch.no_grad():
-            for shard in self._shards:
-                if not shard.aliases_model:
-                    shard.model_range().copy_(shard.master)
+            for flat in self._flats:
+                if not flat.aliases_model:
+                    flat.model_range().copy_(flat.master)
         self._gatherer.gather()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the models' grad buffers (``zero_grad_buffer()``) and the shards' grads: dropped, or
+        """Zero the models' grad buffers (``zero_grad_buffer()``) and the masters' grads: dropped, or
         with ``set_to_none=False`` zeroed in place (torch's meaning)."""
         for model in self.models:
             model.zero_grad_buffer()
         if set_to_none:
             self._grads_seen[0] = False
-        for shard in self._shards:
+        for flat in self._flats:
             if set_to_none:
-                shard.master.grad = None
-            elif shard.master.grad is not None:
-                shard.master.grad.zero_()
+                flat.master.grad = None
+            elif flat.master.grad is not None:
+                flat.master.grad.zero_()
         self._grads_ready = False
+
+    def get_parameters(self) -> list[torch.Tensor]:
+        """This rank's master weights, one 1-D view per parameter piece (of the flat masters in
+        ``param_groups``, which the inner optimizer steps); a zero-size placeholder on a rank that
+        owns only padding."""
+        return [shard.master for shard in self._shards] or super().get_parameters()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
@@ -295,7 +344,7 @@ class DistributedOptimizer(WrappedOptimizer):
 
     def master_param_bytes(self) -> int:
         """Bytes of fp32 master weights held apart from the model (0 when they alias an fp32 model)."""
-        return sum(s.master.numel() * s.master.element_size() for s in self._shards if not s.aliases_model)
+        return sum(f.master.numel() * f.master.element_size() for f in self._flats if not f.aliases_model)
 
     # ---- state ---------------------------------------------------------------------------------
     @property
@@ -336,6 +385,8 @@ class DistributedOptimizer(WrappedOptimizer):
         self._gatherer.wait()
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(fqns)}
                   for g, fqns in zip(self.inner.param_groups, self._group_fqns)]
+        for index in self._fused_groups:  # the fused kernel was our choice, not a hyperparameter: saved as left
+            groups[index]["fused"] = None
         if format == "dcp":
             state = dcp_state_dict(self.buckets, self._shards, self.inner, self._group_fqns,
                                    [self._master_dtype(b) for b in self.buckets])
@@ -346,9 +397,12 @@ class DistributedOptimizer(WrappedOptimizer):
     def _piece_state(self) -> dict[str, dict[str, Any]]:
         state: dict[str, dict[str, Any]] = {}
         for shard in self._shards:
-            entry = {MASTER_KEY: shard.piece(shard.master.detach())}
-            for key, value in self.inner.state.get(shard.master, {}).items():
-                entry[key] = shard.piece(value) if is_elementwise(key, value, shard.master.shape) else value
+            entry = {MASTER_KEY: shard.piece(shard.master)}
+            for key, value in self.inner.state.get(shard.flat.master, {}).items():
+                if is_elementwise(key, value, shard.flat.master.shape):
+                    entry[key] = shard.piece(shard.of(value))
+                else:  # one per flat: a copy per FQN, which a torch optimizer loading them must not share
+                    entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
             state[shard.name] = entry
         return state
 
@@ -382,30 +436,47 @@ class DistributedOptimizer(WrappedOptimizer):
                             StateDictMismatchError, LOAD_FIX)
         self._gatherer.wait()
         groups = state_dict["param_groups"]
-        for mine, theirs in zip(self.inner.param_groups, groups):
-            mine.update({k: v for k, v in theirs.items() if k != "params"})
+        for index, (mine, theirs) in enumerate(zip(self.inner.param_groups, groups)):
+            kept = ("params", "fused") if index in self._fused_groups else ("params",)
+            mine.update({k: v for k, v in theirs.items() if k not in kept})
         with torch.no_grad():
             for shard in self._shards:
                 entry = state_dict["state"].get(shard.name)
                 if entry is None:
                     continue
-                new_state = {}
                 for key, value in entry.items():
                     value, elementwise = resolve_state_value(value, key, shard.name, shard.layout, shard.start,
                                                              shard.end)
                     if key == MASTER_KEY:
                         shard.master.copy_(value.reshape(-1))
-                    elif elementwise:
-                        new_state[key] = value.reshape(-1).to(shard.master.device, shard.master.dtype).clone()
+                        continue
+                    state = self._flat_state(shard.flat)
+                    if elementwise:
+                        if key not in state:
+                            state[key] = torch.zeros_like(shard.flat.master.detach())
+                        shard.of(state[key]).copy_(value.reshape(-1))
+                    elif isinstance(value, torch.Tensor):  # one per flat (its pieces step together)
+                        like = state.get(key, value)  # the device and dtype the step takes (fused: fp32)
+                        state[key] = value.to(like.device, like.dtype, copy=True)
                     else:
-                        new_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
-                if new_state:
-                    self.inner.state[shard.master] = new_state
+                        state[key] = value
         was_overlapped, self._gatherer.overlap = self._gatherer.overlap, False
         try:
             self._publish()
         finally:
             self._gatherer.overlap = was_overlapped
+
+    def _flat_state(self, flat: _Flat) -> dict[str, Any]:
+        """``flat``'s state in the inner optimizer; where there is none yet, the state a first step
+        starts from (elementwise values from a probe step with zero grads, see ``InnerSpec.probe_state``),
+        so the pieces a load leaves out keep the optimizer's own initial values."""
+        state = self.inner.state.setdefault(flat.master, {})
+        if not state:
+            probe = resolve_optimizer(self.inner, None).probe_state(flat.group, flat.master.dtype, flat.master.device)
+            for key, value in probe.items():
+                elementwise = is_elementwise(key, value, (2,))
+                state[key] = value[:1].expand(flat.master.numel()).clone() if elementwise else value
+        return state
 
 
 def _check_dtype_flags(dtypes: set[torch.dtype], **flags: Any) -> None:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Schedule1F1B, ScheduleGPipe
 
-from ndweave.mesh.torch_compat import TensorMemory
+from ndweave.mesh import torch_compat
 from ndweave.pipeline.construct import cut_model
 from ndweave.pipeline.engine import _first_tensor
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
@@ -223,7 +223,7 @@ def stage_activations(model: nn.Module, plan: PipelineParallelPlan, pp_size: int
             chunk = cut.chunk(model, stage)
             chunk = prepare(chunk) if prepare is not None else chunk
             hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in chunk.parameters() if p.requires_grad]
-            with TensorMemory() as memory, count_saved_bytes(chunk) as counted:
+            with torch_compat.TensorMemory() as memory, count_saved_bytes(chunk) as counted:
                 # the tracker counts a storage made before it started once an op returns a view of it
                 # (a linear's ``t()`` of its weight): the parameters are counted up front and left out
                 # of the peak, the inputs (which the stage's forward may save) kept in it

@@ -137,6 +137,9 @@ def _setup(cfg: WorkerConfig) -> None:
     os.dup2(log, 2)
     stacks = open(cfg.stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    # a rank that dies of a signal (an abort from the C heap, a segfault) leaves its Python stacks in
+    # the log the parent reads back: where it died, not only that it did
+    faulthandler.enable(file=sys.stderr, all_threads=True)
 
     per_node = cfg.world_size // cfg.num_nodes
     os.environ.update(

@@ -1,0 +1,327 @@
+"""``--mesh auto`` at scale: every layout priced from traces of three parts of the model, not of the
+whole model per layout.
+
+Every stage of every layout is made of the same parts: what runs before the blocks (the
+embeddings), some blocks, and what runs after them (the final norm, the head, the loss). So the job's
+model is built again with one block, cut into those three parts as three pipeline stages, and
+traced once per TP size and recompute setting, for micro-batches of one and of two rows: what a part
+saves, its peak, what it receives and sends (``estimate._trace``), and the work of its forward and
+backward (under ``step_time``'s work counter), each affine in the rows. A stage of a layout is then
+the sum of its parts: its saved bytes and work add up, its temporaries are its largest part's. Which
+blocks a stage holds is the pipeline's own split (``ndweave.pipeline.split.assign_stages``, the
+balance by parameters the traced cut keeps), and from there every term is the full estimate's own
+function (``estimate._model_state_terms``, ``estimate._activation_terms``, ``step_time.step_terms``):
+only the traces are shared. The ranks priced are one per PP rank at each end of the DP, EP and TP
+dims (a ZeRO range's padding and an uneven vocabulary's rows fall on the last ones); the other ranks
+repeat one of those.
+
+Held to the full estimates on layouts of the GPT and HF Llama
+(``tests/integration/test_integration_plan_fast.py``); a 70B, 80-layer Llama planned for 512 ranks in
+seconds, on meta, nothing allocated.
+
+    pricer = Pricer(args, machine, build_model, sharding, loss_fn, bucket_size, optimizer_kwargs)
+    pricer.peak_bytes(layout_args), pricer.step_seconds(layout_args)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from estimate import (DIMS, _activation_terms, _data_bytes, _local_shapes, _model_state_terms, _peer_shapes,
+                      _StageIO, _tied_across_ranks, _trace, parameters, tp_mesh)
+from ndweave.mesh import resolve_spec
+from ndweave.mesh.calibrate import Machine, WorkCounter
+from ndweave.mesh.contracts import MemoryTerm, RankMemory
+from ndweave.mesh.testing import fake_world
+from ndweave.pipeline import PipelineParallelPlan
+from ndweave.pipeline.cost import StageActivations
+from ndweave.pipeline.plan import ResolvedPlan, resolve_plan
+from ndweave.pipeline.split import assign_stages, model_layers
+from step_time import (DTYPES, host_seconds, optimizer_seconds, refuse_experts, stage_buffers, step_terms,
+                       sync_and_optimizer, work_seconds)
+
+__all__ = ["Part", "Pricer"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of the model (before the blocks, one block, after them) for one micro-batch."""
+
+    activations: StageActivations
+    """What it saves for backward, and its peak, as a pipeline stage of its own."""
+    io: _StageIO
+    """What it receives, sends, keeps for a split backward and (the last part) what its loss saves."""
+    forward: float
+    """Seconds of its forward on the machine, its TP collectives included (no host time per action)."""
+    backward: float
+    """Seconds of its backward, likewise."""
+    tp_comm: float
+    """Seconds of its TP collectives, forward and backward."""
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """What one stage of a layout holds: parts and parameters."""
+
+    before: bool
+    blocks: int
+    after: bool
+    names: list[str]
+    """Its parameters' FQNs (a weight tied within the stage once)."""
+
+
+class Pricer:
+    """Prices the layouts of one job (``args`` but the layout's flags): peak memory of the busiest rank
+    and the step's seconds, from the parts' traces, cached by what each depends on. The arguments
+    are ``estimate.estimate_memory``'s and ``step_time.estimate_step_seconds``'s."""
+
+    def __init__(self, args: argparse.Namespace, machine: Machine, build_model: Callable[..., nn.Module],
+                 sharding: Callable[[nn.Module, dict[str, int]], dict | None], loss_fn: Callable,
+                 bucket_size: int | None, optimizer_kwargs: dict) -> None:
+        self.args, self.machine, self.build_model, self.sharding = args, machine, build_model, sharding
+        self.loss_fn, self.bucket_size, self.optimizer_kwargs = loss_fn, bucket_size, optimizer_kwargs
+        self.model = build_model(args, "meta")
+        self.layers = model_layers(self.model)
+        self.before, self.after = _ends(self.model, self.layers)
+        proxy = build_model(one_block(args), "meta")
+        proxy_layers = model_layers(proxy)
+        if _ends(proxy, proxy_layers) != (self.before, self.after):
+            raise ValueError(f"the model with one block has other layers around its blocks: {proxy_layers}")
+        # the proxy's stages: what runs before the block, the block, what runs after it
+        self.split_points = [proxy_layers[self.before], proxy_layers[self.before + 1]]
+        self.data = _data_bytes(args) if torch.device(args.device).type == "cpu" else 0
+        self.optimizer = optimizer_seconds(machine, optimizer_kwargs, args.clip)
+        self._parts: dict[tuple, list[Part]] = {}
+        self._stages: dict[int, list[_Stage]] = {}
+        self._plans: dict[tuple, dict | None] = {}
+        self._shapes: dict[tuple, dict] = {}
+        self._peers: dict[tuple, list] = {}
+        self._state: dict[tuple, tuple] = {}
+        self._buffers: dict[tuple, tuple] = {}
+        self._tied_names: dict[tuple, list[list[str]]] = {}
+        self._proxies: dict[bool, nn.Module] = {}
+
+    # ---- memory --------------------------------------------------------------------------------
+    def peak_bytes(self, args: argparse.Namespace) -> int:
+        """The busiest rank's estimated peak for ``args``' layout."""
+        return max(r.peak for r in self.rank_memory(args))
+
+    def rank_memory(self, args: argparse.Namespace) -> list[RankMemory]:
+        """The estimate of one rank per PP rank and end of each other dim (see the module docstring)."""
+        sizes, resolved, stages, parts = self._layout(args)
+        traced, io = self._composed(stages, parts)
+        tied = self._tied(stages, resolved)
+        ranks = []
+        for coordinate in _representatives(sizes):
+            terms, syncs = [MemoryTerm("data", self.data, "job")], {}
+            for stage in resolved.stages_of(coordinate["PP"]):
+                state, syncs[stage] = self._model_state(stages, stage, sizes, coordinate)
+                terms += state
+            shapes = self._local_shapes(sizes, coordinate)
+            tied_grads = sum(shapes[n][0].numel() * parameters(self.model)[n].element_size()
+                             for s in resolved.stages_of(coordinate["PP"]) for n in tied[s])
+            terms += _activation_terms(resolved, traced, io, coordinate, tied_grads, syncs)
+            ranks.append(RankMemory(coordinate, tuple(terms)))
+        return ranks
+
+    def _tied(self, stages: list[_Stage], resolved: ResolvedPlan) -> list[list[str]]:
+        key = (len(stages), resolved.pp_size, resolved.v_shaped)
+        if key not in self._tied_names:
+            self._tied_names[key] = _tied_across_ranks(self.model, [s.names for s in stages], resolved)
+        return self._tied_names[key]
+
+    def _model_state(self, stages: list[_Stage], stage: int, sizes: dict[str, int], coordinate: dict[str, int]):
+        # stages holding the same parts hold parameters of the same shapes, in the same order
+        key = (_counts(stages[stage]), *sizes.values(), coordinate["DP"], coordinate["EP"], coordinate["TP"])
+        if key not in self._state:
+            self._state[key] = _model_state_terms(self.model, stages[stage].names, self._local_shapes(sizes, coordinate),
+                                                  sizes, coordinate, self.bucket_size, self.optimizer_kwargs,
+                                                  self.args.device)
+        return self._state[key]
+
+    def _local_shapes(self, sizes: dict[str, int], coordinate: dict[str, int]) -> dict:
+        key = (sizes["EP"], sizes["TP"], coordinate["EP"], coordinate["TP"])
+        if key not in self._shapes:
+            peers_key = (sizes["EP"], sizes["TP"], coordinate["EP"])
+            if peers_key not in self._peers:
+                self._peers[peers_key] = _peer_shapes(self.model, self._plan(sizes), sizes, coordinate)
+            self._shapes[key] = _local_shapes(self.model, self._plan(sizes), sizes, coordinate, self._peers[peers_key])
+        return self._shapes[key]
+
+    def _plan(self, sizes: dict[str, int]) -> dict | None:
+        key = (sizes["EP"], sizes["TP"])
+        if key not in self._plans:
+            self._plans[key] = self.sharding(self.model, sizes)
+        return self._plans[key]
+
+    # ---- time ----------------------------------------------------------------------------------
+    def step_seconds(self, args: argparse.Namespace) -> float:
+        """The estimated seconds of one step of ``args``' layout."""
+        sizes, resolved, stages, parts = self._layout(args)
+        host = host_seconds(resolved, self.machine)
+        forward = [sum(n * p.forward for n, p in zip(_counts(s), parts)) + host[i] for i, s in enumerate(stages)]
+        backward = [sum(n * p.backward for n, p in zip(_counts(s), parts)) + host[i] for i, s in enumerate(stages)]
+        _, io = self._composed(stages, parts)
+        links = [self.machine.collective_seconds("send", x.output, 2) for x in io[:-1]]
+        sync, optimizer = sync_and_optimizer(resolved, sizes, self.machine,
+                                             lambda stage: self._stage_buffers(stages, stage, sizes), self.optimizer)
+        tp_comm = max(sum(n * p.tp_comm for n, p in zip(_counts(s), parts)) for s in stages)
+        return step_terms(resolved, sizes, self.machine, forward, backward, links, sync, optimizer, tp_comm).seconds
+
+    def _stage_buffers(self, stages: list[_Stage], stage: int, sizes: dict[str, int]) -> tuple[list, int]:
+        key = (_counts(stages[stage]), sizes["DP"], sizes["TP"])
+        if key not in self._buffers:
+            shapes = {n: peers[0] for n, peers in self._local_shapes(sizes, {"EP": 0, "TP": 0}).items()}
+            self._buffers[key] = stage_buffers(self.model, stages[stage].names, shapes, sizes, self.bucket_size)
+        return self._buffers[key]
+
+    # ---- the parts -----------------------------------------------------------------------------
+    def _layout(self, args: argparse.Namespace) -> tuple[dict[str, int], ResolvedPlan, list[_Stage], list[Part]]:
+        sizes = resolve_spec(args.mesh, None, dims=DIMS)
+        refuse_experts(sizes["EP"])
+        plan = PipelineParallelPlan(schedule_type=args.schedule, virtual_chunks=args.virtual_chunks,
+                                    num_microbatches=args.micro_batches)
+        resolved = resolve_plan(plan, sizes["PP"])
+        rows = args.global_batch // (sizes["DP"] * sizes["EP"] * args.micro_batches)
+        return sizes, resolved, self._split(resolved.num_stages), self.parts(sizes["TP"], args.activation_checkpointing, rows)
+
+    def _split(self, num_stages: int) -> list[_Stage]:
+        """The parts and parameters of each stage when the model is cut into ``num_stages``."""
+        if num_stages not in self._stages:
+            index = {fqn: i for i, fqn in enumerate(self.layers)}
+            stages = []
+            for layers in assign_stages(self.model, num_stages, None):
+                at = [index[fqn] for fqn in layers]
+                blocks = sum(self.before <= i < len(self.layers) - self.after for i in at)
+                names, seen = [], set()
+                for fqn in layers:
+                    for name, p in self.model.get_submodule(fqn).named_parameters():
+                        if id(p) not in seen:
+                            seen.add(id(p))
+                            names.append(f"{fqn}.{name}")
+                stages.append(_Stage(any(i < self.before for i in at), blocks,
+                                     any(i >= len(self.layers) - self.after for i in at), names))
+            self._stages[num_stages] = stages
+        return self._stages[num_stages]
+
+    def parts(self, tp: int, recompute: bool, rows: int) -> list[Part]:
+        """The three parts for micro-batches of ``rows`` rows: traced at one and two rows, per TP size
+        (once, with and without recompute), and extended along the rows."""
+        if (tp, recompute) not in self._parts:
+            self._parts.update(self._trace_parts(tp))
+        one, two = self._parts[tp, recompute]
+        return [_affine(a, b, rows) for a, b in zip(one, two)]
+
+    def _trace_parts(self, tp: int) -> dict[tuple[int, bool], tuple[list[Part], list[Part]]]:
+        """The parts at one and two rows, without and with recompute, over one fake world of ``tp``
+        ranks (one mesh: DTensor's sharding decisions cached across the traces)."""
+        sizes = {"PP": 3, "DP": 1, "EP": 1, "TP": tp}
+        plan = PipelineParallelPlan(schedule_type="gpipe", num_microbatches=3, split_points=self.split_points)
+        dtype = DTYPES[self.args.dtype]
+        out = {}
+        with fake_world(tp, rank=0) if tp > 1 else contextlib.nullcontext():
+            mesh = tp_mesh(tp) if tp > 1 else None
+            groups = {mesh.get_group().group_name: tp} if mesh is not None else {}
+            for recompute in (False, True):
+                by_rows = []
+                for rows in (1, 2):
+                    model = self._proxy(recompute)
+                    counter, regions = WorkCounter(), iter(range(3))
+
+                    def region(chunk: nn.Module) -> nn.Module:
+                        counter.region(next(regions))
+                        return chunk
+
+                    example = torch.zeros((rows, self.args.block_size), dtype=torch.long, device="meta")
+                    with counter:  # applying TP and handing a stage its inputs are no part's work
+                        traced, io = _trace(model, plan, example, self.sharding(model, sizes), sizes, self.loss_fn,
+                                            self.args.device, mesh=mesh, wrap=region,
+                                            setup=lambda: counter.region("setup"))
+                    work = [counter.work[s] for s in range(3)]
+                    by_rows.append([Part(traced[s], io[s], work_seconds(work[s].forward, self.machine, dtype, groups),
+                                         work_seconds(work[s].backward, self.machine, dtype, groups),
+                                         self.machine.communication_seconds(work[s].forward + work[s].backward, groups))
+                                    for s in range(3)])
+                out[tp, recompute] = tuple(by_rows)
+        return out
+
+    def _proxy(self, recompute: bool) -> nn.Module:
+        """A fresh copy of the one-block model (built once per recompute setting: a copy of a meta
+        model is far cheaper than building one, transformers' models above all)."""
+        if recompute not in self._proxies:
+            self._proxies[recompute] = self.build_model(one_block(self.args, activation_checkpointing=recompute), "meta")
+        return copy.deepcopy(self._proxies[recompute])
+
+    def _composed(self, stages: list[_Stage], parts: list[Part]) -> tuple[list[StageActivations], list[_StageIO]]:
+        """Each stage's activations and :class:`estimate._StageIO` as the sum of its parts: saved bytes
+        and held outputs add up; the peak is the saved bytes and the largest part's temporaries; what a
+        stage receives is its first part's input, what it sends its last part's output."""
+        traced, io = [], []
+        last = len(stages) - 1
+        for index, stage in enumerate(stages):
+            members = [p for n, p in zip(_counts(stage), parts) for _ in range(min(n, 1))]
+            counts = [n for n in _counts(stage) if n]
+            saved = sum(n * p.activations.saved_bytes for n, p in zip(counts, members))
+            temporary = max(p.activations.peak_bytes - p.activations.saved_bytes for p in members)
+            traced.append(StageActivations(saved, saved + temporary))
+            weight_ops = sum(n * p.io.weight_op_outputs for n, p in zip(counts, members)) if index > 0 else 0
+            io.append(_StageIO(received=members[0].io.received if index > 0 else 0, output=members[-1].io.output,
+                               weight_op_outputs=weight_ops, loss_saved=parts[2].io.loss_saved if index == last else 0))
+        return traced, io
+
+
+def one_block(args: argparse.Namespace, **changes) -> argparse.Namespace:
+    """A copy of the job's ``args`` whose model has one block (the proxy whose parts are traced)."""
+    out = copy.copy(args)
+    for name, value in changes.items():
+        setattr(out, name, value)
+    if args.hf_config is None:
+        out.n_layer = 1
+    else:
+        out.hf_config = copy.deepcopy(args.hf_config)
+        out.hf_config.num_hidden_layers = 1
+        if isinstance(getattr(out.hf_config, "layer_types", None), list):  # per-layer attention kinds
+            out.hf_config.layer_types = out.hf_config.layer_types[:1]
+    return out
+
+
+def _ends(model: nn.Module, layers: list[str]) -> tuple[int, int]:
+    """How many of the pipeline's ``layers`` of ``model`` run before its blocks and after them; the
+    blocks are the entries of the container holding the most layers (a ``ModuleList``)."""
+    ids = {id(model.get_submodule(fqn)): i for i, fqn in enumerate(layers)}
+    containers = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+    blocks = max(([ids[id(b)] for b in c if id(b) in ids] for c in containers), key=len, default=[])
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} keeps no layers in a container: no blocks to price one of")
+    return min(blocks), len(layers) - 1 - max(blocks)
+
+
+def _counts(stage: _Stage) -> tuple[int, int, int]:
+    return int(stage.before), stage.blocks, int(stage.after)
+
+
+def _representatives(sizes: dict[str, int]) -> list[dict[str, int]]:
+    """One coordinate per PP rank and end of each of the other dims."""
+    out = [{}]
+    for d in DIMS:
+        ends = range(sizes[d]) if d == "PP" else sorted({0, sizes[d] - 1})
+        out = [{**c, d: i} for c in out for i in ends]
+    return out
+
+
+def _affine(one, two, rows: int):
+    """A dataclass of numbers (nested) at ``rows`` rows, from its values at one and two rows."""
+    values = {}
+    for f in dataclasses.fields(one):
+        a, b = getattr(one, f.name), getattr(two, f.name)
+        values[f.name] = _affine(a, b, rows) if dataclasses.is_dataclass(a) else a + (rows - 1) * (b - a)
+    return type(one)(**values)
+
