@@ -1,8 +1,8 @@
 """The bytes of live tensors a process holds, and their peak, on any device (CPU included): what a
 memory estimate is checked against.
 
-torch's own tracker (``MemTracker``, from torch's distributed tools; subclassed in ``torch_compat``)
-counts every storage an op allocates while it is active, once per storage, until the storage is
+torch's own tracker (``MemTracker``, from torch's distributed tools; subclassed in ``torch_compat``,
+loaded on first use) counts every storage an op allocates while it is active, once per storage, until the storage is
 freed, and keeps the peak of the sum per device (checked after each op). Its attribution to
 modules is left off: it supports one iteration only, and its backward hooks fail inside the
 ``autograd.grad`` a pipeline stage runs; so the tracker can span a whole pipelined training run. Storages allocated before it
