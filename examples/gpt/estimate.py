@@ -37,7 +37,7 @@ import argparse
 import contextlib
 import itertools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -111,23 +111,26 @@ def _coordinates(sizes: dict[str, int]) -> list[dict[str, int]]:
     return out
 
 
-def _local_shapes(model: nn.Module, sharding: dict | None, sizes: dict[str, int],
-                  coordinate: dict[str, int], peers: list[dict[str, torch.Size]] | None = None) -> dict[str, list[torch.Size]]:
+def _local_shapes(model: nn.Module, sharding: dict | None, sizes: dict[str, int], coordinate: dict[str, int],
+                  peers: dict[int, dict[str, torch.Size]] | None = None) -> dict[str, list[torch.Size]]:
     """``{fqn: [local shape on each TP peer]}`` (a tied parameter under each of its names), this
     rank's first: a buffer slot is as large as the largest peer's shard (``slot_numel``). ``peers``:
-    :func:`_peer_shapes` for the coordinate, where the caller has them."""
+    :func:`_peer_shapes` for the coordinate, where the caller has them (the ends of the TP dim are
+    enough: a dim is chunked as torch chunks it, the largest shards first)."""
     peers = _peer_shapes(model, sharding, sizes, coordinate) if peers is None else peers
-    order = [coordinate["TP"]] + [t for t in range(sizes["TP"]) if t != coordinate["TP"]]
+    order = [coordinate["TP"]] + [t for t in sorted(peers) if t != coordinate["TP"]]
     first = {id(p): n for n, p in model.named_parameters()}
     return {n: [peers[t][first[id(p)]] for t in order] for n, p in parameters(model).items()}
 
 
-def _peer_shapes(model: nn.Module, sharding: dict | None, sizes: dict[str, int],
-                 coordinate: dict[str, int]) -> list[dict[str, torch.Size]]:
-    """Each TP rank's local shapes (``local_param_shapes``) beside ``coordinate`` (its EP rank)."""
+def _peer_shapes(model: nn.Module, sharding: dict | None, sizes: dict[str, int], coordinate: dict[str, int],
+                 ranks: Iterable[int] | None = None) -> dict[int, dict[str, torch.Size]]:
+    """The local shapes (``local_param_shapes``) of TP ranks ``ranks`` (default: all) beside
+    ``coordinate`` (its EP rank)."""
     mesh = {"EP": sizes["EP"], "TP": sizes["TP"]} if sizes["EP"] > 1 else {"TP": sizes["TP"]}
     at = {d: coordinate[d] for d in mesh}
-    return [local_param_shapes(model, sharding, mesh, {**at, "TP": t}) for t in range(sizes["TP"])]
+    ranks = range(sizes["TP"]) if ranks is None else ranks
+    return {t: local_param_shapes(model, sharding, mesh, {**at, "TP": t}) for t in ranks}
 
 
 @dataclass(frozen=True)

@@ -4,20 +4,21 @@ whole model per layout.
 Every stage of every layout is made of the same parts: what runs before the blocks (the
 embeddings), some blocks, and what runs after them (the final norm, the head, the loss). So the job's
 model is built again with one block, cut into those three parts as three pipeline stages, and
-traced once per TP size and recompute setting, for micro-batches of one and of two rows: what a part
-saves, its peak, what it receives and sends (``estimate._trace``), and the work of its forward and
-backward (under ``step_time``'s work counter), each affine in the rows. A stage of a layout is then
-the sum of its parts: its saved bytes and work add up, its temporaries are its largest part's. Which
-blocks a stage holds is the pipeline's own split (``ndweave.pipeline.split.assign_stages``, the
-balance by parameters the traced cut keeps), and from there every term is the full estimate's own
-function (``estimate._model_state_terms``, ``estimate._activation_terms``, ``step_time.step_terms``):
-only the traces are shared. The ranks priced are one per PP rank at each end of the DP, EP and TP
-dims (a ZeRO range's padding and an uneven vocabulary's rows fall on the last ones); the other ranks
-repeat one of those.
+traced three times per TP size: for micro-batches of one and of two rows (everything a micro-batch
+holds or does is affine in its rows), and with activation checkpointing at one row (how much of a
+block's forward its backward runs again). Each trace gives what a part saves, its peak, what it
+receives and sends (``estimate._trace``) and the work of its forward and backward (under
+``step_time``'s work counter). A stage of a layout is then the sum of its parts: its saved bytes and
+work add up, its temporaries are its largest part's. Which blocks a stage holds is the pipeline's
+own split (``ndweave.pipeline.split.assign_stages``, the balance by parameters the traced cut keeps),
+and from there every term is the full estimate's own function (``estimate._model_state_terms``,
+``estimate._activation_terms``, ``step_time.step_terms``): only the traces are shared. The ranks
+priced are one per PP rank at each end of the DP, EP and TP dims (a ZeRO range's padding and an
+uneven vocabulary's rows fall on the last ones); the other ranks repeat one of those.
 
 Held to the full estimates on layouts of the GPT and HF Llama
-(``tests/integration/test_integration_plan_fast.py``); a 70B, 80-layer Llama planned for 512 ranks in
-seconds, on meta, nothing allocated.
+(``tests/integration/test_integration_plan_fast.py``): peak 0.998-1.023, step 1.00-1.09. A 70B,
+80-layer Llama is planned for 512 ranks on meta, nothing allocated.
 
     pricer = Pricer(args, machine, build_model, sharding, loss_fn, bucket_size, optimizer_kwargs)
     pricer.peak_bytes(layout_args), pricer.step_seconds(layout_args)
@@ -38,7 +39,7 @@ from torch import nn
 from estimate import (DIMS, _activation_terms, _data_bytes, _local_shapes, _model_state_terms, _peer_shapes,
                       _StageIO, _tied_across_ranks, _trace, parameters, tp_mesh)
 from ndweave.mesh import resolve_spec
-from ndweave.mesh.calibrate import Machine, WorkCounter
+from ndweave.mesh.calibrate import Machine, Work, WorkCounter
 from ndweave.mesh.contracts import MemoryTerm, RankMemory
 from ndweave.mesh.testing import fake_world
 from ndweave.pipeline import PipelineParallelPlan
@@ -65,6 +66,16 @@ class Part:
     """Seconds of its backward, likewise."""
     tp_comm: float
     """Seconds of its TP collectives, forward and backward."""
+
+
+@dataclass(frozen=True)
+class _Traced:
+    """What one part holds and does for one micro-batch, as traced (its collectives over ``"TP"``)."""
+
+    activations: StageActivations
+    io: _StageIO
+    forward: Work
+    backward: Work
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,7 @@ class Pricer:
         self.split_points = [proxy_layers[self.before], proxy_layers[self.before + 1]]
         self.data = _data_bytes(args) if torch.device(args.device).type == "cpu" else 0
         self.optimizer = optimizer_seconds(machine, optimizer_kwargs, args.clip)
-        self._parts: dict[tuple, list[Part]] = {}
+        self._traced: dict[int, tuple[list[_Traced], list[_Traced], list[_Traced]]] = {}
         self._stages: dict[int, list[_Stage]] = {}
         self._plans: dict[tuple, dict | None] = {}
         self._shapes: dict[tuple, dict] = {}
@@ -152,7 +163,8 @@ class Pricer:
         if key not in self._shapes:
             peers_key = (sizes["EP"], sizes["TP"], coordinate["EP"])
             if peers_key not in self._peers:
-                self._peers[peers_key] = _peer_shapes(self.model, self._plan(sizes), sizes, coordinate)
+                self._peers[peers_key] = _peer_shapes(self.model, self._plan(sizes), sizes, coordinate,
+                                                      sorted({0, sizes["TP"] - 1}))  # the ranks priced
             self._shapes[key] = _local_shapes(self.model, self._plan(sizes), sizes, coordinate, self._peers[peers_key])
         return self._shapes[key]
 
@@ -213,45 +225,46 @@ class Pricer:
         return self._stages[num_stages]
 
     def parts(self, tp: int, recompute: bool, rows: int) -> list[Part]:
-        """The three parts for micro-batches of ``rows`` rows: traced at one and two rows, per TP size
-        (once, with and without recompute), and extended along the rows."""
-        if (tp, recompute) not in self._parts:
-            self._parts.update(self._trace_parts(tp))
-        one, two = self._parts[tp, recompute]
-        return [_affine(a, b, rows) for a, b in zip(one, two)]
+        """The three parts for micro-batches of ``rows`` rows over ``tp`` ranks, from their traces
+        (once per TP size): without recompute at one and two rows, extended along the rows (all of it
+        is affine in them); with recompute, the block as :func:`_recomputed` makes it."""
+        if tp not in self._traced:
+            self._traced[tp] = self._trace_parts(tp)
+        one, two, recomputed_one = self._traced[tp]
+        parts = [_affine(a, b, rows) for a, b in zip(self._priced(one, tp), self._priced(two, tp))]
+        if recompute:
+            parts[1] = _recomputed(parts[1], self._priced(one, tp)[1], self._priced(recomputed_one, tp)[1])
+        return parts
 
-    def _trace_parts(self, tp: int) -> dict[tuple[int, bool], tuple[list[Part], list[Part]]]:
-        """The parts at one and two rows, without and with recompute, over one fake world of ``tp``
-        ranks (one mesh: DTensor's sharding decisions cached across the traces)."""
+    def _priced(self, parts: list[_Traced], tp: int) -> list[Part]:
+        dtype, groups = DTYPES[self.args.dtype], {"TP": tp}
+        return [Part(p.activations, p.io, work_seconds(p.forward, self.machine, dtype, groups),
+                     work_seconds(p.backward, self.machine, dtype, groups),
+                     self.machine.communication_seconds(p.forward + p.backward, groups)) for p in parts]
+
+    def _trace_parts(self, tp: int) -> tuple[list[_Traced], list[_Traced], list[_Traced]]:
+        """The parts without recompute at one and two rows, and with it at one row, over one fake world
+        of ``tp`` ranks (one mesh: DTensor's sharding decisions cached across the traces)."""
         sizes = {"PP": 3, "DP": 1, "EP": 1, "TP": tp}
         plan = PipelineParallelPlan(schedule_type="gpipe", num_microbatches=3, split_points=self.split_points)
-        dtype = DTYPES[self.args.dtype]
-        out = {}
+        out = []
         with fake_world(tp, rank=0) if tp > 1 else contextlib.nullcontext():
             mesh = tp_mesh(tp) if tp > 1 else None
-            groups = {mesh.get_group().group_name: tp} if mesh is not None else {}
-            for recompute in (False, True):
-                by_rows = []
-                for rows in (1, 2):
-                    model = self._proxy(recompute)
-                    counter, regions = WorkCounter(), iter(range(3))
+            for recompute, rows in ((False, 1), (False, 2), (True, 1)):
+                model = self._proxy(recompute)
+                counter, regions = WorkCounter(), iter(range(3))
 
-                    def region(chunk: nn.Module) -> nn.Module:
-                        counter.region(next(regions))
-                        return chunk
+                def region(chunk: nn.Module) -> nn.Module:
+                    counter.region(next(regions))
+                    return chunk
 
-                    example = torch.zeros((rows, self.args.block_size), dtype=torch.long, device="meta")
-                    with counter:  # applying TP and handing a stage its inputs are no part's work
-                        traced, io = _trace(model, plan, example, self.sharding(model, sizes), sizes, self.loss_fn,
-                                            self.args.device, mesh=mesh, wrap=region,
-                                            setup=lambda: counter.region("setup"))
-                    work = [counter.work[s] for s in range(3)]
-                    by_rows.append([Part(traced[s], io[s], work_seconds(work[s].forward, self.machine, dtype, groups),
-                                         work_seconds(work[s].backward, self.machine, dtype, groups),
-                                         self.machine.communication_seconds(work[s].forward + work[s].backward, groups))
-                                    for s in range(3)])
-                out[tp, recompute] = tuple(by_rows)
-        return out
+                example = torch.zeros((rows, self.args.block_size), dtype=torch.long, device="meta")
+                with counter:  # applying TP and handing a stage its inputs are no part's work
+                    traced, io = _trace(model, plan, example, self.sharding(model, sizes), sizes, self.loss_fn,
+                                        self.args.device, mesh=mesh, wrap=region, setup=lambda: counter.region("setup"))
+                out.append([_Traced(traced[s], io[s], _tp_group(counter.work[s].forward),
+                                    _tp_group(counter.work[s].backward)) for s in range(3)])
+        return out[0], out[1], out[2]
 
     def _proxy(self, recompute: bool) -> nn.Module:
         """A fresh copy of the one-block model (built once per recompute setting: a copy of a meta
@@ -276,6 +289,25 @@ class Pricer:
             io.append(_StageIO(received=members[0].io.received if index > 0 else 0, output=members[-1].io.output,
                                weight_op_outputs=weight_ops, loss_saved=parts[2].io.loss_saved if index == last else 0))
         return traced, io
+
+
+def _recomputed(block: Part, block_one: Part, recomputed_one: Part) -> Part:
+    """The block under activation checkpointing, from the block without it (``block``, at the rows
+    priced; ``block_one`` at one row) and its trace with it at one row (``recomputed_one``). It keeps
+    only its inputs from forward to backward, and its backward runs its forward again first (its
+    saved tensors back, the backward's temporaries on top: the same peak). Only as much of the
+    forward runs again as yields what its backward needs (torch's checkpoint stops early): that
+    share of the forward's seconds, and of its TP collectives, is measured at one row and held at any
+    (measured against traces with checkpointing: memory within 0.1%)."""
+    share = (recomputed_one.backward - block_one.backward) / block_one.forward if block_one.forward else 1.0
+    comm = recomputed_one.tp_comm / block_one.tp_comm if block_one.tp_comm else 1.0
+    return Part(StageActivations(block.io.received, block.activations.peak_bytes), block.io, block.forward,
+                block.backward + share * block.forward, block.tp_comm * comm)
+
+
+def _tp_group(work: Work) -> Work:
+    """``work`` with its collectives' group named ``"TP"`` (the fake world's name: priced for any size)."""
+    return dataclasses.replace(work, collectives=[(kind, nbytes, "TP") for kind, nbytes, _ in work.collectives])
 
 
 def one_block(args: argparse.Namespace, **changes) -> argparse.Namespace:

@@ -4,9 +4,9 @@ model) against the full estimates they stand in for, and the planner at scale:
 * on layouts of the GPT and HF Llama (PP x DP x TP, every kind of schedule, recompute, fp32 and
   bf16), the busiest rank's peak within ``PEAK_AGREEMENT`` of ``--estimate``'s (measured here 0.998
   to 1.023: a block's rotary tables are its own in the parts, shared by the blocks of a stage) and the
-  step within ``STEP_AGREEMENT`` of ``step_time.estimate_step_seconds``' (measured 1.00 to 1.11: each
+  step within ``STEP_AGREEMENT`` of ``step_time.estimate_step_seconds``' (measured 1.00 to 1.09: each
   part hands its outputs on as a stage of its own, a few ops more per block, which only a tiny model
-  notices);
+  notices; recompute's share of the forward is measured at one row and held at any);
 * the stages' parameters are the pipeline's own cut's (``stage_param_names``);
 * Llama-3 70B (80 layers) planned for 512 ranks of 80 GiB on meta: a layout chosen, no tensor
   allocated, the time it took printed (``examples/gpt/README``'s figure is from a quiet machine).
@@ -37,8 +37,8 @@ SMALL = ["--n-layer", "4", "--n-embd", "64", "--n-head", "4", "--block-size", "3
          "--micro-batches", "2"]
 #: The priced peak over ``--estimate``'s peak stays within 1 ± this (measured 0.998 to 1.023)
 PEAK_AGREEMENT = 0.03
-#: The priced step over ``step_time``'s stays within 1 ± this (measured 1.00 to 1.11)
-STEP_AGREEMENT = 0.12
+#: The priced step over ``step_time``'s stays within 1 ± this (measured 1.00 to 1.09)
+STEP_AGREEMENT = 0.10
 CASES = [
     ["--mesh", "dp=2"],
     ["--mesh", "pp=2,dp=2,tp=2"],
@@ -47,6 +47,7 @@ CASES = [
     ["--mesh", "tp=2", "--activation-checkpointing", "--dtype", "bf16"],
     ["--mesh", "tp=2", "--model", "hf:llama"],
     ["--mesh", "pp=2,tp=2", "--model", "hf:llama", "--activation-checkpointing"],
+    ["--mesh", "dp=2", "--model", "hf:llama", "--activation-checkpointing", "--dtype", "bf16"],
     ["--mesh", "pp=2,dp=2,tp=2", "--model", "hf:llama", "--dtype", "bf16", "--schedule", "gpipe"],
 ]
 
@@ -112,3 +113,12 @@ def test_a_70b_llama_is_planned_for_512_ranks_on_meta(machine, capsys):
     assert planned.ranked[0].peak_bytes <= 80 * 2**30
     assert sum(p.numel() for p in pricer.model.parameters()) > 69e9 and all(p.is_meta for p in pricer.model.parameters())
     assert memory.peak_bytes("cpu") < 2**20, "planning allocated tensors"  # meta only (a few scalars)
+
+
+def test_on_paper_prices_a_published_run_and_chooses_a_layout():
+    on_paper = load_example("gpt/on_paper")
+    name, config, ranks, batch, sequence, mesh, recompute, *_ = on_paper.RUNS[0]
+    out = on_paper.plan_on_paper(config, ranks, batch, sequence, mesh, recompute)
+    assert out["published_mesh_peak"] > 0 and out["published_mesh_step"] > 0
+    best = out["planned"].ranked[0]
+    assert best.layout.world_size == ranks and best.peak_bytes <= 96 * 2**30

@@ -65,7 +65,10 @@ _COLLECTIVES = {
 # what a kernel never runs for: shape and layout questions
 _METADATA = {"is_contiguous", "is_strides_like_format", "is_non_overlapping_and_dense", "size", "sym_size",
              "stride", "sym_stride", "storage_offset", "sym_storage_offset", "numel", "sym_numel", "dim", "layout",
-             "device", "wait_tensor"}
+             "device", "wait_tensor",
+             # what saved-tensor hooks (a memory trace's) dispatch per saved tensor; autograd's own saving
+             # dispatches none, so a checkpointed layer would look cheaper than its trace without
+             "detach"}
 
 
 def collective_seconds(kind: str, nbytes: float, group_size: int, bandwidth: float, latency: float) -> float:
@@ -254,7 +257,10 @@ class WorkCounter(TorchDispatchMode):
         if packet is None:  # a higher-order operator: what it runs comes back here
             return func(*args, **kwargs)
         name = packet.__name__
-        if name in _METADATA or any(isinstance(t, FakeTensor) for t in _tensors((args, kwargs))):
+        if name in _METADATA:
+            return func(*args, **kwargs)
+        inputs = _tensors((args, kwargs))  # flattened once: a trace dispatches thousands of ops
+        if any(isinstance(t, FakeTensor) for t in inputs):
             return func(*args, **kwargs)
         if any(_is_dtensor(t) for t in types):
             self._current().dtensor_ops += 1
@@ -265,18 +271,19 @@ class WorkCounter(TorchDispatchMode):
             if decomposed is not NotImplemented:
                 return decomposed
         out = func(*args, **kwargs)
-        if any(isinstance(t, FakeTensor) for t in _tensors(out)):  # a factory inside DTensor's shape propagation
+        outputs = _tensors(out)
+        if any(isinstance(t, FakeTensor) for t in outputs):  # a factory inside DTensor's shape propagation
             return out
         work = self._current()
         work.ops += 1
         if name in _COLLECTIVES:
-            tensors = _tensors(out) if _COLLECTIVES[name] == "all_gather" else _tensors(args)
+            tensors = outputs if _COLLECTIVES[name] == "all_gather" else _tensors(args)
             group = next((a for a in (*args, *kwargs.values()) if isinstance(a, str) and a not in _REDUCE_OPS), "")
             work.collectives.append((_COLLECTIVES[name], sum(_nbytes(t) for t in tensors), group))
         elif packet in self._formulas:
             work.flops += self._formulas[packet](*args, **kwargs, out_val=out)
         elif not func.is_view:
-            work.bytes += sum(_nbytes(t) for t in _tensors((args, kwargs, out)))
+            work.bytes += sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
         return out
 
     def _current(self) -> Work:
