@@ -130,7 +130,7 @@ class Pricer:
         sizes, resolved, stages, parts = self._layout(args)
         traced, io = self._composed(stages, parts)
         tied = self._tied(stages, resolved)
-        ranks = []
+        ranks, activations = [], {}
         for coordinate in _representatives(sizes):
             terms, syncs = [MemoryTerm("data", self.data, "job")], {}
             for stage in resolved.stages_of(coordinate["PP"]):
@@ -139,8 +139,11 @@ class Pricer:
             shapes = self._local_shapes(sizes, coordinate)
             tied_grads = sum(shapes[n][0].numel() * parameters(self.model)[n].element_size()
                              for s in resolved.stages_of(coordinate["PP"]) for n in tied[s])
-            terms += _activation_terms(resolved, traced, io, coordinate, tied_grads, syncs)
-            ranks.append(RankMemory(coordinate, tuple(terms)))
+            # a PP rank's ranks at the ends of the other dims mostly hold the same: priced once
+            key = (coordinate["PP"], tied_grads, tuple(syncs.items()))
+            if key not in activations:
+                activations[key] = _activation_terms(resolved, traced, io, coordinate, tied_grads, syncs)
+            ranks.append(RankMemory(coordinate, tuple(terms + activations[key])))
         return ranks
 
     def _tied(self, stages: list[_Stage], resolved: ResolvedPlan) -> list[list[str]]:
