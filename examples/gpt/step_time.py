@@ -293,8 +293,9 @@ def optimizer_seconds(machine: Machine, optimizer_kwargs: dict, clip: float) -> 
 
 
 def _optimizer_work(pieces: list[int], master: torch.dtype, optimizer_kwargs: dict, clip: float) -> Work:
-    """AdamW (fused where ``DistributedOptimizer`` makes it so) and the grad clip over master runs of
-    these sizes, counted on meta."""
+    """AdamW and the grad clip over master runs of these sizes, counted on meta: torch's unfused step
+    (its fused kernel, which ``DistributedOptimizer`` uses on CPU and CUDA, refuses meta tensors), so
+    an upper bound: the fused kernel makes one pass over the state where this counts one per op."""
     params = [nn.Parameter(torch.zeros(n, dtype=master, device="meta")) for n in pieces]
     for p in params:
         p.grad = torch.zeros_like(p)

@@ -42,7 +42,6 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import estimate  # noqa: E402
 import faults  # noqa: E402
-import step_time  # noqa: E402
 import auto_mesh  # noqa: E402
 from export_hf import export_hf  # noqa: E402
 import hf_models  # noqa: E402
@@ -352,14 +351,6 @@ def memory_estimate(args: argparse.Namespace) -> list:
     """Each rank's estimated peak memory for ``args.mesh`` (:mod:`estimate`), in rank order."""
     return estimate.estimate_memory(args, build_model, lambda model, sizes: sharding_plan(model, args, sizes), loss_fn,
                                     DEFAULT_BUCKET_SIZE, adamw_kwargs(args))
-
-
-def step_seconds(args: argparse.Namespace) -> float:
-    """One training step's estimated seconds for ``args.mesh`` (:mod:`step_time`, on this machine's
-    rates: ``ndweave.mesh.calibrate``, measured once and saved)."""
-    machine = calibrate(args.device, dtypes=[DTYPES[args.dtype]])
-    return step_time.estimate_step_seconds(args, machine, build_model, lambda model, sizes: sharding_plan(model, args, sizes),
-                                           loss_fn, DEFAULT_BUCKET_SIZE, adamw_kwargs(args)).seconds
 
 
 def plan_mesh(args: argparse.Namespace, argv: list[str]) -> list[str]:

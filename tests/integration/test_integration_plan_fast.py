@@ -30,6 +30,7 @@ from ndweave.pipeline.cost import stage_param_names
 
 job = load_example("gpt/train")
 proxy = load_example("gpt/proxy")
+step_time = load_example("gpt/step_time")
 auto_mesh = load_example("gpt/auto_mesh")
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "configs"
 
@@ -72,7 +73,7 @@ def test_part_prices_are_the_full_estimates(machine):
         args = job.parse_args([*SMALL, *flags])
         pricer = pricers.setdefault((args.model, args.dtype), _pricer(args, machine))
         peak = pricer.peak_bytes(args) / max(r.peak for r in job.memory_estimate(args))
-        step = pricer.step_seconds(args) / job.step_time.estimate_step_seconds(
+        step = pricer.step_seconds(args) / step_time.estimate_step_seconds(
             args, machine, job.build_model, lambda model, sizes, a=args: job.sharding_plan(model, a, sizes),
             job.loss_fn, DEFAULT_BUCKET_SIZE, job.adamw_kwargs(args)).seconds
         if abs(peak - 1) > PEAK_AGREEMENT or abs(step - 1) > STEP_AGREEMENT:
