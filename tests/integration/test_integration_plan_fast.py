@@ -40,8 +40,8 @@ SMALL = ["--n-layer", "4", "--n-embd", "64", "--n-head", "4", "--block-size", "3
 PEAK_AGREEMENT = 0.03
 #: The priced step over ``step_time``'s stays within 1 ± this (measured 1.00 to 1.09; any machine's
 #: rates weigh the same counts: the worst layout's parts dispatch 9.3% more ops and move 8.2% more
-#: bytes than the whole model, the same FLOPs: each part's inputs take grads as a received stage's
-#: do, HF's rotary tables included, which the first stage computes without)
+#: bytes than the whole model, the same FLOPs: every floating input of a traced part takes grads,
+#: HF's rotary tables included, which the whole model computes without)
 STEP_AGREEMENT = 0.12
 CASES = [
     ["--mesh", "dp=2"],
