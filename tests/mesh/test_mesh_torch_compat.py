@@ -251,3 +251,23 @@ def test_abort_group_releases_a_peer_waiting_on_it_and_a_new_group_gets_another_
     total = torch.ones(1)
     dist.all_reduce(total, group=fresh)
     assert total.item() == 2
+
+
+def test_torch_memory_tracker_loads_only_when_used():
+    """``torch.distributed._tools`` (torch's memory tracker, imported with it: FSDP, the SAC and
+    runtime estimators) loaded with mesh on every rank was followed by rank heaps corrupted later in
+    dmodule's suite; mesh, its test harness and every package import without it."""
+    import subprocess
+    import sys
+
+    packages = ["ndweave.mesh", "ndweave.mesh.testing", "ndweave.mesh.calibrate", "ndweave.mesh.planner"]
+    code = ("import importlib, sys\n"
+            f"for name in {packages!r}: importlib.import_module(name)\n"
+            "for name in ('ndweave.dmodule', 'ndweave.ddp', 'ndweave.optim', 'ndweave.pipeline', 'ndweave.checkpoint'):\n"
+            "    try:\n        importlib.import_module(name)\n    except ImportError:\n        pass  # not installed beside mesh\n"
+            "loaded = 'torch.distributed._tools' in sys.modules\n"
+            "from ndweave.mesh.testing.memory import TensorMemory\n"
+            "print(loaded, 'torch.distributed._tools' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["False", "True"], out.stdout
