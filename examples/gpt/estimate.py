@@ -408,8 +408,7 @@ def _held_bytes(resolved: ResolvedPlan, pp_rank: int, held: list[int], split: li
     if not issubclass(resolved.schedule, PipelineScheduleMulti):  # one stage: its sync ends the step
         (stage,) = resolved.stages_of(pp_rank)
         return held_saved_bytes(resolved, pp_rank, held), syncs[stage].published + syncs[stage].reduce_copy
-    actions = _rank_actions(resolved.schedule, resolved.pp_size, resolved.num_stages, resolved.num_microbatches,
-                            resolved.v_shaped, pp_rank, resolved)
+    actions = _rank_actions(resolved, pp_rank)
     last_backward = {stage: i for i, (kind, stage, _) in enumerate(actions) if kind in ("B", "W")}
     now = peak = published = at_sync = 0
     for i, (kind, stage, _) in enumerate(actions):
@@ -421,14 +420,13 @@ def _held_bytes(resolved: ResolvedPlan, pp_rank: int, held: list[int], split: li
     return peak, at_sync
 
 
-def _rank_actions(schedule: type, pp_size: int, num_stages: int, num_microbatches: int, v_shaped: bool, pp_rank: int,
-                  resolved: ResolvedPlan) -> tuple[tuple[str, int, int], ...]:
+def _rank_actions(resolved: ResolvedPlan, pp_rank: int) -> tuple[tuple[str, int, int], ...]:
     """``torch_action_order(resolved)[pp_rank]``, kept per schedule shape (a planner asks for the same
-    order for every layout and rank that shares it; the first five arguments are the key)."""
-    key = (schedule, pp_size, num_stages, num_microbatches, v_shaped, pp_rank)
-    if key not in _ACTIONS:
-        _ACTIONS.update({(*key[:5], rank): tuple(actions) for rank, actions in torch_action_order(resolved).items()})
-    return _ACTIONS[key]
+    order for every layout and rank that shares it)."""
+    shape = (resolved.schedule, resolved.pp_size, resolved.num_stages, resolved.num_microbatches, resolved.v_shaped)
+    if (*shape, pp_rank) not in _ACTIONS:
+        _ACTIONS.update({(*shape, rank): tuple(actions) for rank, actions in torch_action_order(resolved).items()})
+    return _ACTIONS[(*shape, pp_rank)]
 
 
 def _data_bytes(args: argparse.Namespace) -> int:

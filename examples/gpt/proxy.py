@@ -234,9 +234,10 @@ class Pricer:
         if tp not in self._traced:
             self._traced[tp] = self._trace_parts(tp)
         one, two, recomputed_one = self._traced[tp]
-        parts = [_affine(a, b, rows) for a, b in zip(self._priced(one, tp), self._priced(two, tp))]
+        at_one = self._priced(one, tp)
+        parts = [_affine(a, b, rows) for a, b in zip(at_one, self._priced(two, tp))]
         if recompute:
-            parts[1] = _recomputed(parts[1], self._priced(one, tp)[1], self._priced(recomputed_one, tp)[1])
+            parts[1] = _recomputed(parts[1], at_one[1], self._priced(recomputed_one, tp)[1])
         return parts
 
     def _priced(self, parts: list[_Traced], tp: int) -> list[Part]:

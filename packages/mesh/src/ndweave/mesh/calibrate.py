@@ -464,17 +464,19 @@ def _probe_model(device_type: str) -> torch.nn.Module:
 
 
 def _op_overhead(device_type: str) -> float:
-    model = _probe_model(device_type)
-    x = torch.randn(4, 8, 32, device=device_type)
+    seconds, work = _timed_step(_probe_model(device_type), torch.randn(4, 8, 32, device=device_type), device_type)
+    return max(seconds - work.flops / 1e12, 0.0) / max(work.ops, 1)  # the FLOPs of these sizes are nothing
 
+
+def _timed_step(model: torch.nn.Module, x: torch.Tensor, device_type: str) -> tuple[float, Work]:
+    """The fastest forward and backward of ``model`` on ``x`` (:func:`_timed`), and its work."""
     def step():
         model(x).sum().backward()
 
     seconds = _timed(step, device_type, 0.4)
     with WorkCounter() as counter:
         step()
-    work = counter.work["all"].total
-    return max(seconds - work.flops / 1e12, 0.0) / max(work.ops, 1)  # the FLOPs of these sizes are nothing
+    return seconds, counter.work["all"].total
 
 
 def _two_ranks(device_type: str, op_overhead: float) -> tuple[float, float, float]:
@@ -550,13 +552,6 @@ def _dtensor_overhead(device_type: str, op_overhead: float) -> float:
             plan.update({str(i): SequenceParallel(), str(i + 1): ColwiseParallel(input_layouts=Shard(1)),
                          str(i + 3): RowwiseParallel(output_layouts=Shard(1))})
         model = parallelize_module(model, mesh, plan)
-        x = torch.randn(4, 4, 32, device=device_type)  # this rank's half of the sequence
-
-        def step():
-            model(x).sum().backward()
-
-        seconds = _timed(step, device_type, 0.4)
-        with WorkCounter() as counter:
-            step()
-    work = counter.work["all"].total
+        # this rank's half of the sequence
+        seconds, work = _timed_step(model, torch.randn(4, 4, 32, device=device_type), device_type)
     return max(seconds - work.ops * op_overhead, 0.0) / max(work.ops, 1)
