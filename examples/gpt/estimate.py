@@ -55,6 +55,7 @@ from ndweave.mesh.testing import fake_world
 from ndweave.mesh.torch_compat import local_tensor, storage_id
 from ndweave.optim.cost import state_bytes_per_rank
 from ndweave.pipeline import PipelineParallelPlan
+from ndweave.pipeline.construct import ModelCut
 from ndweave.pipeline.cost import (StageActivations, held_saved_bytes, stage_activations, stage_param_names,
                                    torch_action_order)
 from ndweave.pipeline.plan import ResolvedPlan, resolve_plan
@@ -229,15 +230,16 @@ class _StageIO:
 
 def _trace(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tensor, sharding: dict | None,
            sizes: dict[str, int], loss_fn: Callable, device: str, *, mesh=None,
-           wrap: Callable[[nn.Module], nn.Module] | None = None,
-           setup: Callable[[], None] | None = None) -> tuple[list[StageActivations], list[_StageIO]]:
+           wrap: Callable[[nn.Module], nn.Module] | None = None, setup: Callable[[], None] | None = None,
+           cut: ModelCut | None = None) -> tuple[list[StageActivations], list[_StageIO]]:
     """One micro-batch's activations on every stage as TP rank 0 runs them, and each stage's
     :class:`_StageIO`: forward and backward on meta, the TP plan applied over a fake world of the TP
     size (``mesh``: the TP mesh of a fake world the caller holds open; by default one of its own).
     Without a ``mesh``, the mesh's dim gets a name of its own per trace: DTensor caches sharding
     decisions by mesh *value*, and an equal mesh of an earlier (destroyed) fake world would bring back
     its process groups. ``wrap(chunk)``: called on each stage's chunk, TP applied, before it runs;
-    ``setup()``: before TP is applied to it (a work counter's region for what is not the stage's work)."""
+    ``setup()``: before TP is applied to it (a work counter's region for what is not the stage's work);
+    ``cut``: where the model is cut, traced before (``stage_activations``' argument)."""
     if sizes["EP"] > 1:
         raise NotImplementedError("--estimate with ep > 1: routing tokens to experts needs their values (no meta "
                                   "kernel for bincount), so the experts' activations are not traced yet")
@@ -274,13 +276,13 @@ def _trace(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tensor, 
 
     with _fused_attention(device), contextlib.ExitStack() as stack:
         if sizes["TP"] == 1:
-            traced = stage_activations(model, plan, sizes["PP"], example, loss_fn=counted_loss,
+            traced = stage_activations(model, plan, sizes["PP"], example, loss_fn=counted_loss, cut=cut,
                                        prepare=lambda chunk: watched(_set_up(chunk, setup)))
         else:
             if mesh is None:
                 stack.enter_context(fake_world(sizes["TP"], rank=0))
                 mesh = tp_mesh(sizes["TP"])
-            traced = stage_activations(model, plan, sizes["PP"], example, loss_fn=counted_loss,
+            traced = stage_activations(model, plan, sizes["PP"], example, loss_fn=counted_loss, cut=cut,
                                        prepare=lambda chunk: watched(parallelize_on_meta(_set_up(chunk, setup), mesh,
                                                                                          sharding)))
     last = len(seen) - 1

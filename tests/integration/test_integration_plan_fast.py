@@ -84,6 +84,21 @@ def test_part_prices_are_the_full_estimates(machine):
     assert not off, f"priced / full (peak, step): {off}"
 
 
+def test_recompute_at_another_tp_size_is_its_trace(machine):
+    # checkpointing is traced over one TP size above one; another size's recomputed block is derived
+    # (the same ops again, the same share of the forward's FLOPs and bytes): held to its own trace
+    args = job.parse_args([*SMALL, "--mesh", "tp=4"])
+    pricer = _pricer(args, machine)
+    for tp in (1, 2, 4):
+        pricer.parts(tp, True, 1)
+    assert sorted(pricer._recompute) == [1, 2]
+    derived, traced = pricer._recomputed_block(4), pricer._trace_parts(4, ((True, 1),))[0][1]
+    assert derived.backward.ops == traced.backward.ops
+    assert sorted(derived.backward.collectives) == sorted(traced.backward.collectives)
+    seconds = [pricer._priced([block], 4)[0].backward for block in (derived, traced)]
+    assert seconds[0] == pytest.approx(seconds[1], rel=1e-4)
+
+
 @pytest.mark.parametrize("model", ["nanogpt", "hf:llama"])
 def test_each_stage_holds_what_the_pipeline_cut_gives_it(model, machine):
     args = job.parse_args([*SMALL, "--model", model, "--mesh", "pp=2"])

@@ -312,6 +312,24 @@ def test_one_microbatch_traced_on_meta_saves_what_saved_bytes_counts_and_a_rank_
     assert held_saved_bytes(gpipe, 1, [10, 7]) == 7 * 4  # every forward first: all four held
 
 
+def test_a_cut_traced_once_serves_a_copy_of_the_model_and_must_match_the_plan():
+    import copy
+
+    from ndweave.pipeline.construct import cut_model
+    from ndweave.pipeline.cost import stage_activations
+
+    with torch.device("meta"):
+        model = _gpt()
+    x = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    plan = PipelineParallelPlan(schedule_type="interleaved_1f1b", virtual_chunks=2, num_microbatches=4)
+    loss = lambda out, y: out.float().mean()  # noqa: E731
+    cut = cut_model(model, plan, resolve_plan(plan, 2), x, "meta")
+    assert stage_activations(copy.deepcopy(model), plan, 2, x, loss_fn=loss, cut=cut) == \
+        stage_activations(model, plan, 2, x, loss_fn=loss)
+    with pytest.raises(ValueError, match="the cut passed has 4 stages, the plan 2"):
+        stage_activations(model, PipelineParallelPlan(), 2, x, loss_fn=loss, cut=cut)
+
+
 def test_a_stages_traced_peak_is_what_its_forward_and_backward_hold_beyond_its_parameters_on_cpu():
     """``peak_bytes`` on meta equals the same micro-batch's forward, loss and backward on CPU, measured
     beyond the parameters (allocated before, as a rank's are), grads dropped as they land: the

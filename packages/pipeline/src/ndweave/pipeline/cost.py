@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Schedule1F1B, ScheduleGPipe
 
 from ndweave.mesh import torch_compat
-from ndweave.pipeline.construct import cut_model
+from ndweave.pipeline.construct import ModelCut, cut_model
 from ndweave.pipeline.engine import _first_tensor
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
 from ndweave.pipeline.program import stage_program
@@ -197,7 +197,8 @@ class StageActivations:
 
 def stage_activations(model: nn.Module, plan: PipelineParallelPlan, pp_size: int, example_inputs: torch.Tensor | tuple,
                       *, prepare: Callable[[nn.Module], nn.Module] | None = None,
-                      loss_fn: Callable[..., torch.Tensor] | None = None) -> list[StageActivations]:
+                      loss_fn: Callable[..., torch.Tensor] | None = None,
+                      cut: ModelCut | None = None) -> list[StageActivations]:
     """Each stage's :class:`StageActivations` for one micro-batch (``example_inputs``, on meta), its
     forward and backward run on meta under torch's tensor-memory tracker, nothing allocated.
 
@@ -206,13 +207,18 @@ def stage_activations(model: nn.Module, plan: PipelineParallelPlan, pp_size: int
     what is saved); the next stage receives what it sends. Each parameter's grad is dropped as it
     lands, as a data-parallel wrapper moves it into its own buffer. The last stage's backward starts
     from ``loss_fn(output, targets)`` (targets: zeros shaped like the first input), else from the
-    output's sum. Example::
+    output's sum. ``cut``: where ``model`` is cut, from an earlier ``cut_model`` of a model of the same
+    structure, ``plan`` and ``example_inputs`` shapes (stages are named by FQN: a copy of that model will
+    do, before TP is applied), to spare tracing the forward once more for the cut. Example::
 
         per_stage = stage_activations(meta_model, PipelineParallelPlan(), 2, torch.zeros(4, 64, dtype=torch.long,
                                       device="meta"), loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
     """
     resolved = resolve_plan(plan, pp_size)
-    cut = cut_model(model, plan, resolved, example_inputs, "meta")
+    cut = cut if cut is not None else cut_model(model, plan, resolved, example_inputs, "meta")
+    if len(cut.stage_layers) != resolved.num_stages:
+        raise ValueError(f"stage_activations: the cut passed has {len(cut.stage_layers)} stages, the plan "
+                         f"{resolved.num_stages}; cut the model under this plan")
     if cut.traced is None:
         raise ValueError("stage_activations: pass example_inputs (the traced cut's stages hand each other values)")
     values = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
