@@ -114,6 +114,7 @@ class Pricer:
         self.optimizer = optimizer_seconds(machine, optimizer_kwargs, args.clip)
         self._traced: dict[int, list[list[_Traced]]] = {}
         self._recompute: dict[int, _Traced] = {}
+        self._parts: dict[tuple[int, bool, int], list[Part]] = {}
         self._stages: dict[int, list[_Stage]] = {}
         self._plans: dict[tuple, dict | None] = {}
         self._shapes: dict[tuple, dict] = {}
@@ -191,7 +192,8 @@ class Pricer:
         forward = [sum(n * p.forward for n, p in zip(_counts(s), parts)) + host[i] for i, s in enumerate(stages)]
         backward = [sum(n * p.backward for n, p in zip(_counts(s), parts)) + host[i] for i, s in enumerate(stages)]
         _, io = self._composed(stages, parts)
-        links = [self.machine.collective_seconds("send", x.output, 2) for x in io[:-1]]
+        links = [self.machine.collective_seconds("send", x.output, 2, within_host="PP" in self.machine.within_host(sizes))
+                 for x in io[:-1]]
         sync, optimizer = sync_and_optimizer(resolved, sizes, self.machine,
                                              lambda stage: self._stage_buffers(stages, stage, sizes), self.optimizer)
         tp_comm = max(sum(n * p.tp_comm for n, p in zip(_counts(s), parts)) for s in stages)
@@ -237,6 +239,9 @@ class Pricer:
         """The three parts for micro-batches of ``rows`` rows over ``tp`` ranks, from their traces
         (once per TP size): without recompute at one and two rows, extended along the rows (all of it
         is affine in them); with recompute, the block as :func:`_recomputed` makes it."""
+        key = (tp, recompute, rows)
+        if key in self._parts:
+            return self._parts[key]
         if tp not in self._traced:
             self._traced[tp] = self._trace_parts(tp, ((False, 1), (False, 2)))
         one, two = self._traced[tp]
@@ -244,6 +249,7 @@ class Pricer:
         parts = [_affine(a, b, rows) for a, b in zip(at_one, self._priced(two, tp))]
         if recompute:
             parts[1] = _recomputed(parts[1], at_one[1], self._priced([self._recomputed_block(tp)], tp)[0])
+        self._parts[key] = parts
         return parts
 
     def _recomputed_block(self, tp: int) -> _Traced:
@@ -262,9 +268,10 @@ class Pricer:
 
     def _priced(self, parts: list[_Traced], tp: int) -> list[Part]:
         dtype, groups = DTYPES[self.args.dtype], {"TP": tp}
-        return [Part(p.activations, p.io, work_seconds(p.forward, self.machine, dtype, groups),
-                     work_seconds(p.backward, self.machine, dtype, groups),
-                     self.machine.communication_seconds(p.forward + p.backward, groups)) for p in parts]
+        inside = self.machine.within_host(groups)  # TP is the mesh's innermost dim: whatever the others
+        return [Part(p.activations, p.io, work_seconds(p.forward, self.machine, dtype, groups, inside),
+                     work_seconds(p.backward, self.machine, dtype, groups, inside),
+                     self.machine.communication_seconds(p.forward + p.backward, groups, inside)) for p in parts]
 
     def _trace_parts(self, tp: int, settings: tuple[tuple[bool, int], ...]) -> list[list[_Traced]]:
         """The parts under each of ``settings`` (recompute, rows), over one fake world of ``tp`` ranks

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -93,17 +93,19 @@ def estimate_step_seconds(args: argparse.Namespace, machine: Machine, build_mode
     traced = stage_work(build_model(args, "meta"), plan, example, sharding, sizes, loss_fn, args.device)
     dtype = DTYPES[args.dtype]
     groups = {w.group: tp for w in traced}
+    inside = machine.within_host(sizes)
+    local = set(groups) if "TP" in inside else set()  # the TP group, by its fake world's name
     host = host_seconds(resolved, machine)
-    forward = [work_seconds(w.forward, machine, dtype, groups) + host[s] for s, w in enumerate(traced)]
-    backward = [work_seconds(w.backward, machine, dtype, groups) + host[s] for s, w in enumerate(traced)]
-    links = [machine.collective_seconds("send", w.sent_bytes, 2) for w in traced[:-1]]
+    forward = [work_seconds(w.forward, machine, dtype, groups, local) + host[s] for s, w in enumerate(traced)]
+    backward = [work_seconds(w.backward, machine, dtype, groups, local) + host[s] for s, w in enumerate(traced)]
+    links = [machine.collective_seconds("send", w.sent_bytes, 2, within_host="PP" in inside) for w in traced[:-1]]
     model = build_model(args, "meta")
     plan_dict = sharding(model, sizes)
     shapes = tp0_shapes(model, plan_dict, tp)
     sync, optimizer = sync_and_optimizer(
         resolved, sizes, machine, lambda stage: stage_buffers(model, traced[stage].param_names, shapes, sizes, bucket_size),
         optimizer_seconds(machine, optimizer_kwargs, args.clip))
-    tp_comm = max(machine.communication_seconds(w.forward + w.backward, groups) for w in traced)
+    tp_comm = max(machine.communication_seconds(w.forward + w.backward, groups, local) for w in traced)
     return step_terms(resolved, sizes, machine, forward, backward, links, sync, optimizer, tp_comm)
 
 
@@ -127,10 +129,12 @@ def step_terms(resolved, sizes: dict[str, int], machine: Machine, forward: list[
     slowdown = world / machine.concurrent_ranks if shared else 1.0
     timeline = simulate_schedule(resolved, forward, backward, links, concurrency=concurrency)
     schedule = max(timeline.durations)
-    bookkeeping = (2 * machine.collective_seconds("all_gather", 64, pp)  # the engine's batch agreement, loss broadcast
-                   + machine.collective_seconds("all_reduce", 8, dp)  # the loss's mean
-                   + machine.collective_seconds("all_gather", 40 * dp, dp)  # DDP's desync check
-                   + machine.collective_seconds("all_reduce", 8, world))  # the grad norm
+    inside = machine.within_host(sizes)
+    bookkeeping = (2 * machine.collective_seconds("all_gather", 64, pp, within_host="PP" in inside)  # the engine's
+                   # batch agreement, loss broadcast
+                   + machine.collective_seconds("all_reduce", 8, dp, within_host="DP" in inside)  # the loss's mean
+                   + machine.collective_seconds("all_gather", 40 * dp, dp, within_host="DP" in inside)  # DDP's desync check
+                   + machine.collective_seconds("all_reduce", 8, world, within_host="PP" in inside))  # the grad norm
     busiest = max(range(resolved.num_stages), key=lambda s: forward[s] + backward[s])
     compute = max(sum(a.end - a.start for a in acts) for acts in timeline.ranks)
     return StepTime((
@@ -146,13 +150,15 @@ def step_terms(resolved, sizes: dict[str, int], machine: Machine, forward: list[
     ))
 
 
-def work_seconds(work: Work, machine: Machine, dtype: torch.dtype, groups: dict[str, int]) -> float:
-    """A stage's ``work`` (compute and TP collectives, over ``groups``: name -> ranks) in seconds.
+def work_seconds(work: Work, machine: Machine, dtype: torch.dtype, groups: dict[str, int],
+                 within_host: Collection[str] = ()) -> float:
+    """A stage's ``work`` (compute and TP collectives, over ``groups``: name -> ranks; those named in
+    ``within_host`` over the host's link) in seconds.
     Every op of a TP stage runs on DTensors (the counter sees their local ops: the memory tracker
     inside stage_activations steps aside for DTensor first, hiding the DTensor ops)."""
     tensor_parallel = any(size > 1 for size in groups.values())
     return (machine.compute_seconds(work, dtype, tensor_parallel=tensor_parallel)
-            + machine.communication_seconds(work, groups))
+            + machine.communication_seconds(work, groups, within_host))
 
 
 def host_seconds(resolved, machine: Machine) -> list[float]:
@@ -172,6 +178,7 @@ def sync_and_optimizer(resolved, sizes: dict[str, int], machine: Machine, buffer
     step: ``optimizer(runs, elements, param_dtype)``, :func:`optimizer_seconds`). ``buffers_of(stage)``:
     DDP's buffers of the stage's chunk and its TP-replicated grad bytes (:func:`stage_buffers`)."""
     dp, tp = sizes["DP"], sizes["TP"]
+    inside = machine.within_host(sizes)
     sync = slowest = 0.0
     for pp_rank in range(resolved.pp_size):
         rank_sync, owned = 0.0, {}
@@ -181,12 +188,14 @@ def sync_and_optimizer(resolved, sizes: dict[str, int], machine: Machine, buffer
                 runs, elements = owned.get(buffer.param_dtype, (0, 0))
                 for b in buffer.buckets:
                     numel = b.end - b.start
-                    rank_sync += machine.collective_seconds("reduce_scatter", numel * buffer.grad_dtype.itemsize, dp)
-                    rank_sync += machine.collective_seconds("all_gather", numel * buffer.param_dtype.itemsize, dp)
+                    rank_sync += machine.collective_seconds("reduce_scatter", numel * buffer.grad_dtype.itemsize, dp,
+                                                            within_host="DP" in inside)
+                    rank_sync += machine.collective_seconds("all_gather", numel * buffer.param_dtype.itemsize, dp,
+                                                            within_host="DP" in inside)
                     mine = owned_runs(numel, [(offset, n) for _, offset, n in b.entries], dp, 0)
                     runs, elements = runs + len(mine), elements + sum(mine)
                 owned[buffer.param_dtype] = (runs, elements)
-            rank_sync += machine.collective_seconds("all_reduce", replicated, tp)
+            rank_sync += machine.collective_seconds("all_reduce", replicated, tp, within_host="TP" in inside)
         sync = max(sync, rank_sync)
         slowest = max(slowest, sum(optimizer(runs, n, dtype) for dtype, (runs, n) in owned.items() if runs))
     return sync, slowest

@@ -110,11 +110,31 @@ def test_a_machine_turns_work_into_seconds():
     # a tensor-parallel program's every op also pays DTensor's overhead
     assert machine.compute_seconds(work, "float32", tensor_parallel=True) == pytest.approx(
         plain + 10 * machine.dtensor_op_overhead_s)
+    # a GPU's kernels run while the host launches the next: the slower of the two
+    gpu = dataclasses.replace(machine, device_type="cuda")
+    assert gpu.compute_seconds(work, torch.float32) == pytest.approx(2 + 1e9 / machine.memory_bandwidth)
+    assert gpu.compute_seconds(Work(ops=10), torch.float32) == pytest.approx(10 * machine.op_overhead_s)
     assert machine.communication_seconds(work, {"tp": 2}) == pytest.approx(
         machine.collective_seconds("all_reduce", 1e6, 2))
     with pytest.raises(KeyError, match="group 'tp', whose size was not given"):
         machine.communication_seconds(work, {})
     assert (work + work).ops == 20 and (work + work).collectives == work.collectives * 2
+
+
+def test_a_group_within_one_host_crosses_the_hosts_link():
+    network = dataclasses.replace(_fake("cuda", 1.0), concurrent_ranks=8)
+    machine = dataclasses.replace(network, host_link_bandwidth=network.link_bandwidth * 10,
+                                  host_link_latency_s=network.link_latency_s / 10)
+    assert machine.within_host({"PP": 4, "DP": 2, "TP": 8}) == {"TP"}
+    assert machine.within_host({"PP": 4, "DP": 2, "TP": 4}) == {"DP", "TP"}
+    assert machine.within_host({"PP": 1, "DP": 3, "TP": 1}) == {"TP"}  # 3 ranks straddle hosts of 8
+    work = Work(collectives=[("all_gather", 8e6, "TP"), ("reduce_scatter", 8e6, "DP")])
+    assert machine.communication_seconds(work, {"TP": 8, "DP": 2}, within_host={"TP"}) == pytest.approx(
+        collective_seconds("all_gather", 8e6, 8, machine.link_bandwidth * 10, machine.link_latency_s / 10)
+        + collective_seconds("reduce_scatter", 8e6, 2, machine.link_bandwidth, machine.link_latency_s))
+    # without a host link of its own (what calibrate measures), the same link either way
+    assert network.communication_seconds(work, {"TP": 8, "DP": 2}, within_host={"TP", "DP"}) == \
+        network.communication_seconds(work, {"TP": 8, "DP": 2})
 
 
 def test_the_counter_counts_a_linear_layers_flops_forward_and_backward_on_meta():

@@ -39,7 +39,7 @@ import socket
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -136,6 +136,12 @@ class Machine:
     """The torch that was measured (informational)."""
     measured_at: str = ""
     """When (informational: ``YYYY-MM-DD HH:MM:SS``, local time)."""
+    host_link_bandwidth: float | None = None
+    """Bytes/s between two ranks of one host where that link is faster than :attr:`link_bandwidth`
+    (NVLink between a node's GPUs, ``link_bandwidth`` then being the network's); ``None``: the same
+    link (what :func:`calibrate` measures: its two processes share a host)."""
+    host_link_latency_s: float | None = None
+    """Seconds per message on that link; ``None``: :attr:`link_latency_s`."""
 
     def matmul_seconds(self, flops: float, dtype: torch.dtype | str) -> float:
         name = _dtype_name(dtype)
@@ -147,27 +153,52 @@ class Machine:
     def elementwise_seconds(self, nbytes: float) -> float:
         return nbytes / self.memory_bandwidth
 
-    def collective_seconds(self, kind: str, nbytes: float, group_size: int) -> float:
-        """:func:`collective_seconds` on this machine's links."""
+    def collective_seconds(self, kind: str, nbytes: float, group_size: int, *, within_host: bool = False) -> float:
+        """:func:`collective_seconds` on this machine's links: the host's own where the group lies
+        within one host (:meth:`within_host`), else the network's."""
+        if within_host:
+            return collective_seconds(kind, nbytes, group_size, self.host_link_bandwidth or self.link_bandwidth,
+                                      self.host_link_latency_s or self.link_latency_s)
         return collective_seconds(kind, nbytes, group_size, self.link_bandwidth, self.link_latency_s)
+
+    def within_host(self, sizes: Mapping[str, int]) -> frozenset[str]:
+        """The dims of a mesh of ``sizes`` (outermost first, ranks numbered host by host as torchrun
+        numbers them) whose groups lie within one host of :attr:`concurrent_ranks` ranks: a dim is,
+        when it and every dim inside it span a number of ranks that divides a host's.
+
+            Machine(..., concurrent_ranks=8).within_host({"PP": 4, "DP": 2, "TP": 8})  # {"TP"}
+            Machine(..., concurrent_ranks=8).within_host({"PP": 4, "DP": 2, "TP": 4})  # {"DP", "TP"}
+        """
+        inside, span = set(), 1
+        for dim in reversed(list(sizes)):
+            span *= sizes[dim]
+            if self.concurrent_ranks % span:
+                break
+            inside.add(dim)
+        return frozenset(inside)
 
     def compute_seconds(self, work: Work, dtype: torch.dtype | str, *, tensor_parallel: bool = False) -> float:
         """The host and device time of ``work`` on one rank, collectives left out: its matmul FLOPs at
-        ``dtype``'s rate, its elementwise bytes over the memory bandwidth, and the overhead of each op
-        it dispatched (sums, not a roofline's max: small ops pay both); ``tensor_parallel``: its ops
-        run on DTensors, each also paying :attr:`dtensor_op_overhead_s`."""
+        ``dtype``'s rate plus its elementwise bytes over the memory bandwidth (each op bound by one or
+        the other: small ops pay both), and the overhead of each op it dispatched; ``tensor_parallel``:
+        its ops run on DTensors, each also paying :attr:`dtensor_op_overhead_s`. On CPU the host
+        computes, so the two add up; an accelerator runs the kernels the host launched ahead of it
+        (asynchronously), so the slower of the two is the time."""
         per_op = self.op_overhead_s + (self.dtensor_op_overhead_s if tensor_parallel else 0.0)
-        return self.matmul_seconds(work.flops, dtype) + self.elementwise_seconds(work.bytes) + work.ops * per_op
+        device, host = self.matmul_seconds(work.flops, dtype) + self.elementwise_seconds(work.bytes), work.ops * per_op
+        return device + host if self.device_type == "cpu" else max(device, host)
 
-    def communication_seconds(self, work: Work, group_sizes: Mapping[str, int]) -> float:
+    def communication_seconds(self, work: Work, group_sizes: Mapping[str, int],
+                              within_host: Collection[str] = ()) -> float:
         """The collectives of ``work``, each over its group (``group_sizes``: group name -> ranks; a
-        group not named is an error, not a guess)."""
+        group not named is an error, not a guess); those of the groups named in ``within_host`` over
+        the host's link."""
         total = 0.0
         for kind, nbytes, group in work.collectives:
             if group not in group_sizes:
                 raise KeyError(f"Machine.communication_seconds: a {kind} ran over group {group!r}, whose size "
                                f"was not given (given: {sorted(group_sizes)})")
-            total += self.collective_seconds(kind, nbytes, group_sizes[group])
+            total += self.collective_seconds(kind, nbytes, group_sizes[group], within_host=group in within_host)
         return total
 
     def to_json(self) -> dict:
