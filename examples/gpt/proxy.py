@@ -237,34 +237,36 @@ class Pricer:
 
     def parts(self, tp: int, recompute: bool, rows: int) -> list[Part]:
         """The three parts for micro-batches of ``rows`` rows over ``tp`` ranks, from their traces
-        (once per TP size): without recompute at one and two rows, extended along the rows (all of it
-        is affine in them); with recompute, the block as :func:`_recomputed` makes it."""
+        (once per TP size): without recompute at one and two rows, extended along the rows (all they
+        hold and do is affine in them; their seconds need not be, a GPU's being the slower of its host
+        and its kernels); with recompute, the block as :meth:`_recomputed` makes it."""
         key = (tp, recompute, rows)
-        if key in self._parts:
-            return self._parts[key]
-        if tp not in self._traced:
-            self._traced[tp] = self._trace_parts(tp, ((False, 1), (False, 2)))
-        one, two = self._traced[tp]
-        at_one = self._priced(one, tp)
-        parts = [_affine(a, b, rows) for a, b in zip(at_one, self._priced(two, tp))]
-        if recompute:
-            parts[1] = _recomputed(parts[1], at_one[1], self._priced([self._recomputed_block(tp)], tp)[0])
-        self._parts[key] = parts
-        return parts
+        if key not in self._parts:
+            if tp not in self._traced:
+                self._traced[tp] = self._trace_parts(tp, ((False, 1), (False, 2)))
+            traced = [_affine(a, b, rows) for a, b in zip(*self._traced[tp])]
+            if recompute:
+                traced[1] = self._recomputed(traced[1], tp)
+            self._parts[key] = self._priced(traced, tp)
+        return self._parts[key]
 
-    def _recomputed_block(self, tp: int) -> _Traced:
-        """The block with activation checkpointing at one row over ``tp`` ranks. Traced once without TP
-        and once over the first TP size above one asked for: at another TP size its backward's extra work
-        is the same prefix of that size's forward (:func:`_share_of`; its backward's seconds within 1e-5
-        of a trace at every size for Llama-3 70B and a tiny nanogpt and Llama)."""
+    def _recomputed(self, block: _Traced, tp: int) -> _Traced:
+        """``block`` (at the rows priced, over ``tp`` ranks) under activation checkpointing: it keeps
+        only its inputs from forward to backward, and its backward runs its forward again first (its
+        saved tensors back, the backward's temporaries on top: the same peak). Only as much of the
+        forward runs again as yields what its backward needs (torch's checkpoint stops early): traced
+        at one row without TP and over the first TP size above one asked for; at any rows and TP size,
+        the same ops again, the same share of the forward's FLOPs and bytes, and its collectives as
+        far as the recompute went (:func:`_share_of`; the backward's seconds within 1e-5 of a trace at
+        every TP size for Llama-3 70B and a tiny nanogpt and Llama)."""
         at = 1 if tp == 1 else next((t for t in self._recompute if t > 1), tp)
         if at not in self._recompute:
+            if at not in self._traced:
+                self._traced[at] = self._trace_parts(at, ((False, 1), (False, 2)))
             self._recompute[at] = self._trace_parts(at, ((True, 1),))[0][1]
-        measured = self._recompute[at]
-        if at == tp:
-            return measured
-        plain, base = self._traced[tp][0][1], self._traced[at][0][1]
-        return dataclasses.replace(plain, backward=plain.backward + _share_of(plain.forward, base, measured))
+        extra = _share_of(block.forward, self._traced[at][0][1], self._recompute[at])
+        return _Traced(StageActivations(block.io.received, block.activations.peak_bytes), block.io, block.forward,
+                       block.backward + extra)
 
     def _priced(self, parts: list[_Traced], tp: int) -> list[Part]:
         dtype, groups = DTYPES[self.args.dtype], {"TP": tp}
@@ -324,20 +326,6 @@ class Pricer:
             io.append(_StageIO(received=members[0].io.received if index > 0 else 0, output=members[-1].io.output,
                                weight_op_outputs=weight_ops, loss_saved=parts[2].io.loss_saved if index == last else 0))
         return traced, io
-
-
-def _recomputed(block: Part, block_one: Part, recomputed_one: Part) -> Part:
-    """The block under activation checkpointing, from the block without it (``block``, at the rows
-    priced; ``block_one`` at one row) and its trace with it at one row (``recomputed_one``). It keeps
-    only its inputs from forward to backward, and its backward runs its forward again first (its
-    saved tensors back, the backward's temporaries on top: the same peak). Only as much of the
-    forward runs again as yields what its backward needs (torch's checkpoint stops early): that
-    share of the forward's seconds, and of its TP collectives, is measured at one row and held at any
-    (measured against traces with checkpointing: memory within 0.1%)."""
-    share = (recomputed_one.backward - block_one.backward) / block_one.forward if block_one.forward else 1.0
-    comm = recomputed_one.tp_comm / block_one.tp_comm if block_one.tp_comm else 1.0
-    return Part(StageActivations(block.io.received, block.activations.peak_bytes), block.io, block.forward,
-                block.backward + share * block.forward, block.tp_comm * comm)
 
 
 def _share_of(forward: Work, base: _Traced, recomputed: _Traced) -> Work:
@@ -400,10 +388,14 @@ def _representatives(sizes: dict[str, int]) -> list[dict[str, int]]:
 
 
 def _affine(one, two, rows: int):
-    """A dataclass of numbers (nested) at ``rows`` rows, from its values at one and two rows."""
-    values = {}
-    for f in dataclasses.fields(one):
-        a, b = getattr(one, f.name), getattr(two, f.name)
-        values[f.name] = _affine(a, b, rows) if dataclasses.is_dataclass(a) else a + (rows - 1) * (b - a)
-    return type(one)(**values)
-
+    """A dataclass of numbers (nested; a list of tuples of them, the collectives) at ``rows`` rows,
+    from its values at one and two rows."""
+    if isinstance(one, list):
+        if len(one) != len(two):
+            raise ValueError(f"the parts ran {len(one)} collectives at one row and {len(two)} at two: not affine")
+        return [tuple(x + (rows - 1) * (y - x) if isinstance(x, (int, float)) else x for x, y in zip(a, b))
+                for a, b in zip(one, two)]
+    if not dataclasses.is_dataclass(one):
+        return one + (rows - 1) * (two - one)
+    return type(one)(**{f.name: _affine(getattr(one, f.name), getattr(two, f.name), rows)
+                        for f in dataclasses.fields(one)})

@@ -92,7 +92,7 @@ def test_recompute_at_another_tp_size_is_its_trace(machine):
     for tp in (1, 2, 4):
         pricer.parts(tp, True, 1)
     assert sorted(pricer._recompute) == [1, 2]
-    derived, traced = pricer._recomputed_block(4), pricer._trace_parts(4, ((True, 1),))[0][1]
+    derived, traced = pricer._recomputed(pricer._traced[4][0][1], 4), pricer._trace_parts(4, ((True, 1),))[0][1]
     assert derived.backward.ops == traced.backward.ops
     assert sorted(derived.backward.collectives) == sorted(traced.backward.collectives)
     seconds = [pricer._priced([block], 4)[0].backward for block in (derived, traced)]
