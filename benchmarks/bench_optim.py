@@ -11,7 +11,8 @@ Same plain MLP, same data, Adam, plain data parallelism:
   (flat bucket ranges per rank, fp32 master = the fp32 model's own range, all-gather after step).
   Without ndweave-ddp installed it falls back to ``ndweave.mesh.testing.ReferenceDataParallel``;
 * ``ndweave+overlap``: the same with ``overlap_param_gather=True`` (the all-gather runs under the
-  next forward, so it leaves ``step ms`` and shows in ``iter ms`` only where it is not hidden).
+  next forward, so it leaves ``step ms`` and shows in ``iter ms`` only where it is not hidden);
+* ``ndweave-zero2``: ``ndweave`` with ``DDP(..., zero_stage=2)``: grads kept as 1/DP shards.
 
 Per world size it prints, side by side: iteration time (forward + backward + step; mean over the
 steps barrier to barrier, median over interleaved rounds), the busiest rank's CPU time per iteration
@@ -20,6 +21,12 @@ over this row's: below 1 means ndweave is faster); ``opt.step()`` time alone (fo
 includes finishing the grad reduce-scatter and the parameter all-gather; for torch DDP the all-reduce
 is in backward); optimizer-state bytes per rank (state tensors + separate master weights) and their
 ratio to unsharded / DP (ndweave's target: 1.00 within 2%).
+
+Then, in fresh processes per ZeRO stage (``--memory-bucket-mb`` buckets), the busiest rank's peak bytes of live tensors over two steps
+(``ndweave.mesh.testing.memory.TensorMemory``; model, buffers and state included) against the theory
+for an fp32 model with Adam (masters are the model's own ``param_data``): params 4Ψ + grads (4Ψ at
+ZeRO-1, 4Ψ/N at ZeRO-2) + Adam 8Ψ/N, + at ZeRO-2 the full-size buckets in flight, + on gloo the
+copies its reduce-scatters hold (all of ZeRO-1's buckets until backward ends; ZeRO-2's in flight).
 """
 
 from __future__ import annotations
@@ -33,21 +40,21 @@ import torch.distributed as dist
 
 from common import Row, add_common_args, emit, init_rank, measure, mlp, spawn, sync
 
-KINDS = ("unsharded", "torch-zero", "ndweave", "ndweave+overlap")
+KINDS = ("unsharded", "torch-zero", "ndweave", "ndweave+overlap", "ndweave-zero2")
 
 
 def _model(args) -> torch.nn.Module:
     return mlp(args.layers, args.width)
 
 
-def _ndweave_ddp(model, device, args):
-    bucket = int(args.bucket_mb * 2**20) // 4
+def _ndweave_ddp(model, device, args, zero_stage: int = 1, bucket_mb: float | None = None):
+    bucket = int((args.bucket_mb if bucket_mb is None else bucket_mb) * 2**20) // 4
     try:
         from ndweave.ddp import DDP
         from ndweave.mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("DP",))
-        return DDP(model, mesh["DP"], bucket_size=bucket, use_distributed_optimizer=True), "ndweave.ddp"
+        return DDP(model, mesh["DP"], bucket_size=bucket, zero_stage=zero_stage), "ndweave.ddp"
     except ImportError:
         from ndweave.mesh.testing import ReferenceDataParallel
 
@@ -62,7 +69,7 @@ def _build(kind: str, model, device, args):
     if kind.startswith("ndweave"):
         from ndweave.optim import DistributedOptimizer
 
-        ddp, source = _ndweave_ddp(model, device, args)
+        ddp, source = _ndweave_ddp(model, device, args, zero_stage=2 if kind.endswith("zero2") else 1)
         opt = DistributedOptimizer(torch.optim.Adam, [ddp], optimizer_kwargs={"lr": 1e-4},
                                    overlap_param_gather=kind.endswith("overlap"))
         return ddp, opt, source
@@ -116,6 +123,40 @@ def _run(kind: str, world: int, args) -> dict:
     return spawn(_worker, world, kind, args)
 
 
+def _memory_worker(rank: int, world: int, port: int, zero_stage: int, args, queue) -> None:
+    """Rank 0's peak and the theory's terms (bytes) for ``kind`` (a ZeRO stage of ndweave)."""
+    from ndweave.ddp.grad_shard import MAX_IN_FLIGHT
+    from ndweave.mesh.testing.memory import TensorMemory
+    from ndweave.optim import DistributedOptimizer
+
+    device = init_rank(rank, world, port, args.device, args.threads)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, args.width, generator=g).to(device)
+    y = torch.randint(0, 10, (args.batch,), generator=g).to(device)
+    with TensorMemory() as memory:
+        ddp, _ = _ndweave_ddp(_model(args).to(device), device, args, zero_stage, args.memory_bucket_mb)
+        opt = DistributedOptimizer(torch.optim.Adam, [ddp], optimizer_kwargs={"lr": 1e-4})
+        for step in range(3):
+            if step == 1:  # the steps alone: Adam's state exists now, wrapping briefly held the params twice
+                memory.reset_peak()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+    buckets = ddp.grad_buckets()
+    params, bucket = sum(b.numel for b in buckets) * 4, max(b.numel for b in buckets) * 4
+    in_flight = min(MAX_IN_FLIGHT, len(buckets))
+    theory = {"params": params, "grads": params // world if zero_stage == 2 else params,
+              "state": opt.optimizer_state_bytes() + opt.master_param_bytes(),
+              "buckets": min(in_flight + 1, len(buckets)) * bucket if zero_stage == 2 else 0,
+              "gloo copies": (in_flight * bucket if zero_stage == 2 else params) if args.device == "cpu" else 0}
+    peak = torch.tensor([memory.peak_bytes(device.type)], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        queue.put({"peak": int(peak.item()), "theory": theory})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser)
@@ -126,6 +167,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=4.0)
+    parser.add_argument("--memory-bucket-mb", type=float, default=1.0,
+                        help="bucket size of the peak-memory runs: ZeRO-2 keeps a few buckets whole, so they must be "
+                             "a small part of the model for its grads to shrink (4 MB is the default model's all)")
     args = parser.parse_args()
     params = sum(p.numel() for p in _model(args).parameters())
     print(f"MLP {args.layers}x{args.width}: {params / 1e6:.2f}M params, Adam, batch {args.batch}/rank, {args.device}")
@@ -150,6 +194,14 @@ def main() -> None:
             print(f"{kind:16} {r['iter'] * 1e3:9.2f} {ours['iter'] / r['iter']:9.2f} {r['cpu'] * 1e3:9.2f} "
                   f"{ours['cpu'] / r['cpu']:9.2f} {r['step'] * 1e3:9.2f} {ours['step'] / r['step']:9.2f} {mb:20.3f} "
                   f"{max(r['state']) * world / unsharded:17.3f}")
+        memory = {stage: spawn(_memory_worker, world, stage, args) for stage in (1, 2)}
+        print(f"\n{'peak MB/rank':16} {'measured':>9} {'theory':>9} {'ratio':>6}  terms (MB; "
+              f"{args.memory_bucket_mb:g} MB buckets)")
+        for stage, m in memory.items():
+            bound = sum(m["theory"].values())
+            terms = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in m["theory"].items())
+            print(f"{'ZeRO-' + str(stage):16} {m['peak'] / 2**20:9.2f} {bound / 2**20:9.2f} "
+                  f"{m['peak'] / bound:6.3f}  {terms}")
         zero = results["torch-zero"]
         ours_mb, zero_mb = max(ours["state"]) / 2**20, max(zero["state"]) / 2**20
         rows.append(Row("ndweave.optim DistributedOptimizer", f"ZeroRedundancyOptimizer(Adam) iteration, "
@@ -159,6 +211,15 @@ def main() -> None:
                               f"{max(ours['state']) * world / unsharded:.3f}x, torch's "
                               f"{max(zero['state']) * world / unsharded:.3f}x",
                         note=f"opt.step() alone {ours['step'] / zero['step']:.2f}x torch's"))
+        zero2, peaks = results["ndweave-zero2"], {s: m["peak"] / 2**20 for s, m in memory.items()}
+        theory2 = sum(memory[2]["theory"].values()) / 2**20
+        rows.append(Row("ndweave.optim DistributedOptimizer, DDP zero_stage=2", f"ZeroRedundancyOptimizer(Adam) "
+                        f"iteration, {params / 1e6:.2f}M-param MLP", world, zero2["iter"] / zero["iter"],
+                        zero2["cpu"] / zero["cpu"],
+                        memory=f"peak/rank {peaks[2]:.2f} MB vs ZeRO-1's {peaks[1]:.2f} MB "
+                               f"({args.memory_bucket_mb:g} MB buckets)",
+                        bound=f"theory {theory2:.2f} MB: measured {peaks[2] / theory2:.3f}x",
+                        note=f"opt.step() alone {zero2['step'] / zero['step']:.2f}x torch's"))
     emit(rows, args.json)
 
 if __name__ == "__main__":

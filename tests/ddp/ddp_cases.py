@@ -137,7 +137,7 @@ def local_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def expected_flat(bucket, reference: dict[str, torch.Tensor]) -> torch.Tensor:
     """The bucket's grad buffer as the single-process grads would fill it (padding zero)."""
-    flat = torch.zeros_like(bucket.grad_data)
+    flat = bucket.grad_data.new_zeros(bucket.numel)
     for bp in bucket.params:
         flat[bp.offset : bp.offset + bp.numel] = local_of(reference[bp.name], bp.param).reshape(-1)
     return flat

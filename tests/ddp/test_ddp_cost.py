@@ -60,3 +60,19 @@ def test_ddp_allocates_exactly_the_planned_buffers_per_dtype():
         [list(b.entries) for p in plans for b in p.buckets]
     assert sum(b.grad_data.numel() * b.grad_data.element_size() for b in buckets) == sum(p.grad_bytes() for p in plans)
     assert sum(b.param_data.numel() * b.param_data.element_size() for b in buckets) == sum(p.param_bytes() for p in plans)
+
+
+@distributed(world_size=2, timeout=60)
+def test_zero2_keeps_the_planned_grad_shards_and_frees_full_buckets_after_backward():
+    model = _model()
+    fp32 = lambda dt: torch.promote_types(dt, torch.float32)  # noqa: E731
+    plans = plan_buffers([(n, p.dtype, p.numel(), p.numel(), "DP", 2) for n, p in model.named_parameters()],
+                         bucket_size=100, grad_dtype_of=fp32)
+    ddp = DDP(model, init_device_mesh("cpu", (2,), mesh_dim_names=("DP",)), bucket_size=100, zero_stage=2)
+    kept = sum(b.grad_data.numel() * b.grad_data.element_size() for b in ddp.grad_buckets())
+    assert kept == sum(p.grad_bytes(zero_stage=2) for p in plans) == sum(p.grad_bytes() for p in plans) // 2
+    assert max(p.bucket_grad_bytes() for p in plans) == max(b.numel for b in ddp.grad_buckets()) * 4
+    ddp(torch.arange(6).reshape(2, 3)).sum().backward()
+    # after backward only the shards hold grads: no full-size bucket, no view of one, no .grad
+    assert all(slot.main_grad is None for slot in ddp._slots)
+    assert all(p.grad is None for p in ddp.parameters())

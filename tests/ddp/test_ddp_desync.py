@@ -3,6 +3,7 @@ every rank, in seconds (no hang until the timeout, no silently wrong average); r
 
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import timedelta
 
@@ -153,3 +154,24 @@ def test_a_param_frozen_at_wrap_time_and_unfrozen_later_is_refused():
         model(x)  # evaluation is harmless
     with pytest.raises(RuntimeError, match=r"\['fc1.weight'\] had requires_grad=False when DDP wrapped the model"):
         model(x)
+
+
+@pytest.mark.parametrize("skipped", ["first", "last"])
+@distributed(world_size=2)
+def test_zero2_a_rank_that_skips_a_micro_batch_backward_is_named_before_its_reductions(skipped):
+    """ZeRO-2 reduces (and waits) inside every backward, so the ranks agree before each backward: a
+    skipped one is named in seconds, not left to pair reductions of different micro-batches."""
+    model, _ = _setup(zero_stage=2)
+    x, y = _micro_batch(0)
+    for i in range(2):
+        F.mse_loss(model(x), y).backward()  # two full steps in step
+    model.zero_grad_buffer()
+    start = time.monotonic()
+    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\): .*2 forward\(s\).*(skipped|backward)"):
+        for i in range(2):
+            with model.no_sync() if i == 0 else contextlib.nullcontext():
+                loss = F.mse_loss(model(x), y)
+                if dist.get_rank() == 0 or i != ("first", "last").index(skipped):
+                    loss.backward()
+        model.finish_grad_sync()
+    assert time.monotonic() - start < TIMEOUT_S

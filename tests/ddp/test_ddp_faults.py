@@ -69,3 +69,17 @@ def test_a_rank_that_wraps_another_model_raises_on_every_rank_before_the_broadca
                                          r"arguments, than rank 0 \(DP rank 0\): " + named):
         DDP(model, mesh, **arguments)
     DDP(MLP(), mesh)  # the ranks are still in step
+
+
+@distributed(world_size=2)
+def test_unsupported_zero_stages_are_refused_on_every_rank_with_the_fix():
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("DP",))["DP"]
+    with pytest.raises(ValueError, match=r"(?s)ranks 0, 1: zero_stage=3 is not 0, 1 or 2\. .*FSDP.*fully_shard"):
+        DDP(MLP(), mesh, zero_stage=3)
+    with pytest.raises(ValueError, match=r"use_distributed_optimizer=False contradicts zero_stage=2"):
+        DDP(MLP(), mesh, zero_stage=2, use_distributed_optimizer=False)
+    # one rank alone asking for a stage DDP lacks: the others raise it too, naming that rank
+    with pytest.raises(ValueError, match=r"(?s)rank 1: zero_stage=4 is not 0, 1 or 2.*DDP takes zero_stage=0"):
+        DDP(MLP(), mesh, zero_stage=4 if dist.get_rank() == 1 else 2)
+    assert DDP(MLP(), mesh, zero_stage=2).use_distributed_optimizer  # the ranks are still in step
+    assert DDP(MLP(), mesh, use_distributed_optimizer=True).zero_stage == 1

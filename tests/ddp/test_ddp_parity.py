@@ -139,19 +139,21 @@ def test_dp_tp_accumulation_matches_one_big_batch(on_2d_mesh):
 
 
 # ---------------------------------------------------------------------- reduce-scatter contract
-def _distributed_optimizer_contract(*, tp_size: int, bucket_size):
+def _distributed_optimizer_contract(*, tp_size: int, bucket_size, zero_stage: int):
     """Rank r's shard of every bucket holds the single-device grads; stepping those shards and
-    all-gathering ``param_data`` (what a sharded optimizer does) trains like one device."""
+    all-gathering ``param_data`` (what a sharded optimizer does) trains like one device. With
+    ``zero_stage=2`` ``grad_data`` is that shard alone."""
     mesh = dp_tp_mesh(tp_size)
     dp_rank, dp_size = mesh.get_data_parallel_rank(), mesh.get_strategy_size("DP")
     group = mesh.get_group("DP")
     tp = tp_size > 1
     expected, first_grads = (reference_tp_run if tp else reference_mlp_run)(NUM_STEPS, lr=0.1, momentum=0.0)
     model = TPBlock(mesh["TP"]) if tp else MLP()
-    ddp = DDP(model, mesh["DP"], bucket_size=bucket_size, use_distributed_optimizer=True)
+    ddp = DDP(model, mesh["DP"], bucket_size=bucket_size, zero_stage=zero_stage)
     for bucket in ddp.grad_buckets():
-        assert bucket.grad_data.numel() % dp_size == 0
-        assert bucket.param_data is not None and bucket.param_data.numel() == bucket.grad_data.numel()
+        assert bucket.numel % dp_size == 0
+        assert bucket.param_data is not None and bucket.param_data.numel() == bucket.numel
+        assert bucket.grad_data.numel() == bucket.numel // (dp_size if zero_stage == 2 else 1)
         for bp in bucket.params:  # params are views of param_data
             local = local_tensor(bp.param)
             assert local.data_ptr() == bucket.param_data[bp.offset :].data_ptr()
@@ -168,9 +170,9 @@ def _distributed_optimizer_contract(*, tp_size: int, bucket_size):
             assert (start, end) == bucket.shard_range(dp_rank)
             if step == 0:
                 want = expected_flat(bucket, first_grads)
-                assert_close(bucket.grad_data[start:end], want[start:end], name=f"shard {start}:{end}")
+                assert_close(bucket.reduced_grad(), want[start:end], name=f"shard {start}:{end}")
             with torch.no_grad():  # plain SGD on the owned range, then gather the params
-                bucket.param_data[start:end].add_(bucket.grad_data[start:end], alpha=-0.1)
+                bucket.param_data[start:end].add_(bucket.reduced_grad(), alpha=-0.1)
             all_gather_flat(bucket.param_data, bucket.param_data[start:end].clone(), group=group)
         ddp.zero_grad_buffer()
         for name, p in ddp.named_parameters():
@@ -181,8 +183,10 @@ def _distributed_optimizer_contract(*, tp_size: int, bucket_size):
 @pytest.mark.parity
 @pytest.mark.parametrize("world_size,tp_size", [(2, 1), (4, 1), (4, 2)], ids=["dp2", "dp4", "dp2xtp2"])
 @pytest.mark.parametrize("bucket_size", [None, 30])
-def test_distributed_optimizer_reduce_scatter_contract(world_size, tp_size, bucket_size):
-    run_distributed(_distributed_optimizer_contract, world_size, tp_size=tp_size, bucket_size=bucket_size)
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_distributed_optimizer_reduce_scatter_contract(world_size, tp_size, bucket_size, zero_stage):
+    run_distributed(_distributed_optimizer_contract, world_size, tp_size=tp_size, bucket_size=bucket_size,
+                    zero_stage=zero_stage)
 
 
 def test_public_names():

@@ -46,8 +46,10 @@ class ParamSlot:
     param: torch.nn.Parameter
     bucket_index: int
     """Index into the wrapper's global bucket list (launch order)."""
-    main_grad: torch.Tensor
-    """Plain view of the grad buffer, shaped like the param's local tensor (grad dtype)."""
+    main_grad: torch.Tensor | None
+    """Plain view of the grad buffer, shaped like the param's local tensor (grad dtype). With
+    ``zero_stage=2``: a view of its bucket's full-size buffer while a micro-batch fills it, ``None``
+    once that buffer is reduced and freed (``grad_shard.py``)."""
     reduced_over: int = 1
     """Ranks the bucket's collective sums over (its group's size; 1 without one)."""
     dp_mesh_dim: int | None = None
@@ -144,8 +146,17 @@ class BufferPlan:
         """Elements of the group's buffer, every bucket's padding included."""
         return self.buckets[-1].end if self.buckets else 0
 
-    def grad_bytes(self) -> int:
-        return self.numel * self.grad_dtype.itemsize
+    def grad_bytes(self, zero_stage: int = 0) -> int:
+        """Bytes of the grad buffer DDP keeps: the whole group's, or with ``zero_stage=2`` this rank's
+        range of every bucket (1/DP; the full-size buckets in flight are :meth:`bucket_grad_bytes`)."""
+        numel = self.numel // self.data_parallel_size if zero_stage >= 2 else self.numel
+        return numel * self.grad_dtype.itemsize
+
+    def bucket_grad_bytes(self) -> int:
+        """Bytes of the group's largest bucket: with ``zero_stage=2``, what each full-size bucket a
+        micro-batch is filling or reducing takes on top of :meth:`grad_bytes` (at most
+        ``grad_shard.MAX_IN_FLIGHT`` reducing, plus those being filled, usually one)."""
+        return max((b.end - b.start for b in self.buckets), default=0) * self.grad_dtype.itemsize
 
     def param_bytes(self) -> int:
         """Bytes of the param buffer ``use_distributed_optimizer=True`` builds (params moved into it)."""
@@ -183,12 +194,15 @@ def build_buckets(
     grad_dtype_of,
     group_of: Callable[[str, torch.nn.Parameter], dist.ProcessGroup | None],
     with_param_data: bool,
+    shard_grads: bool = False,
 ) -> tuple[list[GradBucket], list[ParamSlot], list[torch.Tensor]]:
     """Lay ``named_params`` out in flat buffers; return (buckets, slots, group grad buffers).
 
     ``named_params`` are in registration order; they are laid out reversed. ``group_of(name, param)``
     is the group its grad is reduced over (``None``: no collective). With ``with_param_data`` the
-    params' local tensors are moved into the new parameter buffers (values preserved).
+    params' local tensors are moved into the new parameter buffers (values preserved). With
+    ``shard_grads`` (ZeRO-2) the grad buffer holds only this rank's range of each bucket, which is the
+    bucket's ``grad_data``, and the slots have no ``main_grad`` yet (``grad_shard.py`` makes them).
     """
     by_name = {name: p for name, p in named_params}
     plans = plan_buffers([(name, p.dtype, local_tensor(p).numel(), slot_numel(p), (local_tensor(p).device, group),
@@ -200,17 +214,18 @@ def build_buckets(
     grad_buffers: list[torch.Tensor] = []
     for layout in plans:
         (device, data_parallel_group), dp_size, param_dtype = layout.key, layout.data_parallel_size, layout.param_dtype
-        grad_buffer = torch.zeros(layout.numel, dtype=layout.grad_dtype, device=device)
+        shards = dp_size if shard_grads else 1  # (bucket starts and ends divide by dp_size)
+        grad_buffer = torch.zeros(layout.numel // shards, dtype=layout.grad_dtype, device=device)
         param_buffer = torch.zeros(layout.numel, dtype=param_dtype, device=device) if with_param_data else None
         grad_buffers.append(grad_buffer)
         for bucket in layout.buckets:
-            grad_data = grad_buffer[bucket.start:bucket.end]
+            grad_data = grad_buffer[bucket.start // shards:bucket.end // shards]
             entries = [(name, by_name[name], offset, n) for name, offset, n in bucket.entries]
             param_data = param_buffer[bucket.start:bucket.end] if param_buffer is not None else None
             bucket_index = len(buckets)
             for name, p, offset, n in entries:
                 local = local_tensor(p)
-                view = grad_data[offset : offset + n].view(local.shape)
+                view = None if shard_grads else grad_data[offset : offset + n].view(local.shape)
                 slots.append(ParamSlot(name=name, param=p, bucket_index=bucket_index, main_grad=view,
                                        reduced_over=dp_size))
                 if param_data is not None:

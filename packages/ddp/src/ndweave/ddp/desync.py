@@ -17,7 +17,8 @@ peers that had called ``shutdown()``. The counters:
   called again with no backward since (an optimizer's ``step()``). The first such call after a sync
   finished in backward is the usual optimizer call and is not checked; any other is, so an extra
   ``step()`` is caught before the optimizer's own collectives (its grad norm, its parameter
-  gathers) could pair up with another collective of the others;
+  gathers) could pair up with another collective of the others; 3 when a backward starts with
+  ``zero_stage=2``, which reduces (and waits) inside every backward, so it agrees before each one;
 * ``syncs``: grad syncs finished so far;
 * ``backwards``: backward passes in this sync (micro-batches, ``no_sync()`` ones included);
 * ``forwards``: forwards with grad enabled since the last sync (a skipped backward shows here);
@@ -45,7 +46,7 @@ from ndweave.mesh.torch_compat import current_backward_id, group_timeout
 __all__ = ["GradSyncDivergedError", "SyncCounters", "check_same_wrap"]
 
 _FIELDS = ("kind", "syncs", "backwards", "forwards", "model")
-_AFTER_BACKWARD, _WITHOUT_BACKWARD = 1, 2
+_AFTER_BACKWARD, _WITHOUT_BACKWARD, _BEFORE_BACKWARD = 1, 2, 3
 
 
 class GradSyncDivergedError(RuntimeError):
@@ -74,10 +75,17 @@ class SyncCounters:
 
     def count_backward(self) -> None:
         """Called from every grad hook: counts the backward passes they belong to."""
-        backward = current_backward_id()
-        if backward != self._backward_id:
-            self._backward_id = backward
+        if self.is_new_backward():
+            self._backward_id = current_backward_id()
             self.backwards += 1
+
+    def is_new_backward(self) -> bool:
+        """Whether the grad hook running belongs to a backward not counted yet."""
+        return current_backward_id() != self._backward_id
+
+    def agree_before_backward(self) -> None:
+        """Before a backward that issues collectives of its own (ZeRO-2's), agree on the counts so far."""
+        self._agree(_BEFORE_BACKWARD, self.syncs + 1)
 
     def start_sync(self) -> None:
         self.backwards = 0
@@ -177,6 +185,9 @@ def _unanswered(kind: int, ranks: list[int], timeout) -> str:
 def _describe(row: dict[str, int]) -> str:
     if row["kind"] == _WITHOUT_BACKWARD:
         return f"a step() with no backward since grad sync #{row['syncs']}"
+    if row["kind"] == _BEFORE_BACKWARD:
+        return (f"backward pass {row['backwards'] + 1} of grad sync #{row['syncs']} after {row['forwards']} "
+                "forward(s)")
     return (f"grad sync #{row['syncs']} after {row['backwards']} backward pass(es) and {row['forwards']} "
             "forward(s)")
 
@@ -187,7 +198,9 @@ def _difference(row: dict[str, int], ref: dict[str, int]) -> str:
     if row["kind"] != ref["kind"]:
         if row["kind"] == _WITHOUT_BACKWARD:
             return (f"{_describe(row)}: it skipped a backward() or called step() once more than the others")
-        return f"{_describe(row)}, while the others called step() without a backward (they skipped it)"
+        if ref["kind"] == _WITHOUT_BACKWARD:
+            return f"{_describe(row)}, while the others called step() without a backward (they skipped it)"
+        return f"{_describe(row)}, while the others are at {_describe(ref)}: a skipped or extra backward()"
     if row["syncs"] != ref["syncs"]:
         return f"{_describe(row)}: it ran {'more' if row['syncs'] > ref['syncs'] else 'fewer'} grad syncs"
     if row["forwards"] != ref["forwards"]:

@@ -15,7 +15,9 @@ from ndweave.ddp import sync
 from ndweave.ddp.buffer import ParamSlot, build_buckets
 from ndweave.ddp.data_dims import resolve_data_mesh
 from ndweave.ddp.desync import SyncCounters, check_same_wrap
+from ndweave.ddp.grad_shard import GradShards
 from ndweave.mesh import ParallelMesh
+from ndweave.mesh.agree import raise_on_every_rank
 from ndweave.mesh.contracts import GradBucket, GradReduction, MicroBatchControl
 from ndweave.mesh.torch_compat import dtensor_over, local_tensor, queue_backward_callback
 
@@ -68,7 +70,14 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             ``False`` launches them all in :meth:`finish_grad_sync`.
         use_distributed_optimizer: reduce-scatter instead of all-reduce, so DP rank ``r`` holds the
             reduced range ``bucket.shard_range(r)`` of each bucket, and lay the parameters out in
-            flat ``param_data`` buffers (see :meth:`grad_buckets`).
+            flat ``param_data`` buffers (see :meth:`grad_buckets`): ``zero_stage=1``.
+        zero_stage: how much of the training state a sharded optimizer's DP ranks split (DeepSpeed's
+            stages; default: 1 with ``use_distributed_optimizer=True``, else 0). ``0``: all-reduce,
+            every rank holds every grad. ``1``: as ``use_distributed_optimizer=True`` (optimizer state
+            sharded by the optimizer; a full-size grad buffer per rank). ``2``: grads sharded too: each
+            rank keeps only its range of every bucket's grads (``grad_data``, 1/DP) plus the full-size
+            buckets a backward is filling or reducing, at the cost of a reduce-scatter per micro-batch
+            (``grad_shard.py``); no ``.grad`` is set. ``3`` (params too) is FSDP's: refused, naming it.
         accumulate_allreduce_grads_in_fp32: keep (accumulate and reduce) grads of low-precision
             params in fp32. The fp32 grad is ``param.main_grad``; ``.grad`` is a cast copy of it.
         average_grads: divide the summed grads by the DP size (the mean over the global batch when
@@ -97,7 +106,8 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         dim: str = "DP",
         bucket_size: int | None = DEFAULT_BUCKET_SIZE,
         overlap_grad_reduce: bool = True,
-        use_distributed_optimizer: bool = False,
+        use_distributed_optimizer: bool | None = None,
+        zero_stage: int | None = None,
         accumulate_allreduce_grads_in_fp32: bool = True,
         average_grads: bool = True,
         average_in_collective: bool = False,
@@ -115,7 +125,8 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         self.data_parallel_mesh = data.mesh
         self.data_parallel_size = data.size()
         self.data_parallel_group = data.group()
-        self.use_distributed_optimizer = use_distributed_optimizer
+        self.zero_stage = _check_zero_stage(self.data_parallel_group, use_distributed_optimizer, zero_stage)
+        self.use_distributed_optimizer = use_distributed_optimizer = self.zero_stage >= 1
         self.overlap_grad_reduce = overlap_grad_reduce
         self.average_grads = average_grads
         self.average_in_collective = average_in_collective and average_grads
@@ -137,7 +148,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         # the group each param and buffer is reduced and broadcast over (its checks run before any collective)
         group_of = {id(t): data.group(data.reduction_dims(n, t)) for n, t in states}
         check_same_wrap(self.data_parallel_group, _fingerprint(
-            module, synced_ids, bucket_size=bucket_size, use_distributed_optimizer=use_distributed_optimizer,
+            module, synced_ids, bucket_size=bucket_size, zero_stage=self.zero_stage,
             accumulate_allreduce_grads_in_fp32=accumulate_allreduce_grads_in_fp32, detect_desync=detect_desync))
         if broadcast_params and self.data_parallel_group is not None:
             by_group: dict[dist.ProcessGroup | None, list[torch.Tensor]] = {}
@@ -154,15 +165,18 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             grad_dtype_of=lambda dt: torch.promote_types(dt, torch.float32) if fp32 and dt.is_floating_point else dt,
             group_of=lambda name, p: group_of[id(p)],
             with_param_data=use_distributed_optimizer,
+            shard_grads=self.zero_stage == 2,
         )
         self._bucket_slots: list[list[ParamSlot]] = [[] for _ in self._buckets]
         for slot in self._slots:
             self._bucket_slots[slot.bucket_index].append(slot)
             slot.dp_mesh_dim = sync.data_parallel_mesh_dim(slot.param, group_of[id(slot.param)])
             slot.scale = self._scale(slot.reduced_over)
+        self._grad_shards = GradShards(self._buckets, self._bucket_slots) if self.zero_stage == 2 else None
         self._num_ready = [0] * len(self._buckets)
         self._next_bucket = 0
         self._works: list[dist.Work] = []
+        self._micro_batch_open = False  # ZeRO-2: a bucket got a grad since the last micro-batch's reduction
         self._step_open = False
         self._callback_queued = False
         self._counters = SyncCounters(self.data_parallel_group, [f"{n}:{tuple(p.shape)}" for n, p in synced],
@@ -247,6 +261,12 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             self._counters.finish_without_backward()
             return
         self._counters.finish_sync(in_backward=in_backward)
+        if self._grad_shards is not None:  # ZeRO-2: the grads are in the shards, no .grad to set
+            self._reduce_micro_batch()
+            with torch.no_grad():
+                self._grad_shards.reduce_partial()
+            self._step_open = False
+            return
         with torch.no_grad():
             for index in range(self._next_bucket, len(self._buckets)):
                 self._launch(index)
@@ -264,6 +284,9 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         for work in self._works:
             work.wait()
         self._works = []
+        if self._grad_shards is not None:
+            self._grad_shards.reset()
+            self._micro_batch_open = False
         for buffer in self._grad_buffers:
             buffer.zero_()
         for slot in self._slots:
@@ -279,9 +302,14 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         def pre_hook(grad: torch.Tensor) -> None:
             # Runs before autograd accumulates into ``.grad``: the moment to start a step, so that the
             # previous step's ``.grad`` can be taken out of autograd's way first.
+            if self._grad_shards is not None and self._counters.is_new_backward():
+                # ZeRO-2 waits for its reductions within this backward: the DP ranks agree before that
+                self._counters.agree_before_backward()
             if self._step_open and slot.bucket_index < self._next_bucket:
-                # a second backward after this bucket was reduced (no no_sync): close that step
-                self._finish(in_backward=True)
+                if self._grad_shards is not None:  # ZeRO-2: reduce what came so far, then go on adding
+                    self._reduce_micro_batch()
+                else:  # a second backward after this bucket was reduced (no no_sync): close that step
+                    self._finish(in_backward=True)
             if not self._step_open:
                 self._start_step()
             sync.take_local(slot)  # (after a no_sync micro-batch: the .grad view, or the user's zero_grad)
@@ -294,14 +322,18 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             grad = param.grad
             if grad is None:
                 return
-            local = not self.is_last_microbatch
+            sharded = self._grad_shards is not None
+            local = not self.is_last_microbatch and not sharded  # ZeRO-2 reduces every micro-batch
             with torch.no_grad():
+                if sharded:
+                    self._grad_shards.open(slot.bucket_index)
+                    self._micro_batch_open = True
                 sync.accumulate(slot, grad, self, local=local)
             param.grad = None
             if local:
                 sync.publish_local(slot)
                 return
-            if self.finish_grad_sync_in_backward and not self._callback_queued:
+            if (self.finish_grad_sync_in_backward or sharded) and not self._callback_queued:
                 self._callback_queued = True
                 queue_backward_callback(self._finish_at_backward_end)
             if not slot.ready:
@@ -314,13 +346,32 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
     def _finish_at_backward_end(self) -> None:
         self._callback_queued = False
+        if self._grad_shards is not None:
+            self._reduce_micro_batch()
+            if not (self.is_last_microbatch and self.finish_grad_sync_in_backward):
+                return
         self._finish(in_backward=True)
+
+    def _reduce_micro_batch(self) -> None:
+        """ZeRO-2, at the end of a backward: launch the buckets it left, wait for every reduction (the
+        full-size buffers are freed) and count the next micro-batch from zero."""
+        if self._micro_batch_open:
+            with torch.no_grad():
+                for index in range(self._next_bucket, len(self._buckets)):
+                    self._launch(index)
+                self._grad_shards.wait()
+        self._micro_batch_open = False
+        self._reset_counts()
+        for slot in self._slots:
+            slot.ready = False
 
     def _start_step(self) -> None:
         self._step_open = True
         self._callback_queued = False  # (one queued by a backward that raised never ran)
         self._reset_counts()
         self._counters.start_sync()
+        if self._grad_shards is not None:
+            self._grad_shards.start_step()
         with torch.no_grad():
             for slot in self._slots:
                 sync.start_step(slot, carry=not self.use_distributed_optimizer, ddp=self,
@@ -342,6 +393,10 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             self._next_bucket += 1
 
     def _launch(self, index: int) -> None:
+        op = dist.ReduceOp.AVG if self.average_in_collective else dist.ReduceOp.SUM
+        if self._grad_shards is not None:
+            self._grad_shards.launch(index, op)
+            return
         for slot in self._bucket_slots[index]:
             sync.settle_local(slot)  # a no_sync sum no synced micro-batch scaled, or that the user zeroed
             if slot.fresh:  # no grad this step (unused param): its region still holds old values
@@ -350,7 +405,6 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         bucket = self._buckets[index]
         if bucket.data_parallel_group is None:
             return
-        op = dist.ReduceOp.AVG if self.average_in_collective else dist.ReduceOp.SUM
         if self.use_distributed_optimizer:
             start, end = bucket.shard_range()
             work = sync.reduce_scatter(bucket.grad_data[start:end], bucket.grad_data, op, bucket.data_parallel_group)
@@ -369,6 +423,28 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
 
 DDP = DistributedDataParallel
+
+
+def _check_zero_stage(group: dist.ProcessGroup | None, use_distributed_optimizer: bool | None,
+                      zero_stage: int | None) -> int:
+    """The ZeRO stage the two arguments ask for, or the same ``ValueError`` on every DP rank."""
+    stage = (1 if use_distributed_optimizer else 0) if zero_stage is None else zero_stage
+    problems = []
+    if isinstance(stage, bool) or stage not in (0, 1, 2):
+        more = (" zero_stage=3 shards the parameters too, which is FSDP: use torch's fully_shard (FSDP2) on the "
+                "DP dim instead of DDP." if stage == 3 else "")
+        problems.append(f"zero_stage={zero_stage!r} is not 0, 1 or 2.{more}")
+    elif use_distributed_optimizer is not None and use_distributed_optimizer != (stage >= 1):
+        problems.append(f"use_distributed_optimizer={use_distributed_optimizer} contradicts zero_stage={zero_stage} "
+                        "(stages 1 and 2 reduce-scatter for a sharded optimizer, stage 0 all-reduces).")
+    fix = ("DDP takes zero_stage=0 (all-reduce), 1 (= use_distributed_optimizer=True: optimizer state sharded) or "
+           "2 (grads sharded too); pass one of zero_stage= and use_distributed_optimizer=, or both agreeing")
+    if group is None:
+        if problems:
+            raise ValueError(f"DDP: {problems[0]} {fix}")
+    else:
+        raise_on_every_rank(group, "DDP(zero_stage=, use_distributed_optimizer=)", problems, ValueError, fix)
+    return stage
 
 
 def _check_bucket_size(bucket_size: Any) -> None:

@@ -27,6 +27,7 @@ __all__ = [
     "accumulate",
     "broadcast_from_first",
     "data_parallel_mesh_dim",
+    "partial_placements",
     "publish",
     "publish_local",
     "reduce_partial_slots",
@@ -227,6 +228,15 @@ def _carry_scale(slot: ParamSlot, ddp) -> float:
     return scale
 
 
+def partial_placements(slot: ParamSlot) -> list | None:
+    """The placements of the slot's accumulated (DP-reduced) grad when one is ``Partial`` on a non-DP
+    mesh dim, still to be reduced there; ``None`` when none is (or no grad came yet)."""
+    if slot.grad_placements is None:
+        return None
+    placements = [slot.param.placements[i] if i == slot.dp_mesh_dim else pl for i, pl in enumerate(slot.grad_placements)]
+    return placements if any(pl.is_partial() for pl in placements) else None
+
+
 def reduce_partial_slots(slots: list[ParamSlot]) -> None:
     """Reduce every slot whose grad is ``Partial`` on a non-DP mesh dim, in place in the buffer."""
     todo = []
@@ -234,10 +244,8 @@ def reduce_partial_slots(slots: list[ParamSlot]) -> None:
         if slot.grad_placements is None:
             continue
         if slot.partial_grad is None:
-            placements = [
-                slot.param.placements[i] if i == slot.dp_mesh_dim else pl for i, pl in enumerate(slot.grad_placements)
-            ]
-            if not any(pl.is_partial() for pl in placements):
+            placements = partial_placements(slot)
+            if placements is None:
                 continue
             slot.partial_grad = _view_as_dtensor(slot, placements)
         slot.grad = slot.partial_grad

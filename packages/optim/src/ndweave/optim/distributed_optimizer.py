@@ -1,10 +1,10 @@
-"""``DistributedOptimizer``: the Megatron-style sharded optimizer (ZeRO-1 state sharding, ZeRO-2
-gradients as far as the grad buffer allows) over the buckets of a data-parallel wrapper.
+"""``DistributedOptimizer``: the Megatron-style sharded optimizer (ZeRO-1 state sharding; ZeRO-2
+with a wrapper that keeps only grad shards) over the buckets of a data-parallel wrapper.
 
 How a step goes, on every data-parallel rank ``r``::
 
     finish_grad_sync(models)          # DDP reduce-scatters: bucket range r holds the averaged grad
-    master.grad = grad_data[range r]  # fp32 (a view if grad_data is fp32, else one cast copy)
+    master.grad = reduced_grad()      # range r of grad_data; fp32 (a view if it is fp32, else one cast copy)
     unscale / clip                    # global norm: one all-reduce of owned squares
     inner.step()                      # torch optimizer (fused where torch has it) on the flat masters
     param_data[range r] = master      # cast to the model dtype (no copy if the model is fp32)
@@ -16,11 +16,12 @@ so the inner step, the norm and the copies are one call per group, not one per p
 ``state_dict()`` still cuts the flat state into per-FQN pieces (``_Shard``).
 
 What is sharded (ZeRO level): optimizer state (``exp_avg``, ``exp_avg_sq``, momentum...) and fp32
-master weights are 1/DP per rank: ZeRO-1. Gradients are reduce-scattered, and the fp32 grads the
-inner optimizer reads are only this rank's range; but the DDP wrapper's ``grad_data`` buffer stays
-full size on every rank (backward accumulates into it before the reduce-scatter), so per-rank grad
-memory is not 1/DP: this is not full ZeRO-2. Full-size buffers that remain per rank: DDP's
-``grad_data`` and ``param_data`` (the model parameters themselves).
+master weights are 1/DP per rank: ZeRO-1. Gradients are reduce-scattered and the inner optimizer
+reads only this rank's range; whether the rest of the grads stay is the wrapper's layout, read from
+its buckets: ``DDP(..., zero_stage=1)`` (``use_distributed_optimizer=True``) keeps a full-size
+``grad_data`` per rank (backward accumulates into it), ``DDP(..., zero_stage=2)`` keeps only this
+rank's range (ZeRO-2). Nothing here differs between the two, state dicts included. Full-size per
+rank either way: ``param_data`` (the model parameters themselves).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class _Flat:
     bucket_end: int
     master: torch.nn.Parameter
     """1-D master weights (at least fp32 unless ``grad_to_fp32=False``); its ``.grad`` is the run of
-    ``grad_data`` (a view when the dtypes agree, else one cast)."""
+    the bucket's ``reduced_grad()`` (a view when the dtypes agree, else one cast)."""
     aliases_model: bool
     """``master`` is a view of ``param_data`` (same dtype): stepping it updates the model directly."""
     owned: list[tuple[int, int]]
@@ -80,7 +81,8 @@ class _Flat:
         return self.bucket.param_data[self.bucket_start : self.bucket_end]
 
     def grad_range(self) -> torch.Tensor:
-        return self.bucket.grad_data[self.bucket_start : self.bucket_end]
+        offset = self.bucket.shard_range()[0]  # reduced_grad() starts at this rank's range
+        return self.bucket.reduced_grad()[self.bucket_start - offset : self.bucket_end - offset]
 
 
 @dataclass(eq=False)
@@ -121,7 +123,8 @@ class DistributedOptimizer(WrappedOptimizer):
             ``assume_elementwise=True``).
         models: data-parallel wrapped models implementing
             :class:`~ndweave.mesh.contracts.DataParallelWrapper`, laid out for a sharded optimizer
-            (their buckets carry ``param_data``: ``DDP(..., use_distributed_optimizer=True)``).
+            (their buckets carry ``param_data``: ``DDP(..., use_distributed_optimizer=True)``, ZeRO-1, or
+            ``DDP(..., zero_stage=2)``, which keeps only this rank's range of the grads: ZeRO-2).
         clip_grad: clip to this global grad norm in every ``step()`` (0: no clipping).
         overlap_param_gather: issue the parameter all-gathers async after ``step()`` and wait for
             each bucket in a forward pre-hook of the first module that owns one of its params.

@@ -12,7 +12,9 @@ grads travel::
     model.finish_grad_sync()                          # the optimizer calls this in step()
 
 * A backward while *not* the last micro-batch only accumulates (adds) its grads locally: no
-  collective is issued.
+  collective is issued. Except where the wrapper keeps only gradient shards (ZeRO-2: ``grad_data``
+  is one rank's range), which has nowhere to keep a local sum: it reduces every micro-batch's grads
+  as that backward ends, so every backward issues collectives (the result is the same sum).
 * The backward of the last micro-batch (the default state) adds its grads too and may launch the
   reduction of the accumulated sum (``ndweave.ddp`` overlaps it with the rest of backward);
   ``finish_grad_sync()`` launches whatever is left and waits. Calling it again is harmless.
@@ -21,8 +23,8 @@ grads travel::
   ``grad_reduction == "mean"`` and the sum when ``"sum"``. With a per-micro-batch mean loss divided
   by ``k`` as above, ``"mean"`` gives exactly the grad of the mean loss over the global batch.
 * Where that grad is: if the buckets carry ``param_data`` (laid out for a sharded optimizer, see
-  :func:`uses_distributed_optimizer`), in ``bucket.grad_data[bucket.shard_range()]`` of every bucket
-  on each DP rank, and nowhere else; otherwise in the whole of every bucket's ``grad_data`` and in
+  :func:`uses_distributed_optimizer`), in ``bucket.reduced_grad()`` (``grad_data[shard_range()]``,
+  or all of a ZeRO-2 ``grad_data``) of every bucket on each DP rank, and nowhere else; otherwise in the whole of every bucket's ``grad_data`` and in
   every synced parameter's ``.grad``.
 * ``zero_grad_buffer()`` zeroes every ``grad_data`` and starts a new step (optimizers' ``zero_grad()``
   call it). Whether grads left from an earlier step without it are carried over is up to the wrapper.

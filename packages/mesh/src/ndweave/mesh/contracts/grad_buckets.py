@@ -4,13 +4,15 @@
 The wrapper keeps gradients in contiguous flat buffers split into buckets. Laid out for a sharded
 optimizer (Megatron's ``use_distributed_optimizer=True``: its buckets carry ``param_data``), it
 reduce-scatters each bucket instead of all-reducing it, so that after ``finish_grad_sync()``
-data-parallel rank ``r`` holds the reduced gradient for
-``shard_range(bucket.grad_data.numel(), dp_size, r)`` of every bucket, and it lays its parameters out
+data-parallel rank ``r`` holds the reduced gradient for ``shard_range(bucket.numel, dp_size, r)`` of
+every bucket (:meth:`GradBucket.reduced_grad`), and it lays its parameters out
 in a matching flat ``param_data`` buffer (each param's local tensor is a view into it). The sharded
 optimizer keeps fp32 master weights and state for its ranges only, steps them, writes the result into
 its range of ``param_data`` and all-gathers ``param_data`` over the data-parallel group.
 
 Ranges ignore parameter boundaries (Megatron's layout): a parameter may be split between ranks.
+A wrapper may keep only that range of the grads (ZeRO-2: ``grad_data`` is then this rank's range,
+``param_data`` still the whole bucket).
 
 Layout rules (:func:`padded_bucket_numel`, :func:`slot_numel`), shared so that every wrapper's
 buckets split the same way: a bucket's numel is a multiple of ``dp_size * BUCKET_ALIGNMENT``, and a
@@ -65,8 +67,9 @@ class GradBucket:
     """The parameters in the bucket, in buffer order. Elements no parameter covers are padding
     (zero); tensor-parallel peers see the same offsets even where their shards differ in size."""
     grad_data: torch.Tensor
-    """1-D gradient buffer (may be fp32 for a bf16 model); numel divisible by the DP size
-    (:func:`padded_bucket_numel`)."""
+    """1-D gradient buffer (may be fp32 for a bf16 model): the whole bucket, numel divisible by the DP
+    size (:func:`padded_bucket_numel`); or, where the wrapper keeps gradient shards (ZeRO-2, with
+    ``param_data``), only this rank's ``shard_range`` of it."""
     param_data: torch.Tensor | None
     """1-D parameter buffer of the same numel whose views are the params' local tensors, when the
     wrapper is laid out for a sharded optimizer (only this rank's ``shard_range`` of ``grad_data`` is
@@ -82,10 +85,24 @@ class GradBucket:
     def data_parallel_rank(self) -> int:
         return 0 if self.data_parallel_group is None else dist.get_rank(self.data_parallel_group)
 
+    @property
+    def numel(self) -> int:
+        """Elements of the whole bucket, padding included (``param_data``'s where there is one: a
+        ZeRO-2 ``grad_data`` holds one rank's range only)."""
+        return (self.grad_data if self.param_data is None else self.param_data).numel()
+
     def shard_range(self, dp_rank: int | None = None) -> tuple[int, int]:
         """``[start, end)`` of the bucket owned by ``dp_rank`` (default: this rank)."""
         rank = self.data_parallel_rank if dp_rank is None else dp_rank
-        return shard_range(self.grad_data.numel(), self.data_parallel_size, rank)
+        return shard_range(self.numel, self.data_parallel_size, rank)
+
+    def reduced_grad(self) -> torch.Tensor:
+        """This rank's reduced grads after ``finish_grad_sync()``: ``grad_data[shard_range()]`` with
+        ``param_data`` (all of ``grad_data`` where it holds only that range), else all of ``grad_data``."""
+        if self.param_data is None or self.grad_data.numel() != self.numel:
+            return self.grad_data
+        start, end = self.shard_range()
+        return self.grad_data[start:end]
 
 
 def shard_range(numel: int, dp_size: int, dp_rank: int) -> tuple[int, int]:

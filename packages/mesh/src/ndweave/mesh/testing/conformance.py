@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ndweave.mesh.contracts import DataParallelWrapper, GradBucket, shard_range, uses_distributed_optimizer
+from ndweave.mesh.contracts import DataParallelWrapper, GradBucket, uses_distributed_optimizer
 from ndweave.mesh.testing.parity import STRICT, STRICT_DTYPE, assert_close
 from ndweave.mesh.torch_compat import local_shape_and_offset, local_tensor
 
@@ -199,7 +199,7 @@ def _check_layout(wrapper: DataParallelWrapper, case: _Case) -> list[str]:
     mesh_ranks = set(case.dp_mesh.mesh.flatten().tolist())
     for index, bucket in enumerate(wrapper.grad_buckets()):
         problems += _check_group(index, bucket, mesh_ranks)
-        numel, size = _bucket_numel(bucket), bucket.data_parallel_size
+        numel, size = bucket.numel, bucket.data_parallel_size
         if bucket.grad_data.dim() != 1 or numel % size:
             problems.append(f"bucket {index}: grad_data of shape {tuple(bucket.grad_data.shape)} is not 1-D with a "
                             f"numel divisible by the DP size {size} of the group it is reduced over")
@@ -238,20 +238,6 @@ def _check_group(index: int, bucket: GradBucket, mesh_ranks: set[int]) -> list[s
     return []
 
 
-def _bucket_numel(bucket: GradBucket) -> int:
-    """Elements of the whole bucket (``param_data`` holds them all where a grad shard may not)."""
-    return (bucket.param_data if bucket.param_data is not None else bucket.grad_data).numel()
-
-
-def _reduced(bucket: GradBucket, sharded: bool) -> tuple[int, int, torch.Tensor]:
-    """``(lo, hi, values)``: the range of the bucket this rank holds reduced, and its values."""
-    numel = _bucket_numel(bucket)
-    if not sharded:
-        return 0, numel, bucket.grad_data
-    lo, hi = shard_range(numel, bucket.data_parallel_size, bucket.data_parallel_rank)
-    return lo, hi, bucket.grad_data if bucket.grad_data.numel() == hi - lo else bucket.grad_data[lo:hi]
-
-
 def _check_coverage(wrapper: DataParallelWrapper, case: _Case, seen: dict[int, str]) -> list[str]:
     problems = []
     trainable = {id(p): n for n, p in case.model.named_parameters() if p.requires_grad}
@@ -260,7 +246,7 @@ def _check_coverage(wrapper: DataParallelWrapper, case: _Case, seen: dict[int, s
     missing = sorted(n for i, n in trainable.items() if i not in seen)
     if missing:
         problems.append(f"trainable params in no bucket: {missing}")
-    layout = [(_bucket_numel(b), [(bp.name, bp.offset) for bp in b.params]) for b in wrapper.grad_buckets()]
+    layout = [(b.numel, [(bp.name, bp.offset) for bp in b.params]) for b in wrapper.grad_buckets()]
     layouts: list = [None] * dist.get_world_size()
     dist.all_gather_object(layouts, layout)
     if any(other != layout for other in layouts):
@@ -292,8 +278,9 @@ def _compare(wrapper: DataParallelWrapper, sharded: bool, expected: dict[int, to
     """Problems of this rank's reduced grads (local work only: no collectives)."""
     problems = []
     for index, bucket in enumerate(wrapper.grad_buckets()):
-        lo, hi, reduced = _reduced(bucket, sharded)
-        covered = torch.zeros(_bucket_numel(bucket), dtype=torch.bool)
+        lo, hi = bucket.shard_range() if sharded else (0, bucket.numel)
+        reduced = bucket.reduced_grad()
+        covered = torch.zeros(bucket.numel, dtype=torch.bool)
         for bp in bucket.params:
             full = expected[id(bp.param)] * factor
             want = _local_part(bp.param, full).reshape(-1)
