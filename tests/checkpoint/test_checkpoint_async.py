@@ -1,22 +1,29 @@
 """Asynchronous saves copy parameters and optimizer state in the background: training goes on at
 once, each optimizer's next ``step()`` waits for the copy (a step pre-hook), and the checkpoint
 holds the values of the moment ``save`` was called. The copy is slowed down here, so a step that did
-not wait, or a buffer copied late, would change what is saved."""
+not wait, or a buffer copied late, would change what is saved. With the planning in the background,
+what a rank alone writes is copied before it, so the step need not wait for the planning; the files
+are written without ``torch.save``'s CRC32, and an async save's at a lower priority."""
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.device_mesh import init_device_mesh
 
 from checkpoint_cases import Fused, assert_same
 from ndweave.checkpoint import CheckpointError, CheckpointManager, StagingBuffers, load, save
 from ndweave.checkpoint.pieces import PieceSavePlanner
+from ndweave.checkpoint.saver import WRITER_NICENESS
 from ndweave.checkpoint.staging import StagingGate
 from ndweave.mesh.testing import full_tensor, run_distributed
 
@@ -49,19 +56,21 @@ def _reloaded(folder, model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 
 class _SlowCopy:
-    """Patch the background copy: ``delay`` seconds first (or raise ``error``); records when it ended."""
+    """Patch the background copy: ``delay`` seconds before each part of it (or raise ``error``);
+    records when it ended (the first part copies all of it when no other rank holds any of it)."""
 
     def __init__(self, delay: float = 0.0, error: BaseException | None = None) -> None:
         self.delay, self.error, self.finished_at = delay, error, None
         self.original = PieceSavePlanner.stage_deferred
 
     def __enter__(self) -> _SlowCopy:
-        def stage_deferred(planner):
+        def stage_deferred(planner, **kwargs):
             time.sleep(self.delay)
             if self.error is not None:
                 raise self.error
-            self.original(planner)
-            self.finished_at = time.perf_counter()
+            self.original(planner, **kwargs)
+            if not planner.deferred and self.finished_at is None:
+                self.finished_at = time.perf_counter()
 
         PieceSavePlanner.stage_deferred = stage_deferred
         return self
@@ -155,6 +164,35 @@ def test_a_failed_copy_raises_from_the_next_step_and_from_wait(tmp_path):
     assert not os.path.exists(tmp_path / "a") and _gates(optimizer) == []
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_files_are_written_without_crc32_and_async_ones_at_a_lower_priority(tmp_path):
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, optimizer, seed=0)
+    expected = _snapshot(model, optimizer)
+    seen, original = [], FileSystemWriter.write_data
+
+    def write_data(writer, plan, planner):
+        me = threading.get_native_id()
+        seen.append((torch.serialization.get_crc32_options(), os.getpriority(os.PRIO_PROCESS, me)))
+        return original(writer, plan, planner)
+
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    FileSystemWriter.write_data = write_data
+    try:
+        save(tmp_path / "sync", {"model": model, "optimizer": optimizer})
+        save(tmp_path / "async", {"model": model, "optimizer": optimizer}, async_checkpoint=True).wait()
+    finally:
+        FileSystemWriter.write_data = original
+    assert seen == [(False, caller), (False, min(caller + WRITER_NICENESS, 19))]
+    assert torch.serialization.get_crc32_options()  # the caller's setting: torch keeps it per thread
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
+    for folder in ("sync", "async"):  # plain DCP reads them (it never checks the CRC)
+        sd = {"model": _model().state_dict()}
+        dcp.load(sd, checkpoint_id=tmp_path / folder)
+        assert_same(sd["model"], {k[len("model."):]: v for k, v in expected.items() if k.startswith("model.")})
+
+
 def test_reused_buffers_hold_each_save_own_values(tmp_path):
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -213,6 +251,68 @@ def _async_with_dtensor_params(folder: str) -> None:
 
 def test_sharded_params_and_state_on_two_ranks_are_saved_as_of_the_call(tmp_path):
     run_distributed(_async_with_dtensor_params, 2, str(tmp_path))
+
+
+class _SlowPlanning:
+    """Patch the global plan: rank 0 takes ``delay`` seconds longer; records when this rank had its
+    final plan."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.planned_at = delay, None
+        self.originals = PieceSavePlanner.create_global_plan, PieceSavePlanner.finish_plan
+
+    def __enter__(self) -> _SlowPlanning:
+        create, finish = self.originals
+
+        def create_global_plan(planner, plans):
+            time.sleep(self.delay)
+            return create(planner, plans)
+
+        def finish_plan(planner, plan):
+            self.planned_at = time.perf_counter()
+            return finish(planner, plan)
+
+        PieceSavePlanner.create_global_plan, PieceSavePlanner.finish_plan = create_global_plan, finish_plan
+        return self
+
+    def __exit__(self, *exc) -> None:
+        PieceSavePlanner.create_global_plan, PieceSavePlanner.finish_plan = self.originals
+
+
+def _step_waits_for_the_planning_only_for_replicated_values(folder: str) -> list[bool]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    group = dist.new_group(backend="gloo")
+    waited = []
+    for replicated in (False, True):
+        model = Fused(mesh, strided=False)  # Shard(1) weight, Shard(0) bias: each rank writes its own
+        model.register_buffer("seen", torch.zeros(4))  # copied before save returns
+        if replicated:  # DCP's global plan gives it to one rank: copied once the plan is known
+            model.scale = nn.Parameter(torch.ones(3))
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+        _train_sharded(model, optimizer, seed=0)
+        expected = _snapshot(model, optimizer)
+        step_began: list[float] = []
+        with _SlowPlanning(delay=0.5) as planning:
+            handle = save(f"{folder}/{replicated}", {"model": model, "optimizer": optimizer},
+                          async_checkpoint=True, process_group=group)
+            optimizer.register_step_pre_hook(lambda *args: step_began.append(time.perf_counter()))
+            _train_sharded(model, optimizer, seed=1)
+            handle.wait()
+        waited.append(step_began[0] >= planning.planned_at)
+        other = Fused(mesh, strided=False, seed=1)
+        other.register_buffer("seen", torch.full((4,), -1.0))
+        if replicated:
+            other.scale = nn.Parameter(torch.zeros(3))
+        assert_same(_reloaded(f"{folder}/{replicated}", other, torch.optim.Adam(other.parameters(), lr=0.1)),
+                    expected)
+    return waited
+
+
+def test_with_a_group_of_its_own_the_step_waits_for_the_planning_only_for_replicated_values(tmp_path):
+    # the planning waits for every rank (rank 0 slowed down here); what no other rank holds is in
+    # the final plan whatever it says, so it is copied first and the step goes on before it ends
+    assert run_distributed(_step_waits_for_the_planning_only_for_replicated_values, 2, str(tmp_path)) == [
+        [False, True], [False, True]]
 
 
 def _failure_before_planning_in_the_background(folder: str) -> None:

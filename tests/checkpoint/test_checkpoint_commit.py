@@ -33,18 +33,19 @@ def _fail_while_writing(how: str):
     FileSystemWriter.write_data = write_data
 
 
-def _save_then_fail(folder: str, how: str) -> None:
+def _save_then_fail(folder: str, how: str, asynchronous: bool = False) -> None:
     model = mlp(seed=0)
     save(f"{folder}/good", {"model": model})
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
+    group = dist.new_group(backend="gloo") if asynchronous else None  # planned in the background too
     original = FileSystemWriter.write_data
     try:
         if dist.get_rank() == 1:
             _fail_while_writing(how)
         with pytest.raises(CheckpointError) as raised:
-            save(f"{folder}/bad", {"model": model}, timeout=3)
+            save(f"{folder}/bad", {"model": model}, timeout=3, async_checkpoint=asynchronous, process_group=group).wait()
     finally:
         FileSystemWriter.write_data = original
     if dist.get_rank() == 0:  # the same error on every rank, naming the rank that failed
@@ -58,6 +59,14 @@ def test_a_rank_raising_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert len(partial) == 1 and not is_complete(tmp_path / partial[0])
     with pytest.raises(CheckpointError, match="uncommitted"):
         load(tmp_path / partial[0], {"model": mlp()})
+    model = mlp(seed=1)
+    load(tmp_path / "good", {"model": model})
+    assert_same(_params(model), _params(mlp(seed=0)))
+
+
+def test_a_rank_raising_while_an_async_save_writes_leaves_the_previous_checkpoint(tmp_path):
+    run_distributed(_save_then_fail, 2, str(tmp_path), "raise", True)
+    assert not is_complete(tmp_path / "bad")
     model = mlp(seed=1)
     load(tmp_path / "good", {"model": model})
     assert_same(_params(model), _params(mlp(seed=0)))

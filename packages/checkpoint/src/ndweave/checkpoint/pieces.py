@@ -30,7 +30,7 @@ from ndweave.mesh.torch_compat import StridedShard, local_tensor
 
 from ndweave.checkpoint.buffers import StagingBuffers
 
-__all__ = ["PieceLoadPlanner", "PieceSavePlanner", "PieceSet", "needs_pieces"]
+__all__ = ["PieceLoadPlanner", "PieceSavePlanner", "PieceSet", "needs_pieces", "written_by_this_rank_alone"]
 
 
 class PieceSet:
@@ -103,6 +103,17 @@ def needs_pieces(tensor: Any) -> bool:
     return isinstance(tensor, DTensor) and any(isinstance(p, StridedShard) for p in tensor.placements)
 
 
+def written_by_this_rank_alone(value: Any) -> bool:
+    """Whether no other rank saves the chunks of ``value`` this rank saves, so that DCP's global plan
+    (which gives a chunk several ranks hold to one of them) keeps all of them here: a
+    :class:`PieceSet` (replica pieces are never given to it), or a DTensor sharded over every mesh
+    dim of more than one rank."""
+    if isinstance(value, PieceSet):
+        return True
+    return isinstance(value, DTensor) and all(
+        p.is_shard() or value.device_mesh.size(d) == 1 for d, p in enumerate(value.placements))
+
+
 class PieceSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, plus boxes of :class:`PieceSet` leaves, plus staging: after
     :meth:`stage` (and :meth:`stage_deferred`), every item this rank writes is resolved from a
@@ -147,15 +158,20 @@ class PieceSavePlanner(DefaultSavePlanner):
         """Whether :meth:`stage` left tensors live for :meth:`stage_deferred`."""
         return bool(self._deferred)
 
-    def stage_deferred(self) -> None:
-        """Copy the tensors :meth:`stage` left live that the final plan writes; after it, nothing
-        written refers to live state."""
+    def stage_deferred(self, only: Callable[[Any], bool] | None = None) -> None:
+        """Copy the tensors :meth:`stage` left live that the plan writes; after it, nothing written
+        refers to live state. ``only``: copy just those whose state-dict value it picks, and leave
+        the rest for the next call (before the global plan: the values it surely keeps)."""
         writes = {item.index for item in self.plan.items}
+        left = []
         for item in self._deferred:
-            if item.index in writes:
+            if only is not None and not only(self.state_dict.get(item.index.fqn)):
+                left.append(item)
+            elif item.index in writes:
                 self._staged[item.index] = self._host_copy(item.index, super().resolve_data(item))
-        self._deferred.clear()
-        self._staging_done()
+        self._deferred = left
+        if only is None:
+            self._staging_done()
 
     def update_values(self, values: dict[str, Any]) -> None:
         """Replace the planned flat entries ``values`` (by flat key), staged or not."""

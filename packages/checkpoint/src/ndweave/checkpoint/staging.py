@@ -105,9 +105,11 @@ class StagingGate:
         return self._staged.is_set()
 
     def finish(self, error: BaseException | None = None) -> None:
-        """Called by the background thread once the copy is done (or failed with ``error``)."""
-        self._error = error
-        self._staged.set()
+        """Called by the background thread once the copy is done (or failed with ``error``); a later
+        call changes nothing (a failure after the copy is ``wait()``'s to raise, not a step's)."""
+        if not self._staged.is_set():
+            self._error = error
+            self._staged.set()
 
     def wait(self) -> None:
         """Block until the copy is done, remove the hooks, raise a failed copy's error."""
