@@ -12,66 +12,30 @@ Per world size (all of it the PP dim) and schedule it prints:
   over ``PipelineStage``s of the same chunks (``schedule.step(x)`` / ``step(target=y)``), and the
   ratio ours / torch (target: <= 1.0): what the engine's loss scaling, DP control, tied-weight and
   timing hooks cost;
-* the bubble the engine's timeline measures (share of the step each rank waits, averaged) next to
-  the fill-drain theory ``(p - 1) / (v * m + p - 1)``, which assumes backward costs what forward does
-  (it costs about twice as much), free communication, and one core per rank.
+* the bubble the engine's timeline measures (the share of the step, the slowest rank's schedule, each
+  rank spends outside its actions, averaged; the median of ``--rounds`` recorded steps) next to the
+  fill-drain theory ``(p - 1) / (v * m + p - 1)``, which assumes equal stages, free communication
+  and hand-over, and a device per rank (it holds for any backward / forward ratio).
 
 The model is a stack of Linear + ReLU blocks (no embedding, so every stage takes the same input).
 
-``--simulate-ms F`` adds to every block a simulated device kernel: forward sleeps F ms and backward
-2F ms (``time.sleep``, which leaves the CPU free, as a GPU kernel does), with ``--width`` small so
-the real compute is negligible. That gives each rank its own "device" even on 2 shared cores, so the
-measured bubble can be held against the theory. Zero bubble runs a block's backward twice there (once
-for the input grad, once for the weight grad), so its simulated timings are not comparable.
+``--simulate-ms F`` adds to every block a simulated device kernel (``ndweave.pipeline.testing``):
+forward sleeps F ms and backward 2F ms (``time.sleep``, which leaves the CPU free, as a GPU kernel
+does), with ``--width`` small so the real compute is negligible. That gives each rank its own
+"device" even on 2 shared cores, so the measured bubble can be held against the theory. Zero bubble
+runs a block's backward twice there (once for the input grad, once for the weight grad), so its
+simulated timings are not comparable.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from common import Row, add_common_args, emit, init_rank, interleaved, spawn
-
-
-class _Sleep(torch.autograd.Function):
-    """A simulated device kernel: forward waits ``seconds``, backward twice that, using no CPU."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds
-        time.sleep(seconds)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        time.sleep(2 * ctx.seconds)
-        return grad, None
-
-
-class SimulatedKernel(nn.Module):
-    def __init__(self, ms: float) -> None:
-        super().__init__()
-        self.seconds = ms / 1e3
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x, self.seconds)
-
-
-class Stack(nn.Module):
-    def __init__(self, layers: int, width: int, simulate_ms: float = 0.0) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        extra = [SimulatedKernel(simulate_ms)] if simulate_ms else []
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.ReLU(), *extra) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -84,6 +48,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     from ndweave.mesh import init_device_mesh
     from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage
     from ndweave.pipeline.plan import schedule_class
+    from ndweave.pipeline.testing import KernelStack
 
     device = init_rank(rank, world, port, args.device, args.threads)
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("PP",))
@@ -96,7 +61,8 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         plan = PipelineParallelPlan(schedule_type=schedule, num_microbatches=args.microbatches, virtual_chunks=virtual)
 
         def chunks():
-            module = construct_pipeline_stage(Stack(args.layers, args.width, args.simulate_ms), plan, mesh)
+            torch.manual_seed(0)  # ours and torch's chunks start from the same weights
+            module = construct_pipeline_stage(KernelStack(args.layers, args.width, args.simulate_ms), plan, mesh)
             for chunk in module:
                 chunk.to(device)
             return module
@@ -125,8 +91,11 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                 fn()
         timing = interleaved(steps, device, args.rounds, args.steps)
         engine.recorder.enabled = True
-        ours()
-        timeline = engine.timeline()
+        timelines = []
+        for _ in range(args.rounds):  # one step's bubble is one sample of the machine's noise: take the median
+            ours()
+            timelines.append(engine.timeline())
+        timeline = sorted(timelines, key=lambda t: t.bubble_fraction)[len(timelines) // 2]
         results.append((schedule, timing["ours"], timing["torch"], timeline.bubble_fraction, timeline.theory,
                         timeline.text()))
     if rank == 0:

@@ -4,6 +4,7 @@ batches that do not split or are missing where needed."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -11,7 +12,15 @@ import torch
 from ndweave.mesh import init_device_mesh
 from ndweave.mesh.testing import assert_close, distributed
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage
+from ndweave.pipeline.timeline import Action, ScheduleTimeline
 from pipeline_models import TinyLM, batches, loss_fn
+
+LOSS_S = 0.03
+
+
+def _slow_loss(output, targets):
+    time.sleep(LOSS_S)
+    return loss_fn(output, targets)
 
 
 @distributed(world_size=4, timeout=120)
@@ -19,7 +28,7 @@ def test_timeline_shows_every_action_and_the_bubble():
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("PP",))
     plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=4)
-    engine = PipeEngine(construct_pipeline_stage(TinyLM(num_layers=6), plan, mesh), mesh, loss_fn)
+    engine = PipeEngine(construct_pipeline_stage(TinyLM(num_layers=6), plan, mesh), mesh, _slow_loss)
     (x, y), = batches(1, 8)
     engine(x, y)  # the first step also infers shapes: time the second
     engine.recorder.enabled = True
@@ -32,6 +41,18 @@ def test_timeline_shows_every_action_and_the_bubble():
     assert [a.stage for a in timeline.ranks[rank]] == [rank] * 8
     assert text.count("rank 3 |") == 2 and "theory (p-1)/(v*m+p-1) = 0.429" in text
     assert 0.0 <= timeline.bubble_fraction < 1.0 and timeline.theory == pytest.approx(3 / 7)
+    # the loss is the last stage's forward's work, not a wait
+    assert all(a.end - a.start >= LOSS_S for a in timeline.ranks[3] if a.kind == "F")
+
+
+def test_the_bubble_is_each_ranks_wait_over_the_slowest_ranks_step():
+    """1F1B on 2 ranks, one micro-batch, backward twice the forward: each rank waits 1 of the step's 3
+    units, the theory's (p - 1) / (m + p - 1); rank 1's own schedule ends 2 units early, yet it waits
+    for rank 0 all the same (the grad sync and the loss broadcast after the schedule)."""
+    ranks = [[Action("F", 0, 0, 0.0, 1.0), Action("B", 0, 0, 4.0, 6.0)],
+             [Action("F", 1, 0, 1.0, 2.0), Action("B", 1, 0, 2.0, 4.0)]]
+    timeline = ScheduleTimeline(ranks, [6.0, 4.0], pp_size=2, num_microbatches=1, virtual_chunks=1, schedule="1F1B")
+    assert timeline.bubble_fraction == pytest.approx(timeline.theory) == pytest.approx(0.5)
 
 
 @distributed(world_size=2, timeout=120)

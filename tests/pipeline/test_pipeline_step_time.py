@@ -26,6 +26,7 @@ from ndweave.mesh.testing import run_distributed
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage
 from ndweave.pipeline.plan import resolve_plan
 from ndweave.pipeline.step_time import rank_actions, schedule_seconds, simulate_schedule
+from ndweave.pipeline.testing import KernelStack
 
 #: Simulated step over measured step (the fastest of 5: the one other jobs on the machine disturbed
 #: least), given its measured action times, the host's time between two actions and an activation's
@@ -112,42 +113,6 @@ def test_wrong_lengths_are_refused():
 # --------------------------------------------------------------------------- against the engine
 
 
-class _Sleep(torch.autograd.Function):
-    """A simulated device kernel: forward waits ``seconds``, backward twice that, using no CPU."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
-        ctx.seconds = seconds
-        time.sleep(seconds)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        time.sleep(2 * ctx.seconds)
-        return grad, None
-
-
-class _Kernel(nn.Module):
-    def __init__(self, ms: float) -> None:
-        super().__init__()
-        self.seconds = ms / 1e3
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x, self.seconds)
-
-
-class _Stack(nn.Module):
-    def __init__(self, layers: int, width: int = 8) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.ReLU(), _Kernel(KERNEL_MS))
-                                    for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def _one_way_seconds(group, rows: int) -> float:
     """Median time of one activation's trip between PP ranks 0 and 1 (half a ping-pong), which the
     engine pays on every crossing: the link ``p2p_s`` of the simulation."""
@@ -177,8 +142,8 @@ def _measured_vs_simulated(pp: int) -> list[tuple]:
         plan = PipelineParallelPlan(schedule_type=schedule, virtual_chunks=v, num_microbatches=m)
         layers_per_stage = 2
         resolved = resolve_plan(plan, pp)
-        engine = PipeEngine(construct_pipeline_stage(_Stack(layers_per_stage * resolved.num_stages), plan, mesh), mesh,
-                            nn.functional.mse_loss)
+        model = KernelStack(layers_per_stage * resolved.num_stages, 8, KERNEL_MS)
+        engine = PipeEngine(construct_pipeline_stage(model, plan, mesh), mesh, nn.functional.mse_loss)
         engine(x, y)  # shape inference
         engine.recorder.enabled = True
         steps = []

@@ -195,7 +195,9 @@ class PipeEngine:
         stage = next(s for s in self.stages if s.is_last)
         with self._blame.running("loss_fn", stage.stage_index, stage.submod.micro_batch):
             loss = self.loss_fn(output, target) if self._loss_takes_targets else self.loss_fn(output)
-            return loss / self.resolved.num_microbatches
+            loss = loss / self.resolved.num_microbatches
+        self.recorder.extend(stage.stage_index, "F", stage.submod.micro_batch)  # the loss is the forward's work
+        return loss
 
     def _check_usable(self) -> None:
         if self._failure is not None:

@@ -11,7 +11,18 @@ from every PP rank::
     tl.bubble_fraction, tl.theory      # measured idle share vs (p - 1) / (v * m + p - 1)
     tl.save_png("schedule.png")        # needs matplotlib
 
-Actions: ``F`` forward, ``B`` full backward, ``I`` / ``W`` zero-bubble's input / weight backward.
+Actions: ``F`` forward (on the last stage with its ``loss_fn``), ``B`` full backward, ``I`` / ``W``
+zero-bubble's input / weight backward.
+
+The bubble is each rank's time outside its actions over the *step*: the slowest rank's schedule,
+which every rank's step lasts (the grad sync and the loss broadcast after the schedule wait for it),
+averaged over ranks. That is Megatron's bubble (``t_pb`` idle per device over the iteration: each
+device's share of the flush-to-flush time, ``(p - 1) / (v m + p - 1)`` when the stages are equal,
+whatever the backward / forward ratio) and the one ``step_time.simulate_schedule`` predicts. A rank's
+own schedule would leave out its wait for the slowest one (the last stages finish first under 1F1B):
+with ideal actions that reads about 0.7x the theory. What runs between two actions (posting sends
+and receives, torch's loop) counts as waiting: a device idles then unless its host queued the next
+kernel ahead, which the simulated kernels of ``testing.py`` cannot.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -68,6 +79,15 @@ class TimelineRecorder:
         finally:
             self.actions.append(Action(kind, stage, micro_batch, start, time.perf_counter() - self._t0))
 
+    def extend(self, stage: int, kind: str, micro_batch: int) -> None:
+        """Stretch the last action to now if it is ``kind`` of ``micro_batch`` on ``stage`` (the loss
+        torch computes right after the last stage's forward is that forward's work, as in Megatron's
+        ``forward_step``, not a wait)."""
+        if self.enabled and self.actions:
+            last = self.actions[-1]
+            if (last.kind, last.stage, last.micro_batch) == (kind, stage, micro_batch):
+                self.actions[-1] = replace(last, end=time.perf_counter() - self._t0)
+
     def gather(self, group: dist.ProcessGroup, resolved) -> ScheduleTimeline:
         if not self.actions:
             raise RuntimeError("no timeline recorded: set engine.recorder.enabled = True, then run a step")
@@ -90,9 +110,12 @@ class ScheduleTimeline:
 
     @property
     def bubble_fraction(self) -> float:
-        """Measured share of the step the ranks spent waiting, averaged over ranks."""
-        idle = [1 - sum(a.end - a.start for a in acts) / d for acts, d in zip(self.ranks, self.durations) if d > 0]
-        return sum(idle) / len(idle)
+        """The share of the step (the slowest rank's duration) the ranks spent waiting, averaged over
+        ranks (see the module's docstring)."""
+        step = max(self.durations)
+        if step <= 0:
+            return 0.0
+        return sum(1 - sum(a.end - a.start for a in acts) / step for acts in self.ranks) / len(self.ranks)
 
     @property
     def theory(self) -> float:
