@@ -37,6 +37,7 @@ RUNS = [
                            "--batch", "16", "--steps", "1", "--rounds", "3", "--warmup", "1"]),
     ("bench_checkpoint.py", []),
     ("bench_experts.py", []),
+    ("bench_job.py", []),
 ]
 # --quick: sizes and rounds small enough to show that everything runs, not to measure anything
 QUICK = {
@@ -46,11 +47,12 @@ QUICK = {
     "bench_dmodule_auto.py": ["--layers", "1", "--width", "64", "--tokens", "16", "--steps", "2", "--rounds", "2",
                               "--warmup", "1", "--derive-rounds", "1"],
     "bench_optim.py": ["--layers", "2", "--width", "128", "--steps", "3", "--rounds", "1", "--warmup", "1"],
-    "bench_pipeline.py": ["--layers", "4", "--width", "64", "--batch", "8", "--microbatches", "4",
+    "bench_pipeline.py": ["--layers", "8", "--width", "64", "--batch", "8", "--microbatches", "4",
                           "--schedules", "1f1b", "interleaved_1f1b", "--steps", "1", "--rounds", "2", "--warmup", "1"],
     "bench_checkpoint.py": ["--mb", "8", "--tensors", "4", "--rounds", "1", "--step-ms", "5", "--after", "1"],
     "bench_experts.py": ["--layers", "1", "--hidden", "32", "--tokens", "32", "--steps", "1", "--rounds", "1",
                          "--warmup", "1"],
+    "bench_job.py": ["--quick"],
 }
 COLUMNS = ("component", "vs (torch native)", "world", "wall ours/theirs", "CPU ours/theirs", "memory",
            "theoretical bound", "note")
