@@ -130,11 +130,11 @@ def step_terms(resolved, sizes: dict[str, int], machine: Machine, forward: list[
     timeline = simulate_schedule(resolved, forward, backward, links, concurrency=concurrency)
     schedule = max(timeline.durations)
     inside = machine.within_host(sizes)
-    bookkeeping = (2 * machine.collective_seconds("all_gather", 64, pp, within_host="PP" in inside)  # the engine's
-                   # batch agreement, loss broadcast
-                   + machine.collective_seconds("all_reduce", 8, dp, within_host="DP" in inside)  # the loss's mean
-                   + machine.collective_seconds("all_gather", 40 * dp, dp, within_host="DP" in inside)  # DDP's desync check
-                   + machine.collective_seconds("all_reduce", 8, world, within_host="PP" in inside))  # the grad norm
+    # the engine's batch agreement and loss broadcast, the loss's mean, DDP's desync check, the grad norm
+    bookkeeping = (2 * machine.collective_seconds("all_gather", 64, pp, within_host="PP" in inside)
+                   + machine.collective_seconds("all_reduce", 8, dp, within_host="DP" in inside)
+                   + machine.collective_seconds("all_gather", 40 * dp, dp, within_host="DP" in inside)
+                   + machine.collective_seconds("all_reduce", 8, world, within_host="PP" in inside))
     busiest = max(range(resolved.num_stages), key=lambda s: forward[s] + backward[s])
     compute = max(sum(a.end - a.start for a in acts) for acts in timeline.ranks)
     return StepTime((
