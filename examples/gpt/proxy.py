@@ -7,9 +7,9 @@ model is built again with one block, cut into those three parts as three pipelin
 per shape, before TP: the same for every TP size), and traced twice per TP size: for micro-batches
 of one and of two rows (everything a micro-batch holds or does is affine in its rows). With
 activation checkpointing it is traced at one row without TP and over one TP size: how much of a
-block's forward its backward runs again, a prefix of it at any TP size. Each trace gives what a part saves, its peak, what it
-receives and sends (``estimate._trace``) and the work of its forward and backward (under
-``step_time``'s work counter). A stage of a layout is then the sum of its parts: its saved bytes and
+block's forward its backward runs again, a prefix of it at any TP size. Each trace gives what a
+part saves, its peak, what it receives and sends (``estimate._trace``) and the work of its forward
+and backward (under ``step_time``'s work counter). A stage of a layout is then the sum of its parts: its saved bytes and
 work add up, its temporaries are its largest part's. Which blocks a stage holds is the pipeline's
 own split (``ndweave.pipeline.split.assign_stages``, the balance by parameters the traced cut keeps),
 and from there every term is the full estimate's own function (``estimate._model_state_terms``,
@@ -192,7 +192,8 @@ class Pricer:
         forward = [sum(n * p.forward for n, p in zip(_counts(s), parts)) + host[i] for i, s in enumerate(stages)]
         backward = [sum(n * p.backward for n, p in zip(_counts(s), parts)) + host[i] for i, s in enumerate(stages)]
         _, io = self._composed(stages, parts)
-        links = [self.machine.collective_seconds("send", x.output, 2, within_host="PP" in self.machine.within_host(sizes))
+        neighbours_share_a_host = "PP" in self.machine.within_host(sizes)
+        links = [self.machine.collective_seconds("send", x.output, 2, within_host=neighbours_share_a_host)
                  for x in io[:-1]]
         sync, optimizer = sync_and_optimizer(resolved, sizes, self.machine,
                                              lambda stage: self._stage_buffers(stages, stage, sizes), self.optimizer)

@@ -46,9 +46,10 @@ def test_timeline_shows_every_action_and_the_bubble():
 
 
 def test_the_bubble_is_each_ranks_wait_over_the_slowest_ranks_step():
-    """1F1B on 2 ranks, one micro-batch, backward twice the forward: each rank waits 1 of the step's 3
-    units, the theory's (p - 1) / (m + p - 1); rank 1's own schedule ends 2 units early, yet it waits
-    for rank 0 all the same (the grad sync and the loss broadcast after the schedule)."""
+    """1F1B on 2 ranks, one micro-batch, backward twice the forward: each rank works 3 of the step's 6
+    units and waits the other half, the theory's (p - 1) / (m + p - 1); rank 1's own schedule ends 2
+    units early, yet it waits for rank 0 all the same (the grad sync and the loss broadcast after the
+    schedule)."""
     ranks = [[Action("F", 0, 0, 0.0, 1.0), Action("B", 0, 0, 4.0, 6.0)],
              [Action("F", 1, 0, 1.0, 2.0), Action("B", 1, 0, 2.0, 4.0)]]
     timeline = ScheduleTimeline(ranks, [6.0, 4.0], pp_size=2, num_microbatches=1, virtual_chunks=1, schedule="1F1B")
