@@ -164,3 +164,14 @@ class ReadsValues(nn.Module):
 def test_deferred_init_explains_value_reads():
     with pytest.raises(RuntimeError, match="construction reads tensor values"):
         deferred_init(ReadsValues)
+
+
+def test_copies_of_a_deferred_module_share_its_program():
+    """The auto plan traces meta copies of the model it is given. Deep-copying a deferred model's
+    recorded program (fake tensors, outside their mode) corrupted the heap in torch 2.13 and crashed a
+    later garbage collection (CI: about one in 12 auto plans of a deferred GPT-2 then materialized)."""
+    from ndweave.mesh.trace import meta_copy
+
+    model = deferred_init(Net)
+    twin = meta_copy(model)
+    assert is_deferred(twin) and twin.__dict__["_ndweave_deferred"] is model.__dict__["_ndweave_deferred"]

@@ -81,6 +81,13 @@ class DeferredProgram:
     ops: list[_Op] = field(default_factory=list)
     rng_state: torch.Tensor | None = None
 
+    def __deepcopy__(self, memo: dict) -> DeferredProgram:
+        # Copies of a deferred module (the auto plan's meta copies) share the program: replay only
+        # reads it. Deep-copying the fake tensors it holds, outside their FakeTensorMode, corrupted the
+        # heap in torch 2.13: a crash in a later collection, about one in 12 auto plans of a deferred
+        # GPT-2 followed by a materialization (CI, and reproduced here).
+        return self
+
 
 #: In-place ops that write every element without reading any (schema-less recorded calls, i.e. the
 #: data-dependent nn.init functions, overwrite too).
