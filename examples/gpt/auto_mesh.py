@@ -78,9 +78,12 @@ def layout_flags(layout: Layout) -> list[str]:
 
 def choose_layout(args: argparse.Namespace, shape: ModelShape, world: int, budget: int,
                   peak_bytes: Callable[[argparse.Namespace], int], step_seconds: Callable[[argparse.Namespace], float],
-                  job_rule: Callable[[argparse.Namespace], str | None]) -> Planned:
+                  job_rule: Callable[[argparse.Namespace], str | None],
+                  price_ahead: Callable[[list[argparse.Namespace], int], None] | None = None) -> Planned:
     """The fastest layout of ``world`` ranks whose every rank fits ``budget`` bytes: ``peak_bytes`` and
-    ``step_seconds`` price a layout's args; ``job_rule`` says what the job cannot run (or None)."""
+    ``step_seconds`` price a layout's args; ``job_rule`` says what the job cannot run (or None);
+    ``price_ahead(args of every valid layout, budget)``, if given, is called before any is priced
+    (``proxy.Pricer.price_ahead``: in parallel)."""
     def rule(layout: Layout) -> str | None:
         if layout.pp > 1:
             plan = PipelineParallelPlan(schedule_type=layout.schedule, virtual_chunks=layout.virtual_chunks,
@@ -98,9 +101,13 @@ def choose_layout(args: argparse.Namespace, shape: ModelShape, world: int, budge
 
     rows = args.global_batch
     counts = [m for m in (1, 2, 4, 8, 16) if m <= rows]  # beyond 16 micro-batches a step only slows
+    def prepare(layouts: list[Layout]) -> None:
+        if price_ahead is not None:
+            price_ahead([layout_args(args, layout) for layout in layouts], budget)
+
     with _collector_skips_what_exists():
         return plan_layout(world, budget, args.global_batch, shape, estimate=estimate, schedules=SCHEDULES,
-                           micro_batches=counts, check=rule)
+                           micro_batches=counts, check=rule, prepare=prepare)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,8 @@ model is a transformers config on meta, priced by ``proxy.Pricer`` with a GPU's 
   optimizer state and masters sharded), where FSDP shards all three, and torchtitan's runs add
   Float8 and torch.compile. So the same mesh in ndweave terms is priced too, and what the planner
   picks within 96 GB.
+* :data:`A100_RUNS`: torchtitan's earlier Llama 3 8B and 70B runs on 64 A100s of 80 GB (FSDP2 alone,
+  global batch 64; ``docs/performance.md`` there), throughput only.
 * :data:`MEGATRON_RUNS`: the Megatron-LM paper's GPT table (Narayanan et al., *Efficient Large-Scale
   Language Model Training on GPU Clusters Using Megatron-LM*, 2021, Table 1; the image
   ``images/cases_april2021.png`` in NVIDIA/Megatron-LM): GPT-3-style models of 1.7B to 1T parameters
@@ -37,7 +39,7 @@ from ndweave.ddp import DEFAULT_BUCKET_SIZE  # noqa: E402
 from ndweave.mesh import resolve_spec  # noqa: E402
 from ndweave.mesh.calibrate import Machine  # noqa: E402
 
-__all__ = ["A100", "H100", "MEGATRON_RUNS", "RUNS", "megatron_flops", "plan_on_paper"]
+__all__ = ["A100", "A100_RUNS", "H100", "MEGATRON_RUNS", "RUNS", "megatron_flops", "plan_on_paper"]
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -65,6 +67,14 @@ RUNS = [
     ("Llama 3.1 8B", "llama3_8b.json", 128, 256, 8192, "dp=128", True, 67.0, "FSDP 128, local batch 2, selective AC"),
     ("Llama 3.1 70B", "llama3_70b.json", 256, 512, 8192, "dp=32,tp=8", True, 71.9,
      "FSDP 32 x TP 8, local batch 16, full AC, Float8"),
+]
+#: torchtitan's earlier Llama 3 runs on 64 A100s of 80 GB (``docs/performance.md`` in
+#: pytorch/torchtitan: FSDP2 alone, local batch 1 so global batch 64, sequence 8192; throughput
+#: published, memory not): (name, config, ranks, global batch, sequence, published mesh in ndweave's
+#: terms, recompute, published layout, published tokens/s per GPU)
+A100_RUNS = [
+    ("Llama 3 8B", "llama3_8b.json", 64, 64, 8192, "dp=64", True, "FSDP 64, local batch 1, selective op AC", 2973),
+    ("Llama 3 70B", "llama3_70b.json", 64, 64, 8192, "dp=64", True, "FSDP 64, local batch 1, full AC", 331),
 ]
 
 
@@ -106,7 +116,7 @@ def plan_on_paper(config: str, ranks: int, global_batch: int, sequence: int, mes
                           train.loss_fn, DEFAULT_BUCKET_SIZE, train.adamw_kwargs(args))
     planned = auto_mesh.choose_layout(
         args, auto_mesh.model_shape(pricer.model, args, 0), ranks, int(memory_gib * 2**30),
-        peak_bytes=pricer.peak_bytes, step_seconds=pricer.step_seconds,
+        peak_bytes=pricer.peak_bytes, step_seconds=pricer.step_seconds, price_ahead=pricer.price_ahead,
         job_rule=lambda a: train.mesh_problem(a, resolve_spec(a.mesh, None, dims=train.DIMS)))
     return {"published_mesh_peak": pricer.peak_bytes(args), "published_mesh_step": pricer.step_seconds(args),
             "planned": planned}
@@ -144,6 +154,17 @@ def main() -> None:
             print(f"  chosen: {best.layout.describe().strip()}: {best.peak_bytes / 2**30:.1f} GiB, "
                   f"{tokens / best.step_seconds / ranks:,.0f} tokens/s/GPU estimated")
         print(out["planned"].table(top=5))
+    for name, config, ranks, batch, sequence, mesh, recompute, layout, published in A100_RUNS * (chosen != "megatron"):
+        out = plan_on_paper(config, ranks, batch, sequence, mesh, recompute, memory_gib=80.0, machine=A100)
+        best = out["planned"].ranked[0] if out["planned"].ranked else None
+        tokens = batch * sequence
+        print(f"{name}, {ranks} A100s, global batch {batch} x {sequence}: published {layout}: {published:,} tokens/s/GPU")
+        print(f"  the same mesh in ndweave ({mesh}, ZeRO-1, recompute): {out['published_mesh_peak'] / 2**30:.1f} GiB, "
+              f"{tokens / out['published_mesh_step'] / ranks:,.0f} tokens/s/GPU estimated")
+        if best is not None:
+            print(f"  chosen: {best.layout.describe().strip()}: {best.peak_bytes / 2**30:.1f} GiB, "
+                  f"{tokens / best.step_seconds / ranks:,.0f} tokens/s/GPU estimated")
+        print(out["planned"].table(top=5), flush=True)
     with tempfile.TemporaryDirectory() as folder:
         for run in MEGATRON_RUNS * (chosen != "torchtitan"):
             name, heads, hidden, layers, _, gpus, batch, published = run

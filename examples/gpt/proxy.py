@@ -19,7 +19,9 @@ uneven vocabulary's rows fall on the last ones); the other ranks repeat one of t
 
 Held to the full estimates on layouts of the GPT and HF Llama
 (``tests/integration/test_integration_plan_fast.py``): peak 0.998-1.023, step 1.00-1.09. A 70B,
-80-layer Llama is planned for 512 ranks on meta, nothing allocated.
+80-layer Llama is planned for 512 ranks on meta, nothing allocated. ``price_ahead`` prices all of a
+plan's layouts at once on every core (forked copies of the process: the traces of each TP size, then
+the layouts grouped by TP size), with the same figures as pricing them one by one.
 
     pricer = Pricer(args, machine, build_model, sharding, loss_fn, bucket_size, optimizer_kwargs)
     pricer.peak_bytes(layout_args), pricer.step_seconds(layout_args)
@@ -31,15 +33,20 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import multiprocessing
+import os
+import pickle
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from estimate import (DIMS, _activation_terms, _data_bytes, _local_shapes, _model_state_terms, _peer_shapes,
                       _StageIO, _tied_across_ranks, _trace, parameters, tp_mesh)
-from ndweave.mesh import resolve_spec
+from ndweave.mesh import resolve_spec, torch_compat
 from ndweave.mesh.calibrate import Machine, Work, WorkCounter
 from ndweave.mesh.contracts import MemoryTerm, RankMemory
 from ndweave.mesh.testing import fake_world
@@ -110,6 +117,8 @@ class Pricer:
             raise ValueError(f"the model with one block has other layers around its blocks: {proxy_layers}")
         # the proxy's stages: what runs before the block, the block, what runs after it
         self.split_points = [proxy_layers[self.before], proxy_layers[self.before + 1]]
+        self._parts_plan = PipelineParallelPlan(schedule_type="gpipe", num_microbatches=3,
+                                                split_points=self.split_points)
         self.data = _data_bytes(args) if torch.device(args.device).type == "cpu" else 0
         self.optimizer = optimizer_seconds(machine, optimizer_kwargs, args.clip)
         self._traced: dict[int, list[list[_Traced]]] = {}
@@ -124,11 +133,13 @@ class Pricer:
         self._tied_names: dict[tuple, list[list[str]]] = {}
         self._proxies: dict[bool, nn.Module] = {}
         self._cuts: dict[tuple[bool, int], ModelCut] = {}
+        self._ahead: dict[tuple, tuple[int, float | None]] = {}  # layout -> (peak, step): price_ahead's
 
     # ---- memory --------------------------------------------------------------------------------
     def peak_bytes(self, args: argparse.Namespace) -> int:
         """The busiest rank's estimated peak for ``args``' layout."""
-        return max(r.peak for r in self.rank_memory(args))
+        ahead = self._ahead.get(_layout_key(args))
+        return ahead[0] if ahead else max(r.peak for r in self.rank_memory(args))
 
     def rank_memory(self, args: argparse.Namespace) -> list[RankMemory]:
         """The estimate of one rank per PP rank and end of each other dim (see the module docstring)."""
@@ -187,6 +198,9 @@ class Pricer:
     # ---- time ----------------------------------------------------------------------------------
     def step_seconds(self, args: argparse.Namespace) -> float:
         """The estimated seconds of one step of ``args``' layout."""
+        ahead = self._ahead.get(_layout_key(args))
+        if ahead and ahead[1] is not None:
+            return ahead[1]
         sizes, resolved, stages, parts = self._layout(args)
         host = host_seconds(resolved, self.machine)
         forward = [sum(n * p.forward for n, p in zip(_counts(s), parts)) + host[i] for i, s in enumerate(stages)]
@@ -251,6 +265,54 @@ class Pricer:
             self._parts[key] = self._priced(traced, tp)
         return self._parts[key]
 
+    def price_ahead(self, layouts: list[argparse.Namespace], budget: int) -> None:
+        """Price ``layouts`` now, in parallel: their peaks, and the steps of those that fit ``budget``
+        bytes (``peak_bytes`` and ``step_seconds`` then answer from what was priced). Two rounds, each
+        split between this process and forked copies of it, one per spare core: the traces of each TP
+        size (independent of each other, and most of a plan: 4.5 of 6.6 s for Llama-3 70B at 512 ranks
+        on 2 cores), then, every trace in hand, the layouts grouped by TP size (each group's
+        model-state terms are its own). Where ``fork`` is missing, or a copy fails, what is left is
+        done on demand, as without this."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        if cores < 2 or "fork" not in multiprocessing.get_all_start_methods() or not layouts:
+            return
+        by_tp: dict[int, list[argparse.Namespace]] = {}
+        for layout in layouts:
+            by_tp.setdefault(resolve_spec(layout.mesh, None, dims=DIMS)["TP"], []).append(layout)
+        recompute = any(layout.activation_checkpointing for layout in layouts)
+        # checkpointing is traced at TP 1 and the smallest TP above one (see _recomputed); a trace over
+        # TP costs about twice one without (DTensor's dispatch)
+        tps = sorted(set(by_tp) - set(self._traced))
+        above_one = next((tp for tp in tps if tp > 1), None)
+        with_recompute = {tp: recompute and tp in (1, above_one) for tp in tps}
+        # done once here, not in each copy: the cuts, and loading torch's memory tracker (a first trace does)
+        for setting in [(False, 1), (False, 2)] + [(True, 1)] * recompute:
+            self._cut(*setting)
+        torch_compat.TensorMemory  # noqa: B018
+        shares = _balanced([((tp, with_recompute[tp]), 2 + 2 * (tp > 1) + with_recompute[tp]) for tp in tps], cores)
+        for traced, recomputed in _in_parallel(self._trace_share, shares):
+            self._traced.update(traced)
+            self._recompute.update(recomputed)
+        shares = _balanced([(group, len(group)) for group in by_tp.values()], cores)
+        for priced in _in_parallel(lambda share: self._price_share(share, budget), shares):
+            self._ahead.update(priced)
+
+    def _trace_share(self, share: list[tuple[int, bool]]) -> tuple[dict, dict]:
+        for tp, with_recompute in share:
+            if tp not in self._traced:
+                self._traced[tp] = self._trace_parts(tp, ((False, 1), (False, 2)))
+            if with_recompute and tp not in self._recompute:
+                self._recompute[tp] = self._trace_parts(tp, ((True, 1),))[0][1]
+        return ({tp: self._traced[tp] for tp, _ in share},
+                {tp: self._recompute[tp] for tp, with_recompute in share if with_recompute})
+
+    def _price_share(self, share: list[list[argparse.Namespace]], budget: int) -> dict:
+        priced = {}
+        for layout in (layout for group in share for layout in group):
+            peak = self.peak_bytes(layout)
+            priced[_layout_key(layout)] = (peak, self.step_seconds(layout) if peak <= budget else None)
+        return priced
+
     def _recomputed(self, block: _Traced, tp: int) -> _Traced:
         """``block`` (at the rows priced, over ``tp`` ranks) under activation checkpointing: it keeps
         only its inputs from forward to backward, and its backward runs its forward again first (its
@@ -281,7 +343,6 @@ class Pricer:
         (one mesh: DTensor's sharding decisions cached across the traces). The proxy is cut once per
         setting, before TP is applied: the same cut for every TP size."""
         sizes = {"PP": 3, "DP": 1, "EP": 1, "TP": tp}
-        plan = PipelineParallelPlan(schedule_type="gpipe", num_microbatches=3, split_points=self.split_points)
         out = []
         with fake_world(tp, rank=0) if tp > 1 else contextlib.nullcontext():
             mesh = tp_mesh(tp) if tp > 1 else None
@@ -294,15 +355,22 @@ class Pricer:
                     return chunk
 
                 example = torch.zeros((rows, self.args.block_size), dtype=torch.long, device="meta")
-                if (recompute, rows) not in self._cuts:
-                    self._cuts[recompute, rows] = cut_model(model, plan, resolve_plan(plan, 3), example, "meta")
                 with counter:  # applying TP and handing a stage its inputs are no part's work
-                    traced, io = _trace(model, plan, example, self.sharding(model, sizes), sizes, self.loss_fn,
-                                        self.args.device, mesh=mesh, wrap=region, setup=lambda: counter.region("setup"),
-                                        cut=self._cuts[recompute, rows])
+                    traced, io = _trace(model, self._parts_plan, example, self.sharding(model, sizes), sizes,
+                                        self.loss_fn, self.args.device, mesh=mesh, wrap=region,
+                                        setup=lambda: counter.region("setup"), cut=self._cut(recompute, rows))
                 out.append([_Traced(traced[s], io[s], _tp_group(counter.work[s].forward),
                                     _tp_group(counter.work[s].backward)) for s in range(3)])
         return out
+
+    def _cut(self, recompute: bool, rows: int) -> ModelCut:
+        """The proxy cut into its three parts for micro-batches of ``rows`` rows: once per setting,
+        before TP is applied (the same cut for every TP size, and any copy of the proxy)."""
+        if (recompute, rows) not in self._cuts:
+            example = torch.zeros((rows, self.args.block_size), dtype=torch.long, device="meta")
+            self._cuts[recompute, rows] = cut_model(self._proxy(recompute), self._parts_plan,
+                                                    resolve_plan(self._parts_plan, 3), example, "meta")
+        return self._cuts[recompute, rows]
 
     def _proxy(self, recompute: bool) -> nn.Module:
         """A fresh copy of the one-block model (built once per recompute setting: a copy of a meta
@@ -327,6 +395,62 @@ class Pricer:
             io.append(_StageIO(received=members[0].io.received if index > 0 else 0, output=members[-1].io.output,
                                weight_op_outputs=weight_ops, loss_saved=parts[2].io.loss_saved if index == last else 0))
         return traced, io
+
+
+def _layout_key(args: argparse.Namespace) -> tuple:
+    """What tells one layout of a job from another (``auto_mesh.layout_flags``' flags)."""
+    return args.mesh, args.schedule, args.virtual_chunks, args.micro_batches, args.activation_checkpointing
+
+
+def _balanced(jobs: list[tuple[Any, float]], workers: int) -> list[list[Any]]:
+    """``jobs`` (job, cost) in at most ``workers`` shares of about equal cost: the largest first, each
+    to the least loaded share."""
+    shares: list[list[Any]] = [[] for _ in range(min(workers, len(jobs)))]
+    loads = [0.0] * len(shares)
+    for job, cost in sorted(jobs, key=lambda jc: -jc[1]):
+        least = loads.index(min(loads))
+        shares[least].append(job)
+        loads[least] += cost
+    return shares
+
+
+def _in_parallel(fn: Callable[[Any], Any], shares: list[Any]) -> list[Any]:
+    """``fn`` of each share: the first here, the others in forked copies of this process; a failed
+    copy's result is left out (its work is then done on demand)."""
+    children = [_fork(lambda share=share: fn(share)) for share in shares[1:]]
+    try:
+        results = [fn(shares[0])] if shares else []
+    finally:  # the copies are waited for even when this share raises
+        others = [child() for child in children]
+    return results + [r for r in others if r is not None]
+
+
+def _fork(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Run ``fn`` in a forked copy of this process; the returned callable waits for its result
+    (``None`` if the copy failed: the caller does the work itself)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the copy: nothing of the parent's (atexit, buffered output) runs on its way out
+        os.close(read)
+        code = 1
+        try:
+            with os.fdopen(write, "wb") as out:
+                pickle.dump(fn(), out)
+            code = 0
+        except BaseException as error:  # noqa: BLE001 - said, and left to the parent to do
+            print(f"proxy: a forked copy failed ({type(error).__name__}: {error}); its share is done on demand",
+                  file=sys.stderr, flush=True)
+        finally:
+            os._exit(code)
+    os.close(write)
+
+    def result() -> Any:
+        with os.fdopen(read, "rb") as source:
+            data = source.read()  # before waiting: the copy blocks on a full pipe until it is read
+        _, status = os.waitpid(pid, 0)
+        return pickle.loads(data) if status == 0 and data else None
+
+    return result
 
 
 def _share_of(forward: Work, base: _Traced, recomputed: _Traced) -> Work:

@@ -364,7 +364,7 @@ def plan_mesh(args: argparse.Namespace, argv: list[str]) -> list[str]:
                           adamw_kwargs(args))
     planned = auto_mesh.choose_layout(
         args, auto_mesh.model_shape(pricer.model, args, num_experts(args)), world, budget,
-        peak_bytes=pricer.peak_bytes, step_seconds=pricer.step_seconds,
+        peak_bytes=pricer.peak_bytes, step_seconds=pricer.step_seconds, price_ahead=pricer.price_ahead,
         job_rule=lambda a: mesh_problem(a, resolve_spec(a.mesh, None, dims=DIMS)))
     print(f"--mesh auto: {world} ranks, {budget / 2**30:.2f} GiB each\n{planned.table()}")
     if planned.best is None:

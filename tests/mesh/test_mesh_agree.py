@@ -73,3 +73,17 @@ def test_without_a_process_group_the_calls_are_local():
     assert agree_or_raise(None, "x", lambda: (1, {"local": 2})) == (1, {0: 2})
     with pytest.raises(RankMismatchError, match="loading:\n  rank 0: p"):
         raise_on_every_rank(None, "loading", ["p"])
+
+
+def test_a_fake_world_has_no_other_rank_to_gather_from(monkeypatch):
+    # fake_world is one process: no collective runs (the planner's traces agree on plans there)
+    from ndweave.mesh.testing import fake_world
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("all_gather_object ran in a fake world")
+
+    monkeypatch.setattr(dist, "all_gather_object", no_collective)
+    with fake_world(8, rank=3):
+        assert gather(None, "x") == {3: "x"}
+        mesh = init_device_mesh("cpu", (2, 4))
+        assert agree_or_raise(mesh, "plan", lambda: (1, {"plan": "p", "local": 7})) == (1, {3: 7})

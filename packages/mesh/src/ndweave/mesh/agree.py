@@ -49,6 +49,8 @@ def gather(over: Over, value: Any) -> dict[int, Any]:
     if not dist.is_available() or not dist.is_initialized():
         return {0: value}
     table = {dist.get_rank(): value}
+    if dist.get_backend() == "fake":  # one process pretending (``fake_world``): no other rank's value exists
+        return table
     groups = ([over.get_group(d) for d in range(over.ndim) if over.size(d) > 1] if isinstance(over, DeviceMesh)
               else [over] if dist.get_world_size(over) > 1 else [])
     for group in groups:

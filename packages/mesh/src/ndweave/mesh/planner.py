@@ -156,13 +156,18 @@ def enumerate_layouts(world_size: int, shape: ModelShape, global_batch: int, *,
 
 
 def plan_layout(world_size: int, memory_per_device: int, global_batch: int, shape: ModelShape, *,
-                estimate: Callable[[Layout], tuple[int, float]], **search) -> Planned:
+                estimate: Callable[[Layout], tuple[int, float]],
+                prepare: Callable[[list[Layout]], None] | None = None, **search) -> Planned:
     """The fastest layout whose estimated peak fits ``memory_per_device`` bytes on every rank.
 
-    ``estimate(layout) -> (peak bytes of the busiest rank, step seconds)``; ``search``: the keywords
-    of :func:`enumerate_layouts`. Ties go to the smaller pipeline, then the smaller TP (fewer
-    collectives per layer), then fewer micro-batches."""
+    ``estimate(layout) -> (peak bytes of the busiest rank, step seconds)``; ``prepare(layouts)``, if
+    given, sees every valid layout once before any is estimated (an estimator that can do shared
+    work ahead, or in parallel, does it there); ``search``: the keywords of :func:`enumerate_layouts`.
+    Ties go to the smaller pipeline, then the smaller TP (fewer collectives per layer), then fewer
+    micro-batches."""
     layouts, cut = enumerate_layouts(world_size, shape, global_batch, **search)
+    if prepare is not None:
+        prepare(layouts)
     ranked = []
     for layout in layouts:
         peak, seconds = estimate(layout)
