@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 
 import torch
 
@@ -138,6 +139,23 @@ def megatron_on_paper(run: tuple, folder: str) -> dict:
                          model="hf:gpt2", micro_batches=batch // dp) | {"mesh": mesh}
 
 
+def _print_run(title: str, out: dict, same_mesh: str, rate: Callable[[float], str], top: int = 5) -> None:
+    """One run's lines: the published mesh's estimate and the planner's choice, each step's seconds
+    as ``rate`` puts them (tokens/s or TFLOP/s per GPU), then the planner's table."""
+    best = out["planned"].ranked[0] if out["planned"].ranked else None
+    print(title)
+    print(f"  the same mesh in ndweave ({same_mesh}): {out['published_mesh_peak'] / 2**30:.1f} GiB, "
+          f"{rate(out['published_mesh_step'])} estimated")
+    if best is not None:
+        print(f"  chosen: {best.layout.describe().strip()}: {best.peak_bytes / 2**30:.1f} GiB, "
+              f"{rate(best.step_seconds)} estimated")
+    print(out["planned"].table(top=top), flush=True)
+
+
+def _tokens_per_gpu(tokens: int, ranks: int) -> Callable[[float], str]:
+    return lambda seconds: f"{tokens / seconds / ranks:,.0f} tokens/s/GPU"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", choices=["torchtitan", "megatron", "all"], default="all")
@@ -145,39 +163,21 @@ def main() -> None:
     torch.overrides.get_overridable_functions()  # see tests/integration/test_integration_estimate.py
     for name, config, ranks, batch, sequence, mesh, recompute, published, layout in RUNS * (chosen != "megatron"):
         out = plan_on_paper(config, ranks, batch, sequence, mesh, recompute)
-        best = out["planned"].ranked[0] if out["planned"].ranked else None
-        tokens = batch * sequence
-        print(f"{name}, {ranks} GPUs, global batch {batch} x {sequence}: published {layout}: {published} GiB")
-        print(f"  the same mesh in ndweave ({mesh}, ZeRO-1, recompute): {out['published_mesh_peak'] / 2**30:.1f} GiB, "
-              f"{tokens / out['published_mesh_step'] / ranks:,.0f} tokens/s/GPU estimated")
-        if best is not None:
-            print(f"  chosen: {best.layout.describe().strip()}: {best.peak_bytes / 2**30:.1f} GiB, "
-                  f"{tokens / best.step_seconds / ranks:,.0f} tokens/s/GPU estimated")
-        print(out["planned"].table(top=5))
+        _print_run(f"{name}, {ranks} GPUs, global batch {batch} x {sequence}: published {layout}: {published} GiB",
+                   out, f"{mesh}, ZeRO-1, recompute", _tokens_per_gpu(batch * sequence, ranks))
     for name, config, ranks, batch, sequence, mesh, recompute, layout, published in A100_RUNS * (chosen != "megatron"):
         out = plan_on_paper(config, ranks, batch, sequence, mesh, recompute, memory_gib=80.0, machine=A100)
-        best = out["planned"].ranked[0] if out["planned"].ranked else None
-        tokens = batch * sequence
-        print(f"{name}, {ranks} A100s, global batch {batch} x {sequence}: published {layout}: {published:,} tokens/s/GPU")
-        print(f"  the same mesh in ndweave ({mesh}, ZeRO-1, recompute): {out['published_mesh_peak'] / 2**30:.1f} GiB, "
-              f"{tokens / out['published_mesh_step'] / ranks:,.0f} tokens/s/GPU estimated")
-        if best is not None:
-            print(f"  chosen: {best.layout.describe().strip()}: {best.peak_bytes / 2**30:.1f} GiB, "
-                  f"{tokens / best.step_seconds / ranks:,.0f} tokens/s/GPU estimated")
-        print(out["planned"].table(top=5), flush=True)
+        _print_run(f"{name}, {ranks} A100s, global batch {batch} x {sequence}: published {layout}: "
+                   f"{published:,} tokens/s/GPU", out, f"{mesh}, ZeRO-1, recompute",
+                   _tokens_per_gpu(batch * sequence, ranks))
     with tempfile.TemporaryDirectory() as folder:
         for run in MEGATRON_RUNS * (chosen != "torchtitan"):
             name, heads, hidden, layers, _, gpus, batch, published = run
             out = megatron_on_paper(run, folder)
             flops = megatron_flops(batch, MEGATRON_SEQUENCE, layers, hidden, MEGATRON_VOCAB)
-            best = out["planned"].ranked[0] if out["planned"].ranked else None
-            print(f"{name}, {gpus} GPUs, global batch {batch}: published {out['mesh']}, {published} TFLOP/s/GPU")
-            print(f"  the same mesh in ndweave (1F1B, recompute): {out['published_mesh_peak'] / 2**30:.1f} GiB, "
-                  f"{flops / out['published_mesh_step'] / gpus / 1e12:.0f} TFLOP/s/GPU estimated")
-            if best is not None:
-                print(f"  chosen: {best.layout.describe().strip()}: {best.peak_bytes / 2**30:.1f} GiB, "
-                      f"{flops / best.step_seconds / gpus / 1e12:.0f} TFLOP/s/GPU estimated")
-            print(out["planned"].table(top=3), flush=True)
+            _print_run(f"{name}, {gpus} GPUs, global batch {batch}: published {out['mesh']}, {published} TFLOP/s/GPU",
+                       out, "1F1B, recompute", lambda seconds: f"{flops / seconds / gpus / 1e12:.0f} TFLOP/s/GPU",
+                       top=3)
 
 
 if __name__ == "__main__":
