@@ -61,8 +61,8 @@ from ndweave.pipeline.step_time import simulate_schedule
 from estimate import _fused_attention as fused_attention
 from estimate import parameters, tp_mesh
 
-__all__ = ["StageWork", "estimate_step_seconds", "host_seconds", "optimizer_seconds", "stage_buffers", "stage_work",
-           "step_terms", "sync_and_optimizer", "table", "tp0_shapes", "work_seconds"]
+__all__ = ["EXPERTS_UNPRICED", "StageWork", "estimate_step_seconds", "host_seconds", "optimizer_seconds",
+           "stage_buffers", "stage_work", "step_terms", "sync_and_optimizer", "table", "tp0_shapes", "work_seconds"]
 
 DIMS = ("PP", "DP", "EP", "TP")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float64}
@@ -109,10 +109,15 @@ def estimate_step_seconds(args: argparse.Namespace, machine: Machine, build_mode
     return step_terms(resolved, sizes, machine, forward, backward, links, sync, optimizer, tp_comm)
 
 
+#: Why a layout with ep > 1 is not estimated: its token dispatch sizes its all-to-alls from the
+#: routing's values (``torch.bincount``), which a meta trace does not have
+EXPERTS_UNPRICED = ("ep > 1: routing tokens to experts needs their values (no meta kernel for bincount), so the "
+                    "experts' work is not traced yet")
+
+
 def refuse_experts(ep: int) -> None:
     if ep > 1:
-        raise NotImplementedError("step time with ep > 1: routing tokens to experts needs their values (no meta "
-                                  "kernel for bincount), so the experts' work is not traced yet")
+        raise NotImplementedError(f"step time with {EXPERTS_UNPRICED}")
 
 
 def step_terms(resolved, sizes: dict[str, int], machine: Machine, forward: list[float], backward: list[float],

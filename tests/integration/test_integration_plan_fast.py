@@ -158,6 +158,18 @@ def test_layouts_priced_ahead_in_forked_copies_plan_as_priced_on_demand(machine)
     assert len(ranked[True]) > 20 and ranked[True] == ranked[False]
 
 
+def test_a_moe_model_is_planned_over_the_layouts_without_ep(machine):
+    # ep > 1 is not priced yet (routing needs the values): cut with that reason, not a traceback
+    args = job.parse_args([*SMALL, "--moe-experts", "4", "--mesh", "dp=1"])
+    pricer = _pricer(args, machine)
+    planned = auto_mesh.choose_layout(
+        args, auto_mesh.model_shape(pricer.model, args, 4), 4, 2**30, peak_bytes=pricer.peak_bytes,
+        step_seconds=pricer.step_seconds, price_ahead=pricer.price_ahead,
+        job_rule=lambda a: job.mesh_problem(a, resolve_spec(a.mesh, None, dims=job.DIMS)))
+    assert planned.best is not None and all(c.layout.ep == 1 for c in planned.ranked)
+    assert any(layout.ep > 1 and reason.startswith("not priced: ep > 1") for layout, reason in planned.cut)
+
+
 def test_on_paper_prices_a_published_run_and_chooses_a_layout():
     on_paper = load_example("gpt/on_paper")
     name, config, ranks, batch, sequence, mesh, recompute, *_ = on_paper.RUNS[0]
