@@ -36,7 +36,10 @@ import dataclasses
 import multiprocessing
 import os
 import pickle
+import select
+import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -416,18 +419,22 @@ def _balanced(jobs: list[tuple[Any, float]], workers: int) -> list[list[Any]]:
 
 def _in_parallel(fn: Callable[[Any], Any], shares: list[Any]) -> list[Any]:
     """``fn`` of each share: the first here, the others in forked copies of this process; a failed
-    copy's result is left out (its work is then done on demand)."""
+    copy's result is left out (its work is then done on demand). A copy still at work long after this
+    share is done (stuck on a lock another thread held when it forked) is killed."""
     children = [_fork(lambda share=share: fn(share)) for share in shares[1:]]
+    start = time.monotonic()
     try:
         results = [fn(shares[0])] if shares else []
     finally:  # the copies are waited for even when this share raises
-        others = [child() for child in children]
+        deadline = time.monotonic() + max(60.0, 4 * (time.monotonic() - start))
+        others = [child(deadline) for child in children]
     return results + [r for r in others if r is not None]
 
 
-def _fork(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """Run ``fn`` in a forked copy of this process; the returned callable waits for its result
-    (``None`` if the copy failed: the caller does the work itself)."""
+def _fork(fn: Callable[[], Any]) -> Callable[[float], Any]:
+    """Run ``fn`` in a forked copy of this process; the returned callable waits for its result until
+    a ``time.monotonic()`` deadline (``None`` if the copy failed or ran past it: the caller does the
+    work itself)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the copy: nothing of the parent's (atexit, buffered output) runs on its way out
@@ -444,11 +451,21 @@ def _fork(fn: Callable[[], Any]) -> Callable[[], Any]:
             os._exit(code)
     os.close(write)
 
-    def result() -> Any:
-        with os.fdopen(read, "rb") as source:
-            data = source.read()  # before waiting: the copy blocks on a full pipe until it is read
+    def result(deadline: float) -> Any:
+        chunks = []
+        with os.fdopen(read, "rb", buffering=0) as source:
+            # read before waiting: the copy blocks on a full pipe until it is read
+            while select.select([source], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                chunk = source.read(1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            else:
+                os.kill(pid, signal.SIGKILL)
+                print("proxy: a forked copy ran past its time and was stopped; its share is done on demand",
+                      file=sys.stderr, flush=True)
         _, status = os.waitpid(pid, 0)
-        return pickle.loads(data) if status == 0 and data else None
+        return pickle.loads(b"".join(chunks)) if status == 0 and chunks else None
 
     return result
 

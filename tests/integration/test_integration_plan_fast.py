@@ -158,6 +158,15 @@ def test_layouts_priced_ahead_in_forked_copies_plan_as_priced_on_demand(machine)
     assert len(ranked[True]) > 20 and ranked[True] == ranked[False]
 
 
+def test_a_forked_copy_that_fails_or_runs_past_its_time_gives_nothing():
+    # price_ahead's copies: a failure or a stuck copy leaves the work to be done on demand, never a hang
+    assert proxy._fork(lambda: {"priced": 7})(time.monotonic() + 30) == {"priced": 7}
+    assert proxy._fork(lambda: 1 / 0)(time.monotonic() + 30) is None
+    start = time.monotonic()
+    assert proxy._fork(lambda: time.sleep(60))(time.monotonic() + 1) is None
+    assert time.monotonic() - start < 10
+
+
 def test_a_moe_model_is_planned_over_the_layouts_without_ep(machine):
     # ep > 1 is not priced yet (routing needs the values): cut with that reason, not a traceback
     args = job.parse_args([*SMALL, "--moe-experts", "4", "--mesh", "dp=1"])
