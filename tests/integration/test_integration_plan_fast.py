@@ -16,6 +16,7 @@ model) against the full estimates they stand in for, and the planner at scale:
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -155,6 +156,9 @@ def test_layouts_priced_ahead_in_forked_copies_plan_as_priced_on_demand(machine)
         ranked[ahead] = [(c.layout, c.peak_bytes, c.step_seconds) for c in planned.ranked]
         if ahead:
             assert sorted(pricer._traced) == [1, 2, 4] and sorted(pricer._recompute) == [1, 2]
+            # the layouts were priced ahead (not silently on demand) wherever there is a core to fork onto
+            assert len(pricer._ahead) == len(ranked[True]) + sum(r.startswith("does not fit") for _, r in planned.cut) \
+                or len(os.sched_getaffinity(0)) < 2
     assert len(ranked[True]) > 20 and ranked[True] == ranked[False]
 
 
