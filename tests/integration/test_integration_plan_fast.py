@@ -157,8 +157,8 @@ def test_layouts_priced_ahead_in_forked_copies_plan_as_priced_on_demand(machine)
         if ahead:
             assert sorted(pricer._traced) == [1, 2, 4] and sorted(pricer._recompute) == [1, 2]
             # the layouts were priced ahead (not silently on demand) wherever there is a core to fork onto
-            assert len(pricer._ahead) == len(ranked[True]) + sum(r.startswith("does not fit") for _, r in planned.cut) \
-                or len(os.sched_getaffinity(0)) < 2
+            too_big = sum(reason.startswith("does not fit") for _, reason in planned.cut)
+            assert len(pricer._ahead) == len(ranked[True]) + too_big or len(os.sched_getaffinity(0)) < 2
     assert len(ranked[True]) > 20 and ranked[True] == ranked[False]
 
 
