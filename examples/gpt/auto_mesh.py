@@ -23,7 +23,6 @@ from torch import nn
 from ndweave.mesh.planner import Layout, ModelShape, Planned, plan_layout
 from ndweave.pipeline import PipelineParallelPlan
 from ndweave.pipeline.plan import resolve_plan
-from step_time import EXPERTS_UNPRICED
 
 __all__ = ["choose_layout", "layout_args", "layout_flags", "memory_per_device", "model_shape", "world_size"]
 
@@ -86,8 +85,6 @@ def choose_layout(args: argparse.Namespace, shape: ModelShape, world: int, budge
     ``price_ahead(args of every valid layout, budget)``, if given, is called before any is priced
     (``proxy.Pricer.price_ahead``: in parallel)."""
     def rule(layout: Layout) -> str | None:
-        if layout.ep > 1:  # a MoE model is planned over the layouts without EP
-            return f"not priced: {EXPERTS_UNPRICED}"
         if layout.pp > 1:
             plan = PipelineParallelPlan(schedule_type=layout.schedule, virtual_chunks=layout.virtual_chunks,
                                         num_microbatches=layout.micro_batches)

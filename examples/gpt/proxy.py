@@ -4,9 +4,10 @@ whole model per layout.
 Every stage of every layout is made of the same parts: what runs before the blocks (the
 embeddings), some blocks, and what runs after them (the final norm, the head, the loss). So the job's
 model is built again with one block, cut into those three parts as three pipeline stages (one cut
-per shape, before TP: the same for every TP size), and traced twice per TP size: for micro-batches
+per shape, before TP: the same for every TP size), and traced twice per TP size (per EP size for a
+MoE model's experts over EP, its tokens routed evenly): for micro-batches
 of one and of two rows (everything a micro-batch holds or does is affine in its rows). With
-activation checkpointing it is traced at one row without TP and over one TP size: how much of a
+activation checkpointing it is traced at one row without TP, over one TP size and each EP size: how much of a
 block's forward its backward runs again, a prefix of it at any TP size. Each trace gives what a
 part saves, its peak, what it receives and sends (``estimate._trace``) and the work of its forward
 and backward (under ``step_time``'s work counter). A stage of a layout is then the sum of its parts: its saved bytes and
@@ -20,8 +21,8 @@ uneven vocabulary's rows fall on the last ones); the other ranks repeat one of t
 Held to the full estimates on layouts of the GPT and HF Llama
 (``tests/integration/test_integration_plan_fast.py``): peak 0.998-1.023, step 1.00-1.09. A 70B,
 80-layer Llama is planned for 512 ranks on meta, nothing allocated. ``price_ahead`` prices all of a
-plan's layouts at once on every core (forked copies of the process: the traces of each TP size, then
-the layouts grouped by TP size), with the same figures as pricing them one by one.
+plan's layouts at once on every core (forked copies of the process: the traces of each TP and EP size,
+then the layouts grouped by those sizes), with the same figures as pricing them one by one.
 
     pricer = Pricer(args, machine, build_model, sharding, loss_fn, bucket_size, optimizer_kwargs)
     pricer.peak_bytes(layout_args), pricer.step_seconds(layout_args)
@@ -48,7 +49,7 @@ import torch
 from torch import nn
 
 from estimate import (DIMS, _activation_terms, _data_bytes, _local_shapes, _model_state_terms, _peer_shapes,
-                      _StageIO, _tied_across_ranks, _trace, parameters, tp_mesh)
+                      _StageIO, _tied_across_ranks, _trace, parameters, sharding_mesh)
 from ndweave.mesh import resolve_spec, torch_compat
 from ndweave.mesh.calibrate import Machine, Work, WorkCounter
 from ndweave.mesh.contracts import MemoryTerm, RankMemory
@@ -58,8 +59,8 @@ from ndweave.pipeline.construct import ModelCut, cut_model
 from ndweave.pipeline.cost import StageActivations
 from ndweave.pipeline.plan import ResolvedPlan, resolve_plan
 from ndweave.pipeline.split import assign_stages, model_layers
-from step_time import (DTYPES, host_seconds, optimizer_seconds, refuse_experts, stage_buffers, step_terms,
-                       sync_and_optimizer, work_seconds)
+from step_time import (DTYPES, host_seconds, named_group, optimizer_seconds, sharding_groups, stage_buffers,
+                       step_terms, sync_and_optimizer, work_seconds)
 
 __all__ = ["Part", "Pricer"]
 
@@ -124,9 +125,10 @@ class Pricer:
                                                 split_points=self.split_points)
         self.data = _data_bytes(args) if torch.device(args.device).type == "cpu" else 0
         self.optimizer = optimizer_seconds(machine, optimizer_kwargs, args.clip)
-        self._traced: dict[int, list[list[_Traced]]] = {}
-        self._recompute: dict[int, _Traced] = {}
-        self._parts: dict[tuple[int, bool, int], list[Part]] = {}
+        # traces by what a stage is sharded over: (EP, TP) sizes (the job's MoE layouts have tp = 1)
+        self._traced: dict[tuple[int, int], list[list[_Traced]]] = {}
+        self._recompute: dict[tuple[int, int], _Traced] = {}
+        self._parts: dict[tuple[tuple[int, int], bool, int], list[Part]] = {}
         self._stages: dict[int, list[_Stage]] = {}
         self._plans: dict[tuple, dict | None] = {}
         self._shapes: dict[tuple, dict] = {}
@@ -218,7 +220,7 @@ class Pricer:
         return step_terms(resolved, sizes, self.machine, forward, backward, links, sync, optimizer, tp_comm).seconds
 
     def _stage_buffers(self, stages: list[_Stage], stage: int, sizes: dict[str, int]) -> tuple[list, int]:
-        key = (_counts(stages[stage]), sizes["DP"], sizes["TP"])
+        key = (_counts(stages[stage]), sizes["DP"], sizes["EP"], sizes["TP"])
         if key not in self._buffers:
             shapes = {n: peers[0] for n, peers in self._local_shapes(sizes, {"EP": 0, "TP": 0}).items()}
             self._buffers[key] = stage_buffers(self.model, stages[stage].names, shapes, sizes, self.bucket_size)
@@ -227,12 +229,12 @@ class Pricer:
     # ---- the parts -----------------------------------------------------------------------------
     def _layout(self, args: argparse.Namespace) -> tuple[dict[str, int], ResolvedPlan, list[_Stage], list[Part]]:
         sizes = resolve_spec(args.mesh, None, dims=DIMS)
-        refuse_experts(sizes["EP"])
         plan = PipelineParallelPlan(schedule_type=args.schedule, virtual_chunks=args.virtual_chunks,
                                     num_microbatches=args.micro_batches)
         resolved = resolve_plan(plan, sizes["PP"])
         rows = args.global_batch // (sizes["DP"] * sizes["EP"] * args.micro_batches)
-        return sizes, resolved, self._split(resolved.num_stages), self.parts(sizes["TP"], args.activation_checkpointing, rows)
+        return (sizes, resolved, self._split(resolved.num_stages),
+                self.parts((sizes["EP"], sizes["TP"]), args.activation_checkpointing, rows))
 
     def _split(self, num_stages: int) -> list[_Stage]:
         """The parts and parameters of each stage when the model is cut into ``num_stages``."""
@@ -253,61 +255,63 @@ class Pricer:
             self._stages[num_stages] = stages
         return self._stages[num_stages]
 
-    def parts(self, tp: int, recompute: bool, rows: int) -> list[Part]:
-        """The three parts for micro-batches of ``rows`` rows over ``tp`` ranks, from their traces
-        (once per TP size): without recompute at one and two rows, extended along the rows (all they
-        hold and do is affine in them; their seconds need not be, a GPU's being the slower of its host
-        and its kernels); with recompute, the block as :meth:`_recomputed` makes it."""
-        key = (tp, recompute, rows)
+    def parts(self, shard: tuple[int, int], recompute: bool, rows: int) -> list[Part]:
+        """The three parts for micro-batches of ``rows`` rows over ``shard`` = (EP, TP) ranks, from
+        their traces (once per shard): without recompute at one and two rows, extended along the rows
+        (all they hold and do is affine in them, balanced routing included; their seconds need not be,
+        a GPU's being the slower of its host and its kernels); with recompute, the block as
+        :meth:`_recomputed` makes it."""
+        key = (shard, recompute, rows)
         if key not in self._parts:
-            if tp not in self._traced:
-                self._traced[tp] = self._trace_parts(tp, ((False, 1), (False, 2)))
-            traced = [_affine(a, b, rows) for a, b in zip(*self._traced[tp])]
+            if shard not in self._traced:
+                self._traced[shard] = self._trace_parts(shard, ((False, 1), (False, 2)))
+            traced = [_affine(a, b, rows) for a, b in zip(*self._traced[shard])]
             if recompute:
-                traced[1] = self._recomputed(traced[1], tp)
-            self._parts[key] = self._priced(traced, tp)
+                traced[1] = self._recomputed(traced[1], shard)
+            self._parts[key] = self._priced(traced, shard)
         return self._parts[key]
 
     def price_ahead(self, layouts: list[argparse.Namespace], budget: int) -> None:
         """Price ``layouts`` now, in parallel: their peaks, and the steps of those that fit ``budget``
         bytes (``peak_bytes`` and ``step_seconds`` then answer from what was priced). Two rounds, each
-        split between this process and forked copies of it, one per spare core: the traces of each TP
-        size (independent of each other, and most of a plan: 4.5 of 6.6 s for Llama-3 70B at 512 ranks
-        on 2 cores), then, every trace in hand, the layouts grouped by TP size (each group's
-        model-state terms are its own). Where ``fork`` is missing, or a copy fails, what is left is
+        split between this process and forked copies of it, one per spare core: the traces of each
+        (EP, TP) size (independent of each other, and most of a plan: 4.5 of 6.6 s for Llama-3 70B at
+        512 ranks on 2 cores), then, every trace in hand, the layouts grouped by those sizes (each
+        group's model-state terms are its own). Where ``fork`` is missing, or a copy fails, what is left is
         done on demand, as without this."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         if cores < 2 or "fork" not in multiprocessing.get_all_start_methods() or not layouts:
             return
-        by_tp: dict[int, list[argparse.Namespace]] = {}
+        by_shard: dict[tuple[int, int], list[argparse.Namespace]] = {}
         for layout in layouts:
-            by_tp.setdefault(resolve_spec(layout.mesh, None, dims=DIMS)["TP"], []).append(layout)
+            sizes = resolve_spec(layout.mesh, None, dims=DIMS)
+            by_shard.setdefault((sizes["EP"], sizes["TP"]), []).append(layout)
         recompute = any(layout.activation_checkpointing for layout in layouts)
-        # checkpointing is traced at TP 1 and the smallest TP above one (see _recomputed); a trace over
-        # TP costs about twice one without (DTensor's dispatch)
-        tps = sorted(set(by_tp) - set(self._traced))
-        above_one = next((tp for tp in tps if tp > 1), None)
-        with_recompute = {tp: recompute and tp in (1, above_one) for tp in tps}
+        # checkpointing is traced without TP or EP, over the smallest TP above one, and over each EP
+        # size (see _recomputed); a trace over TP or EP costs about twice one without (their dispatch)
+        shards = sorted(set(by_shard) - set(self._traced))
+        above_one = next((s for s in shards if s[0] == 1 and s[1] > 1), None)
+        with_recompute = {s: recompute and _recompute_at(s, above_one) == s for s in shards}
         # done once here, not in each copy: the cuts, and loading torch's memory tracker (a first trace does)
         for setting in [(False, 1), (False, 2)] + [(True, 1)] * recompute:
             self._cut(*setting)
         torch_compat.TensorMemory  # noqa: B018
-        shares = _balanced([((tp, with_recompute[tp]), 2 + 2 * (tp > 1) + with_recompute[tp]) for tp in tps], cores)
+        shares = _balanced([((s, with_recompute[s]), 2 + 2 * (s != (1, 1)) + with_recompute[s]) for s in shards], cores)
         for traced, recomputed in _in_parallel(self._trace_share, shares):
             self._traced.update(traced)
             self._recompute.update(recomputed)
-        shares = _balanced([(group, len(group)) for group in by_tp.values()], cores)
+        shares = _balanced([(group, len(group)) for group in by_shard.values()], cores)
         for priced in _in_parallel(lambda share: self._price_share(share, budget), shares):
             self._ahead.update(priced)
 
-    def _trace_share(self, share: list[tuple[int, bool]]) -> tuple[dict, dict]:
-        for tp, with_recompute in share:
-            if tp not in self._traced:
-                self._traced[tp] = self._trace_parts(tp, ((False, 1), (False, 2)))
-            if with_recompute and tp not in self._recompute:
-                self._recompute[tp] = self._trace_parts(tp, ((True, 1),))[0][1]
-        return ({tp: self._traced[tp] for tp, _ in share},
-                {tp: self._recompute[tp] for tp, with_recompute in share if with_recompute})
+    def _trace_share(self, share: list[tuple[tuple[int, int], bool]]) -> tuple[dict, dict]:
+        for shard, with_recompute in share:
+            if shard not in self._traced:
+                self._traced[shard] = self._trace_parts(shard, ((False, 1), (False, 2)))
+            if with_recompute and shard not in self._recompute:
+                self._recompute[shard] = self._trace_parts(shard, ((True, 1),))[0][1]
+        return ({shard: self._traced[shard] for shard, _ in share},
+                {shard: self._recompute[shard] for shard, with_recompute in share if with_recompute})
 
     def _price_share(self, share: list[list[argparse.Namespace]], budget: int) -> dict:
         priced = {}
@@ -316,16 +320,17 @@ class Pricer:
             priced[_layout_key(layout)] = (peak, self.step_seconds(layout) if peak <= budget else None)
         return priced
 
-    def _recomputed(self, block: _Traced, tp: int) -> _Traced:
-        """``block`` (at the rows priced, over ``tp`` ranks) under activation checkpointing: it keeps
-        only its inputs from forward to backward, and its backward runs its forward again first (its
-        saved tensors back, the backward's temporaries on top: the same peak). Only as much of the
-        forward runs again as yields what its backward needs (torch's checkpoint stops early): traced
-        at one row without TP and over the first TP size above one asked for; at any rows and TP size,
-        the same ops again, the same share of the forward's FLOPs and bytes, and its collectives as
-        far as the recompute went (:func:`_share_of`; the backward's seconds within 1e-5 of a trace at
-        every TP size for Llama-3 70B and a tiny nanogpt and Llama)."""
-        at = 1 if tp == 1 else next((t for t in self._recompute if t > 1), tp)
+    def _recomputed(self, block: _Traced, shard: tuple[int, int]) -> _Traced:
+        """``block`` (at the rows priced, over ``shard`` = (EP, TP) ranks) under activation
+        checkpointing: it keeps only its inputs from forward to backward, and its backward runs its
+        forward again first (its saved tensors back, the backward's temporaries on top: the same
+        peak). Only as much of the forward runs again as yields what its backward needs (torch's
+        checkpoint stops early): traced at one row without TP, over the first TP size above one asked
+        for, and over each EP size (:func:`_recompute_at`); at any rows and TP size, the same ops
+        again, the same share of the forward's FLOPs and bytes, and its collectives as far as the
+        recompute went (:func:`_share_of`; the backward's seconds within 1e-5 of a trace at every TP
+        size for Llama-3 70B and a tiny nanogpt and Llama)."""
+        at = _recompute_at(shard, next((s for s in self._recompute if s[0] == 1 and s[1] > 1), None))
         if at not in self._recompute:
             if at not in self._traced:
                 self._traced[at] = self._trace_parts(at, ((False, 1), (False, 2)))
@@ -334,21 +339,22 @@ class Pricer:
         return _Traced(StageActivations(block.io.received, block.activations.peak_bytes), block.io, block.forward,
                        block.backward + extra)
 
-    def _priced(self, parts: list[_Traced], tp: int) -> list[Part]:
-        dtype, groups = DTYPES[self.args.dtype], {"TP": tp}
-        inside = self.machine.within_host(groups)  # TP is the mesh's innermost dim: whatever the others
+    def _priced(self, parts: list[_Traced], shard: tuple[int, int]) -> list[Part]:
+        dtype, groups = DTYPES[self.args.dtype], sharding_groups({"EP": shard[0], "TP": shard[1]})
+        inside = self.machine.within_host(groups)  # TP (or EP, with tp = 1) is the mesh's innermost dim
         return [Part(p.activations, p.io, work_seconds(p.forward, self.machine, dtype, groups, inside),
                      work_seconds(p.backward, self.machine, dtype, groups, inside),
                      self.machine.communication_seconds(p.forward + p.backward, groups, inside)) for p in parts]
 
-    def _trace_parts(self, tp: int, settings: tuple[tuple[bool, int], ...]) -> list[list[_Traced]]:
-        """The parts under each of ``settings`` (recompute, rows), over one fake world of ``tp`` ranks
-        (one mesh: DTensor's sharding decisions cached across the traces). The proxy is cut once per
-        setting, before TP is applied: the same cut for every TP size."""
-        sizes = {"PP": 3, "DP": 1, "EP": 1, "TP": tp}
+    def _trace_parts(self, shard: tuple[int, int], settings: tuple[tuple[bool, int], ...]) -> list[list[_Traced]]:
+        """The parts under each of ``settings`` (recompute, rows), over one fake world of ``shard`` =
+        (EP, TP) ranks (one mesh: DTensor's sharding decisions cached across the traces). The proxy is
+        cut once per setting, before TP is applied: the same cut for every TP size."""
+        sizes = {"PP": 3, "DP": 1, "EP": shard[0], "TP": shard[1]}
+        group = next(iter(sharding_groups(sizes)))
         out = []
-        with fake_world(tp, rank=0) if tp > 1 else contextlib.nullcontext():
-            mesh = tp_mesh(tp) if tp > 1 else None
+        with fake_world(shard[0] * shard[1], rank=0) if shard != (1, 1) else contextlib.nullcontext():
+            mesh = sharding_mesh(sizes) if shard != (1, 1) else None
             for recompute, rows in settings:
                 model = self._proxy(recompute)
                 counter, regions = WorkCounter(), iter(range(3))
@@ -362,8 +368,8 @@ class Pricer:
                     traced, io = _trace(model, self._parts_plan, example, self.sharding(model, sizes), sizes,
                                         self.loss_fn, self.args.device, mesh=mesh, wrap=region,
                                         setup=lambda: counter.region("setup"), cut=self._cut(recompute, rows))
-                out.append([_Traced(traced[s], io[s], _tp_group(counter.work[s].forward),
-                                    _tp_group(counter.work[s].backward)) for s in range(3)])
+                out.append([_Traced(traced[s], io[s], named_group(counter.work[s].forward, group),
+                                    named_group(counter.work[s].backward, group)) for s in range(3)])
         return out
 
     def _cut(self, recompute: bool, rows: int) -> ModelCut:
@@ -485,9 +491,13 @@ def _share_of(forward: Work, base: _Traced, recomputed: _Traced) -> Work:
                 forward.bytes * share("bytes"), forward.collectives[:len(extra.collectives) - len(done.collectives)])
 
 
-def _tp_group(work: Work) -> Work:
-    """``work`` with its collectives' group named ``"TP"`` (the fake world's name: priced for any size)."""
-    return dataclasses.replace(work, collectives=[(kind, nbytes, "TP") for kind, nbytes, _ in work.collectives])
+def _recompute_at(shard: tuple[int, int], tp_traced: tuple[int, int] | None) -> tuple[int, int]:
+    """Where a block's recompute is traced for ``shard`` (see ``Pricer._recomputed``): without TP or
+    EP for itself; over TP at ``tp_traced``, the first TP size traced (itself if none); over EP at its
+    own size (the token dispatch's moves are no share of a TP trace's)."""
+    if shard == (1, 1) or shard[0] > 1:
+        return shard
+    return tp_traced or shard
 
 
 def one_block(args: argparse.Namespace, **changes) -> argparse.Namespace:

@@ -8,13 +8,15 @@ What a step asks for comes from the packages that run it, as the memory estimate
 * compute, per stage and micro-batch: one micro-batch's forward and backward traced on meta
   (``ndweave.pipeline.cost.stage_activations``, TP applied by ``ndweave.dmodule.cost.parallelize_on_meta``
   over a fake world) under a ``WorkCounter``: matmul FLOPs, elementwise bytes and ops per rank, and
-  the bytes of each TP collective DTensor issues;
+  the bytes of each TP collective DTensor issues (with experts over EP: the token dispatch's
+  all-to-alls, the routing balanced on meta);
 * each action's host time beyond its ops: the engine's (``ACTION_HOST_OPS`` ops' worth) and, on CPU,
   a message's latency per neighbouring stage on another rank;
 * the schedule: ``ndweave.pipeline.step_time.simulate_schedule`` runs the actions in torch's order
   with those times, activations crossing to another rank over the link;
 * the data-parallel grad sync: a reduce-scatter of every grad bucket and an all-gather of its
-  parameters after the step, over the DP group, from the buckets DDP lays out
+  parameters after the step, over the bucket's group (DP; DP x EP for a MoE model's dense
+  parameters), from the buckets DDP lays out
   (``ndweave.ddp.buffer.plan_buffers``, the function DDP calls); the grads tensor parallelism leaves
   partial (replicated parameters') are all-reduced over TP;
 * the optimizer: AdamW and the grad clip over this rank's owned runs of each bucket (one flat master
@@ -38,6 +40,7 @@ as an even split, without the scheduler's wake-up delays.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -59,10 +62,11 @@ from ndweave.pipeline.plan import resolve_plan
 from ndweave.pipeline.step_time import simulate_schedule
 
 from estimate import _fused_attention as fused_attention
-from estimate import parameters, tp_mesh
+from estimate import parameters, sharding_mesh
 
-__all__ = ["EXPERTS_UNPRICED", "StageWork", "estimate_step_seconds", "host_seconds", "optimizer_seconds",
-           "stage_buffers", "stage_work", "step_terms", "sync_and_optimizer", "table", "tp0_shapes", "work_seconds"]
+__all__ = ["StageWork", "estimate_step_seconds", "first_shapes", "host_seconds", "named_group", "optimizer_seconds",
+           "sharding_groups", "stage_buffers", "stage_work", "step_terms", "sync_and_optimizer", "table",
+           "work_seconds"]
 
 DIMS = ("PP", "DP", "EP", "TP")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float64}
@@ -84,24 +88,22 @@ def estimate_step_seconds(args: argparse.Namespace, machine: Machine, build_mode
     (``calibrate(device, dtypes=[...])``)."""
     sizes = resolve_spec(args.mesh, None, dims=DIMS)
     pp, dp, ep, tp = (sizes[d] for d in DIMS)
-    refuse_experts(ep)
     plan = PipelineParallelPlan(schedule_type=args.schedule, virtual_chunks=args.virtual_chunks,
                                 num_microbatches=args.micro_batches)
     resolved = resolve_plan(plan, pp)
-    rows = args.global_batch // (dp * args.micro_batches)
+    rows = args.global_batch // (dp * ep * args.micro_batches)
     example = torch.zeros((rows, args.block_size), dtype=torch.long, device="meta")
     traced = stage_work(build_model(args, "meta"), plan, example, sharding, sizes, loss_fn, args.device)
     dtype = DTYPES[args.dtype]
-    groups = {w.group: tp for w in traced}
-    inside = machine.within_host(sizes)
-    local = set(groups) if "TP" in inside else set()  # the TP group, by its fake world's name
+    groups, inside = sharding_groups(sizes), machine.within_host(sizes)
+    local = groups.keys() & inside
     host = host_seconds(resolved, machine)
     forward = [work_seconds(w.forward, machine, dtype, groups, local) + host[s] for s, w in enumerate(traced)]
     backward = [work_seconds(w.backward, machine, dtype, groups, local) + host[s] for s, w in enumerate(traced)]
     links = [machine.collective_seconds("send", w.sent_bytes, 2, within_host="PP" in inside) for w in traced[:-1]]
     model = build_model(args, "meta")
     plan_dict = sharding(model, sizes)
-    shapes = tp0_shapes(model, plan_dict, tp)
+    shapes = first_shapes(model, plan_dict, sizes)
     sync, optimizer = sync_and_optimizer(
         resolved, sizes, machine, lambda stage: stage_buffers(model, traced[stage].param_names, shapes, sizes, bucket_size),
         optimizer_seconds(machine, optimizer_kwargs, args.clip))
@@ -109,15 +111,16 @@ def estimate_step_seconds(args: argparse.Namespace, machine: Machine, build_mode
     return step_terms(resolved, sizes, machine, forward, backward, links, sync, optimizer, tp_comm)
 
 
-#: Why a layout with ep > 1 is not estimated: its token dispatch sizes its all-to-alls from the
-#: routing's values (``torch.bincount``), which a meta trace does not have
-EXPERTS_UNPRICED = ("ep > 1: routing tokens to experts needs their values (no meta kernel for bincount), so the "
-                    "experts' work is not traced yet")
+def sharding_groups(sizes: dict[str, int]) -> dict[str, int]:
+    """The group a stage's own collectives run over, by the name :func:`stage_work` gives them, and its
+    size: TP's (DTensor's), or with ``ep > 1`` EP's (the token dispatch's all-to-alls; the job's MoE
+    layouts have ``tp = 1``)."""
+    return {"EP": sizes["EP"]} if sizes["EP"] > 1 else {"TP": sizes["TP"]}
 
 
-def refuse_experts(ep: int) -> None:
-    if ep > 1:
-        raise NotImplementedError(f"step time with {EXPERTS_UNPRICED}")
+def named_group(work: Work, name: str) -> Work:
+    """``work`` with its collectives' group named ``name`` (a fake world's group: priced for any size)."""
+    return dataclasses.replace(work, collectives=[(kind, nbytes, name) for kind, nbytes, _ in work.collectives])
 
 
 def step_terms(resolved, sizes: dict[str, int], machine: Machine, forward: list[float], backward: list[float],
@@ -125,11 +128,11 @@ def step_terms(resolved, sizes: dict[str, int], machine: Machine, forward: list[
     """The step from each stage's forward and backward of one micro-batch (host time included), the
     links between stages, and the slowest PP rank's grad sync and optimizer step: the schedule
     simulated, every rank's terms slowed where CPU ranks share cores."""
-    pp, dp, tp = sizes["PP"], sizes["DP"], sizes["TP"]
+    pp, dp, tp = sizes["PP"], sizes["DP"] * sizes["EP"], sizes["TP"]  # EP ranks split the batch as DP ranks do
     world = pp * dp * tp
     shared = machine.device_type == "cpu" and world > machine.concurrent_ranks
-    # more CPU ranks than cores: the dp * tp pipelines run side by side, so a pipeline's ranks have
-    # cores / (dp * tp) ranks' speed between them; what every rank does at once takes world / cores as long
+    # more CPU ranks than cores: the dp * ep * tp pipelines run side by side, so a pipeline's ranks have
+    # cores / (dp * ep * tp) ranks' speed between them; what every rank does at once takes world / cores as long
     concurrency = machine.concurrent_ranks / (dp * tp) if shared else None
     slowdown = world / machine.concurrent_ranks if shared else 1.0
     timeline = simulate_schedule(resolved, forward, backward, links, concurrency=concurrency)
@@ -151,17 +154,19 @@ def step_terms(resolved, sizes: dict[str, int], machine: Machine, forward: list[
         TimeTerm("bubble", schedule - compute, "pipeline", in_total=False),
         TimeTerm(f"one micro-batch on stage {busiest}", forward[busiest] + backward[busiest], "pipeline",
                  in_total=False),
-        TimeTerm("TP collectives per micro-batch (busiest stage)", tp_comm, "dmodule", in_total=False),
+        TimeTerm(f"{next(iter(sharding_groups(sizes)))} collectives per micro-batch (busiest stage)", tp_comm,
+                 "dmodule", in_total=False),
     ))
 
 
 def work_seconds(work: Work, machine: Machine, dtype: torch.dtype, groups: dict[str, int],
                  within_host: Collection[str] = ()) -> float:
-    """A stage's ``work`` (compute and TP collectives, over ``groups``: name -> ranks; those named in
-    ``within_host`` over the host's link) in seconds.
+    """A stage's ``work`` (compute and its TP or EP collectives, over ``groups``: name -> ranks, as
+    :func:`sharding_groups`; those named in ``within_host`` over the host's link) in seconds.
     Every op of a TP stage runs on DTensors (the counter sees their local ops: the memory tracker
-    inside stage_activations steps aside for DTensor first, hiding the DTensor ops)."""
-    tensor_parallel = any(size > 1 for size in groups.values())
+    inside stage_activations steps aside for DTensor first, hiding the DTensor ops); EP's experts run
+    on their local weights."""
+    tensor_parallel = groups.get("TP", 1) > 1
     return (machine.compute_seconds(work, dtype, tensor_parallel=tensor_parallel)
             + machine.communication_seconds(work, groups, within_host))
 
@@ -179,11 +184,12 @@ def host_seconds(resolved, machine: Machine) -> list[float]:
 def sync_and_optimizer(resolved, sizes: dict[str, int], machine: Machine, buffers_of: Callable[[int], tuple[list, int]],
                        optimizer: Callable[[int, int, torch.dtype], float]) -> tuple[float, float]:
     """The slowest PP rank's grad sync (every bucket reduce-scattered and its parameters all-gathered
-    over DP; TP's partial grads all-reduced) and optimizer step (its owned runs of every bucket, one
+    over its group: DP, or DP x EP for the dense parameters of a MoE model over EP; TP's partial grads
+    all-reduced) and optimizer step (its owned runs of every bucket, one
     step: ``optimizer(runs, elements, param_dtype)``, :func:`optimizer_seconds`). ``buffers_of(stage)``:
     DDP's buffers of the stage's chunk and its TP-replicated grad bytes (:func:`stage_buffers`)."""
-    dp, tp = sizes["DP"], sizes["TP"]
-    inside = machine.within_host(sizes)
+    tp = sizes["TP"]
+    inside = machine.within_host(sizes)  # DP within a host: DP x EP too (EP lies inside DP)
     sync = slowest = 0.0
     for pp_rank in range(resolved.pp_size):
         rank_sync, owned = 0.0, {}
@@ -191,6 +197,7 @@ def sync_and_optimizer(resolved, sizes: dict[str, int], machine: Machine, buffer
             buffers, replicated = buffers_of(stage)
             for buffer in buffers:
                 runs, elements = owned.get(buffer.param_dtype, (0, 0))
+                dp = buffer.data_parallel_size
                 for b in buffer.buckets:
                     numel = b.end - b.start
                     rank_sync += machine.collective_seconds("reduce_scatter", numel * buffer.grad_dtype.itemsize, dp,
@@ -213,8 +220,6 @@ class StageWork:
     backward: Work
     sent_bytes: int
     """Bytes of the activations the stage sends the next one (its output)."""
-    group: str
-    """The name of the TP group its collectives ran over (the fake world's; ``""`` without TP)."""
     param_names: list[str]
     """The FQNs of the stage chunk's parameters (``stage_param_names``' answer for the stage)."""
 
@@ -225,7 +230,8 @@ def stage_work(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tens
     """Each stage's :class:`StageWork`: one micro-batch's forward and backward on meta under a
     ``WorkCounter`` (through ``stage_activations``, which hands each stage what the previous one
     sends), with the TP plan applied over a fake world of the TP size (a fresh mesh dim name per
-    trace, as ``estimate._trace`` does)."""
+    trace, as ``estimate._trace`` does), or the experts' EP plan over one of the EP size; its
+    collectives' group named as :func:`sharding_groups` names it."""
     counter, sent, names = WorkCounter(), [], []
 
     def counted(chunk: nn.Module, prepare: Callable[[nn.Module], nn.Module] = lambda chunk: chunk) -> nn.Module:
@@ -238,21 +244,19 @@ def stage_work(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tens
         chunk.register_forward_hook(lambda module, args, output: sent.__setitem__(index, _bytes(output)))
         return chunk
 
-    if sizes["TP"] == 1:
+    if sizes["TP"] == 1 and sizes["EP"] == 1:
         with fused_attention(device), counter:
             stage_activations(model, plan, sizes["PP"], example, prepare=counted, loss_fn=loss_fn)
-        group = ""
     else:
         plan_dict = sharding(model, sizes)
-        with fake_world(sizes["TP"], rank=0):
-            mesh = tp_mesh(sizes["TP"])
-            group = mesh.get_group().group_name
-            shard = functools.partial(parallelize_on_meta, mesh=mesh, plan=plan_dict)
+        with fake_world(sizes["EP"] * sizes["TP"], rank=0):
+            shard = functools.partial(parallelize_on_meta, mesh=sharding_mesh(sizes), plan=plan_dict)
             with fused_attention(device), counter:
                 stage_activations(model, plan, sizes["PP"], example, loss_fn=loss_fn,
                                   prepare=lambda chunk: counted(chunk, shard))
-    return [StageWork(counter.work[s].forward, counter.work[s].backward, sent[s], group, names[s])
-            for s in range(len(sent))]
+    group = next(iter(sharding_groups(sizes)))
+    return [StageWork(named_group(counter.work[s].forward, group), named_group(counter.work[s].backward, group),
+                      sent[s], names[s]) for s in range(len(sent))]
 
 
 def _bytes(output) -> int:
@@ -263,15 +267,17 @@ def _bytes(output) -> int:
 
 def stage_buffers(model: nn.Module, names: list[str], shapes: dict[str, torch.Size], sizes: dict[str, int],
                   bucket_size: int | None) -> tuple[list, int]:
-    """DDP's buffers for one stage chunk on TP rank 0 (``plan_buffers``, as the memory estimate
-    builds them; ``shapes``: TP rank 0's local shape of each FQN, :func:`tp0_shapes`), and the bytes of
-    the chunk's parameters TP replicates (their grads are partial over TP: all-reduced once per step)."""
-    tp = sizes["TP"]
+    """DDP's buffers for one stage chunk on the first TP and EP rank (``plan_buffers``, as the memory
+    estimate builds them; ``shapes``: that rank's local shape of each FQN, :func:`first_shapes`), and
+    the bytes of the chunk's parameters TP replicates (their grads are partial over TP: all-reduced
+    once per step). With ``ep > 1`` the experts (divided over EP) are reduced over DP, the rest over DP x EP."""
+    dp, ep, tp = sizes["DP"], sizes["EP"], sizes["TP"]
     params, replicated = [], 0
     for n in names:
         p = parameters(model)[n]
         local = shapes[n]
-        params.append((n, p.dtype, local.numel(), local.numel(), "DP", sizes["DP"]))
+        group = ("DP", dp) if ep == 1 or local != p.shape else ("DPxEP", dp * ep)
+        params.append((n, p.dtype, local.numel(), local.numel(), *group))
         if tp > 1 and local == p.shape:
             replicated += p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize
     buffers = plan_buffers(params, bucket_size=bucket_size,
@@ -279,9 +285,10 @@ def stage_buffers(model: nn.Module, names: list[str], shapes: dict[str, torch.Si
     return buffers, replicated
 
 
-def tp0_shapes(model: nn.Module, plan_dict: dict | None, tp: int) -> dict[str, torch.Size]:
-    """TP rank 0's local shape of every parameter, under each of its FQNs."""
-    shapes = local_param_shapes(model, plan_dict, {"TP": tp}, {"TP": 0})
+def first_shapes(model: nn.Module, plan_dict: dict | None, sizes: dict[str, int]) -> dict[str, torch.Size]:
+    """The first TP and EP rank's local shape of every parameter, under each of its FQNs."""
+    mesh = {"EP": sizes["EP"], "TP": sizes["TP"]} if sizes["EP"] > 1 else {"TP": sizes["TP"]}
+    shapes = local_param_shapes(model, plan_dict, mesh, dict.fromkeys(mesh, 0))
     first = {id(p): n for n, p in model.named_parameters()}
     return {n: shapes[first[id(p)]] for n, p in parameters(model).items()}
 

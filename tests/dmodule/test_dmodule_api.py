@@ -203,7 +203,8 @@ def test_plan_keys_naming_modules_a_pipeline_stage_removed_are_skipped():
     stage = MLP()
     stage.fc2 = nn.Identity()
     mark_removed_modules(stage, {"fc2": "Linear"})
-    plan = {**MLP_TP, "patch": {"fc2": [_record_fqn], "class:Linear": [_record_fqn]}}
+    # "fc2\.inner": a module inside the removed one (a block's experts on a stage without blocks)
+    plan = {**MLP_TP, "patch": {"fc2": [_record_fqn], r"fc2\.inner": [_record_fqn], "class:Linear": [_record_fqn]}}
     dstage = parallelize_module(stage, _tp_mesh(), plan)
     assert isinstance(dstage.fc1.weight, DTensor) and not list(dstage.fc2.parameters())
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))  # the same on every rank

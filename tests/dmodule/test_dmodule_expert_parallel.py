@@ -7,6 +7,7 @@ experts and come back: outputs and gradients equal one process's, in float64. An
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 
@@ -69,6 +70,17 @@ def test_mixtral_experts_over_ep_match_one_process():
         else:  # a dense grad holds this rank's tokens' share: the ranks' shares sum to one process's
             dist.all_reduce(grad)
             assert_close(grad, ref_p.grad, name=f"{fqn}.grad summed over the ranks")
+
+
+@distributed(world_size=2)
+def test_each_rank_keeps_only_its_own_experts():
+    """Once divided, the whole weights are freed: each rank holds E/EP experts, not E."""
+    from ndweave.dmodule.experts.parallel import parallelize_experts
+
+    experts = _mixtral().model.layers[0].mlp.experts
+    whole = [weakref.ref(p) for p in experts.parameters()]
+    parallelize_experts(experts, init_device_mesh("cpu", (2,), mesh_dim_names=("EP",)))
+    assert [ref() for ref in whole] == [None, None]
 
 
 @distributed(world_size=2)

@@ -56,6 +56,8 @@ CASES = [
     ["--mesh", "pp=2,tp=2", "--model", "hf:llama", "--activation-checkpointing"],
     ["--mesh", "dp=2", "--model", "hf:llama", "--activation-checkpointing", "--dtype", "bf16"],
     ["--mesh", "pp=2,dp=2,tp=2", "--model", "hf:llama", "--dtype", "bf16", "--schedule", "gpipe"],
+    ["--mesh", "dp=2,ep=2", "--moe-experts", "4"],
+    ["--mesh", "pp=2,ep=4", "--moe-experts", "8", "--activation-checkpointing"],
 ]
 
 
@@ -77,7 +79,7 @@ def test_part_prices_are_the_full_estimates(machine):
     pricers, off = {}, {}
     for flags in CASES:
         args = job.parse_args([*SMALL, *flags])
-        pricer = pricers.setdefault((args.model, args.dtype), _pricer(args, machine))
+        pricer = pricers.setdefault((args.model, args.dtype, args.moe_experts), _pricer(args, machine))
         peak = pricer.peak_bytes(args) / max(r.peak for r in job.memory_estimate(args))
         step = pricer.step_seconds(args) / step_time.estimate_step_seconds(
             args, machine, job.build_model, lambda model, sizes, a=args: job.sharding_plan(model, a, sizes),
@@ -93,12 +95,13 @@ def test_recompute_at_another_tp_size_is_its_trace(machine):
     args = job.parse_args([*SMALL, "--mesh", "tp=4"])
     pricer = _pricer(args, machine)
     for tp in (1, 2, 4):
-        pricer.parts(tp, True, 1)
-    assert sorted(pricer._recompute) == [1, 2]
-    derived, traced = pricer._recomputed(pricer._traced[4][0][1], 4), pricer._trace_parts(4, ((True, 1),))[0][1]
+        pricer.parts((1, tp), True, 1)
+    assert sorted(pricer._recompute) == [(1, 1), (1, 2)]
+    derived = pricer._recomputed(pricer._traced[1, 4][0][1], (1, 4))
+    traced = pricer._trace_parts((1, 4), ((True, 1),))[0][1]
     assert derived.backward.ops == traced.backward.ops
     assert sorted(derived.backward.collectives) == sorted(traced.backward.collectives)
-    seconds = [pricer._priced([block], 4)[0].backward for block in (derived, traced)]
+    seconds = [pricer._priced([block], (1, 4))[0].backward for block in (derived, traced)]
     assert seconds[0] == pytest.approx(seconds[1], rel=1e-4)
 
 
@@ -155,7 +158,7 @@ def test_layouts_priced_ahead_in_forked_copies_plan_as_priced_on_demand(machine)
                                           price_ahead=pricer.price_ahead if ahead else None)
         ranked[ahead] = [(c.layout, c.peak_bytes, c.step_seconds) for c in planned.ranked]
         if ahead:
-            assert sorted(pricer._traced) == [1, 2, 4] and sorted(pricer._recompute) == [1, 2]
+            assert sorted(pricer._traced) == [(1, 1), (1, 2), (1, 4)] and sorted(pricer._recompute) == [(1, 1), (1, 2)]
             # the layouts were priced ahead (not silently on demand) wherever there is a core to fork onto
             too_big = sum(reason.startswith("does not fit") for _, reason in planned.cut)
             assert len(pricer._ahead) == len(ranked[True]) + too_big or len(os.sched_getaffinity(0)) < 2
@@ -171,16 +174,16 @@ def test_a_forked_copy_that_fails_or_runs_past_its_time_gives_nothing():
     assert time.monotonic() - start < 10
 
 
-def test_a_moe_model_is_planned_over_the_layouts_without_ep(machine):
-    # ep > 1 is not priced yet (routing needs the values): cut with that reason, not a traceback
+def test_a_moe_model_is_planned_over_its_ep_layouts_too(machine):
+    # the experts over EP are priced from a balanced routing (no values on meta); tp > 1 is the job's cut
     args = job.parse_args([*SMALL, "--moe-experts", "4", "--mesh", "dp=1"])
     pricer = _pricer(args, machine)
     planned = auto_mesh.choose_layout(
         args, auto_mesh.model_shape(pricer.model, args, 4), 4, 2**30, peak_bytes=pricer.peak_bytes,
         step_seconds=pricer.step_seconds, price_ahead=pricer.price_ahead,
         job_rule=lambda a: job.mesh_problem(a, resolve_spec(a.mesh, None, dims=job.DIMS)))
-    assert planned.best is not None and all(c.layout.ep == 1 for c in planned.ranked)
-    assert any(layout.ep > 1 and reason.startswith("not priced: ep > 1") for layout, reason in planned.cut)
+    assert planned.best is not None and {c.layout.ep for c in planned.ranked} == {1, 2, 4}
+    assert all(layout.tp > 1 for layout, reason in planned.cut if "no tensor-parallel layout for MoE" in reason)
 
 
 def test_on_paper_prices_a_published_run_and_chooses_a_layout():

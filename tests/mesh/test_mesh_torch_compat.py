@@ -133,6 +133,21 @@ def test_fake_store_backs_the_fake_process_group():
         assert isinstance(tc.fake_store(), dist.Store)
 
 
+def test_all_to_all_single_runs_on_meta_with_autograd_and_is_seen_with_its_group():
+    from ndweave.mesh.calibrate import WorkCounter
+
+    with fake_world(2, rank=0):
+        group = dist.new_group([0, 1])
+        rows = torch.empty(5, 3, device="meta", requires_grad=True)
+        with WorkCounter() as counter:
+            moved = tc.all_to_all_single(rows, [4, 2], [3, 2], group)
+            moved.sum().backward()
+        assert moved.shape == (6, 3) and rows.grad.shape == (5, 3)
+        work = counter.work["all"]
+        assert work.forward.collectives == [("all_to_all", 5 * 3 * 4, group.group_name)]
+        assert work.backward.collectives == [("all_to_all", 6 * 3 * 4, group.group_name)]
+
+
 @distributed(world_size=2)
 def test_group_timeout_and_default_store():
     group = dist.new_group([0, 1])

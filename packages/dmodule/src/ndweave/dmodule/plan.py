@@ -35,12 +35,26 @@ def match_modules(root: nn.Module, regex: str, key: str | None = None) -> list[t
 
 def names_removed_module(root: nn.Module, key: str) -> bool:
     """Whether plan key ``key`` (a module regex, or ``class:<Name>``) names a module that a pipeline
-    stage removed from ``root``: such a key matching nothing is expected, not a typo."""
+    stage removed from ``root``, or one inside it (``h\\.\\d+\\.mlp\\.experts`` where the stage
+    removed ``h.0``: a prefix of the key's dotted path names it): such a key matching nothing is
+    expected, not a typo."""
     removed = removed_modules(root)
     if key.startswith("class:"):
         return key[len("class:"):] in removed.values()
-    pattern = re.compile(key)
-    return any(pattern.fullmatch(fqn) for fqn in removed)
+    return any(pattern.fullmatch(fqn) for pattern in _path_prefixes(key) for fqn in removed)
+
+
+def _path_prefixes(key: str) -> list[re.Pattern]:
+    """The regexes of ``key``'s dotted path and each of its leading parts (split at ``\\.`` or ``.``;
+    a part that does not compile alone is skipped)."""
+    parts = re.split(r"\\\.|\.(?![*+?{])", key)
+    out = []
+    for i in range(1, len(parts) + 1):
+        try:
+            out.append(re.compile(r"\.".join(parts[:i])))
+        except re.error:
+            continue
+    return out
 
 
 def no_match_error(section: str, key: str, candidates: Iterable[str]) -> PlanKeyError:

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
 )
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout, _world
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset, compute_local_shape_and_global_offset
@@ -37,6 +38,7 @@ __all__ = [
     "DataDependentOutputException",
     "DynamicOutputShapeException",
     "adopt_mesh_state",
+    "all_to_all_single",
     "FakeTensor",
     "FakeTensorMode",
     "MemTracker",
@@ -75,6 +77,12 @@ __all__ = [
     "tree_unflatten",
     "unflatten_dense_tensors",
 ]
+
+#: ``all_to_all_single(rows, output_splits, input_splits, group)``: the rows moved (uneven splits),
+#: with autograd (its backward is the reverse move) and as a functional collective, so a trace on
+#: meta tensors runs it and a dispatch mode sees it with its group's name. torch's public autograd
+#: version (``torch.distributed.nn.functional``) is deprecated in favour of this one.
+all_to_all_single = all_to_all_single_autograd
 
 #: ``_StridedShard(dim, split_factor=f)``: the dim is cut into ``f`` pieces, each piece is sharded
 #: over the ranks, and rank r holds the concatenation of its share of each piece (a fused

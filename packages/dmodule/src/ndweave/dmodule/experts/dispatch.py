@@ -7,7 +7,9 @@ Each expert-parallel (EP) rank holds ``num_experts / EP`` whole experts, rank ``
 the rows (one ``all_to_all_single`` with uneven splits), and groups what arrives by local expert:
 the local experts then run on contiguous rows, as one process runs each expert on its tokens.
 :func:`combine` reverses the moves and sums each token's expert outputs, weighted by its router
-weights. Nothing is dropped (no capacity factor), so the result equals one process's.
+weights. Nothing is dropped (no capacity factor), so the result equals one process's. On meta
+tensors (a trace before launch, which has no routing values) every expert gets an even share of the
+rows and nothing is exchanged but the rows: an estimate's balanced routing.
 
 Plain local tensors only (no DTensor): the moves are data-dependent, which DTensor cannot express.
 
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ndweave.mesh.torch_compat import all_to_all_single
 
 __all__ = ["Routing", "combine", "dispatch"]
 
@@ -63,22 +67,17 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
     local_experts = num_experts // ep
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # stable: within an expert, tokens keep their order
-    outside = (flat < 0) | (flat >= num_experts)
-    # rows this rank sends to each expert, and per destination rank a last column flagging expert ids
-    # outside [0, E): the flag travels with the counts, so every EP rank raises (none waits on the rows)
-    counts = torch.bincount(flat.clamp(0, num_experts - 1), minlength=num_experts).view(ep, local_experts)
-    sent = torch.cat([counts, outside.any().to(counts.dtype).expand(ep, 1)], dim=1)
-    exchanged = _exchange(sent.reshape(-1), group).view(ep, local_experts + 1)
-    _check_expert_ids(exchanged[:, -1], num_experts, dist.get_rank(group) if dist.is_initialized() else 0)
-    # rows each rank sends to each of this rank's experts: (EP, local experts)
-    received_counts = exchanged[:, :-1]
+    if flat.is_meta:
+        counts, received_counts = _balanced_counts(flat.numel(), num_experts, ep, dist.get_rank(group))
+    else:
+        counts, received_counts = _exchanged_counts(flat, num_experts, ep, group)
     send_splits = counts.sum(1).tolist()
     receive_splits = received_counts.sum(1).tolist()
     rows = x.reshape(-1, x.shape[-1]).repeat_interleave(expert_ids.shape[-1], dim=0)[order]
     received = _all_to_all(rows, receive_splits, send_splits, group)
     # received: per source rank, its rows for local expert 0, 1, ...; regroup by local expert
     local_ids = torch.repeat_interleave(torch.arange(local_experts, device=x.device).repeat(ep),
-                                        received_counts.reshape(-1))
+                                        received_counts.reshape(-1).to(x.device), output_size=sum(receive_splits))
     grouped = torch.argsort(local_ids, stable=True)
     routing = Routing(order, send_splits, receive_splits, grouped, received_counts.sum(0).tolist(),
                       expert_ids.shape[-1], group)
@@ -93,6 +92,31 @@ def combine(y: torch.Tensor, weights: torch.Tensor, routing: Routing) -> torch.T
     per_assignment = torch.empty_like(sent).index_copy(0, routing.order, sent)
     per_token = per_assignment.view(-1, routing.top_k, y.shape[-1])
     return (per_token * weights.unsqueeze(-1)).sum(1).to(y.dtype)
+
+
+def _exchanged_counts(flat: torch.Tensor, num_experts: int, ep: int,
+                      group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows this rank sends to each expert, and those each EP rank sends to this rank's experts:
+    both ``(EP, local experts)``, from the routing's values and one exchange of counts."""
+    local_experts = num_experts // ep
+    outside = (flat < 0) | (flat >= num_experts)
+    counts = torch.bincount(flat.clamp(0, num_experts - 1), minlength=num_experts).view(ep, local_experts)
+    # per destination rank, a last column flags expert ids outside [0, E): the flag travels with the
+    # counts, so every EP rank raises (none waits on the rows)
+    sent = torch.cat([counts, outside.any().to(counts.dtype).expand(ep, 1)], dim=1)
+    exchanged = _exchange(sent.reshape(-1), group).view(ep, local_experts + 1)
+    _check_expert_ids(exchanged[:, -1], num_experts, dist.get_rank(group) if dist.is_initialized() else 0)
+    return counts, exchanged[:, :-1]
+
+
+def _balanced_counts(assignments: int, num_experts: int, ep: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_exchanged_counts` for a trace on meta tensors (an estimate before launch), which has
+    no routing to count: the ``assignments`` spread evenly over the experts, every EP rank routing as
+    this one does (``rank``: this one's EP rank). A trained router balances its experts (its
+    auxiliary loss); one far from balance holds more on its busiest rank than this counts."""
+    share, rest = divmod(assignments, num_experts)
+    counts = torch.tensor([share + (e < rest) for e in range(num_experts)]).view(ep, num_experts // ep)
+    return counts, counts[rank].expand(ep, -1)
 
 
 def _check_expert_ids(flags: torch.Tensor, num_experts: int, rank: int) -> None:
@@ -117,22 +141,4 @@ def _all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list
                 group: dist.ProcessGroup | None) -> torch.Tensor:
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return rows
-    return _AllToAll.apply(rows, output_splits, input_splits, group)
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits; its backward is the reverse move. (torch's public
-    autograd version, ``torch.distributed.nn.functional.all_to_all_single``, is deprecated in favour of
-    a private one.)"""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.splits, ctx.group = (input_splits, output_splits), group
-        out = rows.new_empty((sum(output_splits), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), output_splits, input_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _AllToAll.apply(grad, *ctx.splits, ctx.group), None, None, None
+    return all_to_all_single(rows.contiguous(), output_splits, input_splits, group or dist.group.WORLD)

@@ -65,6 +65,8 @@ def parallelize_experts(module: nn.Module, ep_mesh: DeviceMesh, *, fqn: str = ""
         dt = DTensor.from_local(local, ep_mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
         module._parameters[name] = nn.Parameter(dt, requires_grad=param.requires_grad)
     num_experts = next(iter(stacked.values())).shape[0]
+    # the forward keeps the names only: holding ``stacked`` would keep every expert's whole weights alive
+    names = list(stacked)
     group = ep_mesh.get_group(0)
     local_forward = module.forward  # the module's own (class) forward, on whichever weights it sees
 
@@ -75,7 +77,7 @@ def parallelize_experts(module: nn.Module, ep_mesh: DeviceMesh, *, fqn: str = ""
                                                      (hidden_states, top_k_index, top_k_weights))
         rows, local_ids, routing = dispatch(hidden_states, top_k_index, num_experts, group)
         unit = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-        with _local_experts(module, list(stacked), num_experts // ep):
+        with _local_experts(module, names, num_experts // ep):
             out = local_forward(rows, local_ids.unsqueeze(-1), unit)
         out = combine(out, top_k_weights, routing)
         return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
