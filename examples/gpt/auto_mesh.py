@@ -66,13 +66,14 @@ def layout_args(args: argparse.Namespace, layout: Layout) -> argparse.Namespace:
     out = copy.copy(args)
     out.mesh, out.schedule, out.virtual_chunks = layout.spec(), layout.schedule, layout.virtual_chunks
     out.micro_batches, out.activation_checkpointing = layout.micro_batches, layout.recompute
+    out.zero_stage = layout.zero_stage
     return out
 
 
 def layout_flags(layout: Layout) -> list[str]:
     """``layout`` as the job's flags (what replaces ``--mesh auto`` on the launched ranks' command line)."""
     flags = ["--mesh", layout.spec(), "--schedule", layout.schedule, "--virtual-chunks", str(layout.virtual_chunks),
-             "--micro-batches", str(layout.micro_batches)]
+             "--micro-batches", str(layout.micro_batches), "--zero-stage", str(layout.zero_stage)]
     return flags + (["--activation-checkpointing"] if layout.recompute else [])
 
 

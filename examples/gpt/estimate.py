@@ -26,8 +26,9 @@ The attention is traced with the kernel the job's device runs (meta alone takes 
 saves the T x T weights). A rank's peak is its model state and receive buffers plus the larger of two
 moments of its step: the most micro-batches in flight, one micro-batch's temporaries on top; or a
 chunk's grad sync. The terms add up to it (``grad sync`` is what the sync holds beyond the first).
-Against every rank's measured peak of live tensor bytes on 29 layouts over 1 to 8 ranks, MoE over
-EP among them (``tests/integration/test_integration_estimate.py``): 0.980 to 1.017.
+Against every rank's measured peak of live tensor bytes on 34 layouts over 1 to 8 ranks, MoE over
+EP and ZeRO-2 among them (``tests/integration/test_integration_estimate.py``): 0.980 to 1.045 (ZeRO-2
+counts all its full-size buckets in flight at the backward's peak: an upper bound).
 
     python examples/gpt/train.py --mesh pp=2,dp=2,tp=2 --estimate   # the table, nothing launched
 """
@@ -49,6 +50,7 @@ from torch.nn.attention import SDPBackend
 
 from data import TextData
 from ndweave.ddp.buffer import plan_buffers
+from ndweave.ddp.grad_shard import MAX_IN_FLIGHT
 from ndweave.dmodule.cost import local_param_shapes, parallelize_on_meta
 from ndweave.mesh import init_device_mesh, resolve_spec
 from ndweave.mesh.contracts import MemoryTerm, RankMemory
@@ -98,7 +100,7 @@ def estimate_memory(args: argparse.Namespace, build_model: Callable[..., nn.Modu
         stages = resolved.stages_of(coordinate["PP"])
         for stage in stages:
             state, syncs[stage] = _model_state_terms(model, names[stage], shapes, sizes, coordinate, bucket_size,
-                                                     optimizer_kwargs, args.device)
+                                                     optimizer_kwargs, args.device, args.zero_stage)
             terms += state
         tied_grads = sum(_local_bytes(model, n, shapes) for s in stages for n in tied[s])
         terms += _activation_terms(resolved, traced, io, coordinate, tied_grads, syncs)
@@ -144,15 +146,19 @@ class _GradSync:
     """The ``.grad`` DDP hands out in the parameters' dtype where its buffer's is wider (bf16 params,
     fp32 grads): a copy, held until the next ``zero_grad``."""
     reduce_copy: int
-    """What reducing its buckets copies: gloo (``--device cpu``) reduces a copy of each bucket over the
-    data-parallel group, held until the sync is waited for (at the end of the chunk's backward)."""
+    """What reducing its buckets holds at the end of the chunk's backward beyond its grad buffers: gloo
+    (``--device cpu``) reduces a copy of each bucket over the data-parallel group, held until the sync
+    is waited for; with ZeRO-2 the full-size buckets still reducing (and gloo's copies of them)."""
+    in_flight: int = 0
+    """ZeRO-2: the full-size buckets each backward fills and reduces (``ndweave.ddp.grad_shard``: at
+    most ``MAX_IN_FLIGHT`` reducing and one filling), on top of that backward's temporaries."""
 
 
 def _model_state_terms(model: nn.Module, names: list[str], shapes: dict[str, list[torch.Size]], sizes: dict[str, int],
                        coordinate: dict[str, int], bucket_size: int, optimizer_kwargs: dict,
-                       device: str) -> tuple[list[MemoryTerm], _GradSync]:
-    """One stage chunk's parameters and grads (DDP's buffers), optimizer state and masters (ZeRO-1),
-    and what its grad sync adds."""
+                       device: str, zero_stage: int = 1) -> tuple[list[MemoryTerm], _GradSync]:
+    """One stage chunk's parameters and grads (DDP's buffers: with ``zero_stage=2`` this rank's range of
+    each bucket), optimizer state and masters (sharded over the data ranks), and what its grad sync adds."""
     dp, ep = sizes["DP"], sizes["EP"]
     params, published, seen = [], 0, set()
     for n in names:
@@ -161,7 +167,7 @@ def _model_state_terms(model: nn.Module, names: list[str], shapes: dict[str, lis
         expert = ep > 1 and local != p.shape  # sharded over EP: reduced over DP only; dense over DP x EP
         group, size = ("DP", dp) if expert or ep == 1 else ("DPxEP", dp * ep)
         params.append((n, p.dtype, local.numel(), max(s.numel() for s in shapes[n]), group, size))
-        if _grad_dtype(p.dtype) != p.dtype and id(p) not in seen:
+        if _grad_dtype(p.dtype) != p.dtype and id(p) not in seen and zero_stage < 2:  # ZeRO-2 sets no .grad
             published += local.numel() * p.element_size()
         seen.add(id(p))
     buffers = plan_buffers(params, bucket_size=bucket_size, grad_dtype_of=_grad_dtype)
@@ -174,11 +180,23 @@ def _model_state_terms(model: nn.Module, names: list[str], shapes: dict[str, lis
                                    param_dtype=buffer.param_dtype, optimizer=torch.optim.AdamW,
                                    optimizer_kwargs=optimizer_kwargs)
         state, masters = state + opt.state, masters + opt.masters
-    reduce_copy = sum(b.grad_bytes() for b in buffers if b.data_parallel_size > 1) if device == "cpu" else 0
+    sync = _zero2_sync(buffers, device, published) if zero_stage >= 2 else _GradSync(
+        published, sum(b.grad_bytes() for b in buffers if b.data_parallel_size > 1) if device == "cpu" else 0)
     return ([MemoryTerm("parameters", sum(b.param_bytes() for b in buffers), "ddp"),
-             MemoryTerm("gradients", sum(b.grad_bytes() for b in buffers), "ddp"),
+             MemoryTerm("gradients", sum(b.grad_bytes(zero_stage) for b in buffers), "ddp"),
              MemoryTerm("optimizer state", state, "optim"),
-             MemoryTerm("master weights", masters, "optim")], _GradSync(published, reduce_copy))
+             MemoryTerm("master weights", masters, "optim")], sync)
+
+
+def _zero2_sync(buffers: list, device: str, published: int) -> _GradSync:
+    """ZeRO-2's full-size buckets: during each backward, those filling and reducing (at most
+    ``MAX_IN_FLIGHT + 1`` of a buffer's largest); at its end, those still reducing, each with gloo's
+    copy on CPU."""
+    in_flight = sum(min(MAX_IN_FLIGHT + 1, len(b.buckets)) * b.bucket_grad_bytes() for b in buffers)
+    copies = 2 if device == "cpu" else 1
+    at_end = sum(min(MAX_IN_FLIGHT, len(b.buckets)) * b.bucket_grad_bytes() * copies for b in buffers
+                 if b.data_parallel_size > 1)
+    return _GradSync(published, at_end, in_flight)
 
 
 def parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -403,7 +421,7 @@ def _activation_terms(resolved: ResolvedPlan, traced: list[StageActivations], io
         at_sync += io[last].output  # torch's single-stage loop keeps the last forward's logits until it returns
     buffers = sum(m * (io[s].received + (io[s].output if s < last else 0)) for s in stages)
     temporary = max(traced[s].peak_bytes - traced[s].saved_bytes - io[s].loss_saved - io[s].output
-                    for s in stages) + tied_grads
+                    + syncs[s].in_flight for s in stages) + tied_grads
     return [MemoryTerm("activations", saved, "pipeline", persistent=False),
             MemoryTerm("receive buffers", buffers, "pipeline"),
             MemoryTerm("temporaries", temporary, "pipeline", persistent=False),

@@ -155,7 +155,7 @@ class Pricer:
         for coordinate in _representatives(sizes):
             terms, syncs = [MemoryTerm("data", self.data, "job")], {}
             for stage in resolved.stages_of(coordinate["PP"]):
-                state, syncs[stage] = self._model_state(stages, stage, sizes, coordinate)
+                state, syncs[stage] = self._model_state(stages, stage, sizes, coordinate, args.zero_stage)
                 terms += state
             shapes = self._local_shapes(sizes, coordinate)
             tied_grads = sum(shapes[n][0].numel() * parameters(self.model)[n].element_size()
@@ -173,15 +173,16 @@ class Pricer:
             self._tied_names[key] = _tied_across_ranks(self.model, [s.names for s in stages], resolved)
         return self._tied_names[key]
 
-    def _model_state(self, stages: list[_Stage], stage: int, sizes: dict[str, int], coordinate: dict[str, int]):
+    def _model_state(self, stages: list[_Stage], stage: int, sizes: dict[str, int], coordinate: dict[str, int],
+                     zero_stage: int):
         # stages holding the same parts hold parameters of the same shapes, in the same order, whatever
         # the PP size
         key = (_counts(stages[stage]), sizes["DP"], sizes["EP"], sizes["TP"], coordinate["DP"], coordinate["EP"],
-               coordinate["TP"])
+               coordinate["TP"], zero_stage)
         if key not in self._state:
             self._state[key] = _model_state_terms(self.model, stages[stage].names, self._local_shapes(sizes, coordinate),
                                                   sizes, coordinate, self.bucket_size, self.optimizer_kwargs,
-                                                  self.args.device)
+                                                  self.args.device, zero_stage)
         return self._state[key]
 
     def _local_shapes(self, sizes: dict[str, int], coordinate: dict[str, int]) -> dict:
@@ -215,7 +216,8 @@ class Pricer:
         links = [self.machine.collective_seconds("send", x.output, 2, within_host=neighbours_share_a_host)
                  for x in io[:-1]]
         sync, optimizer = sync_and_optimizer(resolved, sizes, self.machine,
-                                             lambda stage: self._stage_buffers(stages, stage, sizes), self.optimizer)
+                                             lambda stage: self._stage_buffers(stages, stage, sizes), self.optimizer,
+                                             args.zero_stage)
         tp_comm = max(sum(n * p.tp_comm for n, p in zip(_counts(s), parts)) for s in stages)
         return step_terms(resolved, sizes, self.machine, forward, backward, links, sync, optimizer, tp_comm).seconds
 
@@ -408,7 +410,7 @@ class Pricer:
 
 def _layout_key(args: argparse.Namespace) -> tuple:
     """What tells one layout of a job from another (``auto_mesh.layout_flags``' flags)."""
-    return args.mesh, args.schedule, args.virtual_chunks, args.micro_batches, args.activation_checkpointing
+    return args.mesh, args.schedule, args.virtual_chunks, args.micro_batches, args.activation_checkpointing, args.zero_stage
 
 
 def _balanced(jobs: list[tuple[Any, float]], workers: int) -> list[list[Any]]:

@@ -106,7 +106,7 @@ def estimate_step_seconds(args: argparse.Namespace, machine: Machine, build_mode
     shapes = first_shapes(model, plan_dict, sizes)
     sync, optimizer = sync_and_optimizer(
         resolved, sizes, machine, lambda stage: stage_buffers(model, traced[stage].param_names, shapes, sizes, bucket_size),
-        optimizer_seconds(machine, optimizer_kwargs, args.clip))
+        optimizer_seconds(machine, optimizer_kwargs, args.clip), args.zero_stage)
     tp_comm = max(machine.communication_seconds(w.forward + w.backward, groups, local) for w in traced)
     return step_terms(resolved, sizes, machine, forward, backward, links, sync, optimizer, tp_comm)
 
@@ -182,12 +182,15 @@ def host_seconds(resolved, machine: Machine) -> list[float]:
 
 
 def sync_and_optimizer(resolved, sizes: dict[str, int], machine: Machine, buffers_of: Callable[[int], tuple[list, int]],
-                       optimizer: Callable[[int, int, torch.dtype], float]) -> tuple[float, float]:
+                       optimizer: Callable[[int, int, torch.dtype], float], zero_stage: int = 1) -> tuple[float, float]:
     """The slowest PP rank's grad sync (every bucket reduce-scattered and its parameters all-gathered
     over its group: DP, or DP x EP for the dense parameters of a MoE model over EP; TP's partial grads
     all-reduced) and optimizer step (its owned runs of every bucket, one
     step: ``optimizer(runs, elements, param_dtype)``, :func:`optimizer_seconds`). ``buffers_of(stage)``:
-    DDP's buffers of the stage's chunk and its TP-replicated grad bytes (:func:`stage_buffers`)."""
+    DDP's buffers of the stage's chunk and its TP-replicated grad bytes (:func:`stage_buffers`). With
+    ``zero_stage=2`` every micro-batch's backward reduce-scatters its buckets (no full-size buffer
+    keeps a local sum): ``m`` reduce-scatters a step."""
+    reductions = resolved.num_microbatches if zero_stage >= 2 else 1
     tp = sizes["TP"]
     inside = machine.within_host(sizes)  # DP within a host: DP x EP too (EP lies inside DP)
     sync = slowest = 0.0
@@ -200,8 +203,8 @@ def sync_and_optimizer(resolved, sizes: dict[str, int], machine: Machine, buffer
                 dp = buffer.data_parallel_size
                 for b in buffer.buckets:
                     numel = b.end - b.start
-                    rank_sync += machine.collective_seconds("reduce_scatter", numel * buffer.grad_dtype.itemsize, dp,
-                                                            within_host="DP" in inside)
+                    rank_sync += reductions * machine.collective_seconds(
+                        "reduce_scatter", numel * buffer.grad_dtype.itemsize, dp, within_host="DP" in inside)
                     rank_sync += machine.collective_seconds("all_gather", numel * buffer.param_dtype.itemsize, dp,
                                                             within_host="DP" in inside)
                     mine = owned_runs(numel, [(offset, n) for _, offset, n in b.entries], dp, 0)

@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(AutoModelForCausalLM.from_pretrained(DIR) loads it)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each layer's activations in backward instead of keeping them")
+    p.add_argument("--zero-stage", type=int, default=1, choices=(1, 2),
+                   help="what the data ranks split: 1, the optimizer's state and masters (ZeRO-1); 2, the grads too "
+                        "(ZeRO-2: each backward reduce-scatters its grads, so a step with m micro-batches makes m)")
     p.add_argument("--n-layer", type=int, default=4, help="nanogpt's layers")
     p.add_argument("--n-embd", type=int, default=128, help="nanogpt's width")
     p.add_argument("--n-head", type=int, default=4, help="nanogpt's heads")
@@ -330,7 +333,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, args: argparse.Namespace) 
         init_weights(list(module.chunks), ties, args)
     for i in range(len(module)):
         # with EP: the mesh whole, so DDP reduces dense grads over DP x EP and the experts' over DP
-        module[i] = DDP(module[i], mesh if expert_parallel else mesh["DP"], use_distributed_optimizer=True)
+        module[i] = DDP(module[i], mesh if expert_parallel else mesh["DP"], zero_stage=args.zero_stage)
     engine = PipeEngine(module, mesh, loss_fn, plan)  # before the optimizer: it marks the tied copy
     return list(module.chunks), engine
 

@@ -4,11 +4,11 @@ before anything exists:
 * model state, exactly: per rank the bytes of DDP's parameter and grad buffers and
   ``DistributedOptimizer``'s state and masters the estimate predicts are those the job allocates
   (PP x DP x TP with sequence parallel, PP x DP in bf16 with fp32 masters, HF Llama on the auto plan,
-  MoE over PP x DP x EP);
+  MoE over PP x DP x EP, ZeRO-2);
 * the peak: each rank's peak of live tensor bytes over the training steps (``--memory-check``,
-  torch's tracker) against the estimate's, within ±5% (``PEAK_BOUND``) on every rank of 29 layouts
-  over 1 to 8 ranks (``PEAK_CASES``: PP x DP x EP x TP, ZeRO-1, every kind of schedule, activation
-  checkpointing, fp32 and bf16, the GPT, its MoE and HF Llama);
+  torch's tracker) against the estimate's, within ±5% (``PEAK_BOUND``) on every rank of 34 layouts
+  over 1 to 8 ranks (``PEAK_CASES``: PP x DP x EP x TP, ZeRO-1 and ZeRO-2, every kind of schedule,
+  activation checkpointing, fp32 and bf16, the GPT, its MoE and HF Llama);
 * ``--estimate`` itself: a row per rank, and a clear error for a spec it cannot resolve.
 """
 
@@ -28,7 +28,8 @@ SMALL = ["--n-layer", "4", "--n-embd", "64", "--n-head", "4", "--block-size", "3
 #: The estimated peak over the measured peak of live tensor bytes stays within 1 ± this on every rank
 #: of every layout in ``PEAK_CASES`` (measured here: 0.980 to 1.017; the part beyond the dataset every
 #: rank holds, 2.4 MiB of the 3.6 to 7 MiB, alone: 0.956 to 1.036; MoE over EP, where the estimate
-#: routes evenly and a rank's experts get what its router sends them: 0.981 to 1.014)
+#: routes evenly and a rank's experts get what its router sends them: 0.981 to 1.014; ZeRO-2, whose
+#: full-size buckets in flight are all counted at the backward's peak, an upper bound: 1.000 to 1.045)
 PEAK_BOUND = 0.05
 
 
@@ -57,6 +58,7 @@ STATE_CASES = [
     ["--mesh", "pp=2,dp=4", "--dtype", "bf16", "--schedule", "interleaved_1f1b", "--virtual-chunks", "2"],
     ["--mesh", "dp=4,tp=2", "--model", "hf:llama", "--plan", "auto"],
     ["--mesh", "pp=2,dp=2,ep=2", "--moe-experts", "4"],
+    ["--mesh", "pp=2,dp=2,tp=2", "--zero-stage", "2"],
 ]
 
 
@@ -94,7 +96,8 @@ PEAK_CASES = {
         ["--mesh", "tp=2", "--model", "hf:llama", "--plan", "auto"],
         ["--mesh", "pp=2", "--model", "hf:llama"],
         ["--mesh", "dp=2", "--model", "hf:llama", "--activation-checkpointing"],
-        ["--mesh", "ep=2", "--moe-experts", "4", "--moe-top-k", "1", "--dtype", "bf16"]],
+        ["--mesh", "ep=2", "--moe-experts", "4", "--moe-top-k", "1", "--dtype", "bf16"],
+        ["--mesh", "dp=2", "--zero-stage", "2", "--model", "hf:llama", "--dtype", "bf16"]],
     4: [["--mesh", "dp=4"],
         ["--mesh", "pp=4", "--micro-batches", "4"],
         ["--mesh", "pp=2,dp=2", "--schedule", "interleaved_1f1b", "--virtual-chunks", "2", "--dtype", "bf16"],
@@ -104,7 +107,12 @@ PEAK_CASES = {
         ["--mesh", "pp=2,tp=2", "--model", "hf:llama", "--plan", "auto", "--dtype", "bf16"],
         ["--mesh", "dp=2,ep=2", "--moe-experts", "4"],
         ["--mesh", "ep=4", "--moe-experts", "8", "--activation-checkpointing"],
-        ["--mesh", "pp=2,ep=2", "--moe-experts", "4", "--schedule", "interleaved_1f1b", "--virtual-chunks", "2"]],
+        ["--mesh", "pp=2,ep=2", "--moe-experts", "4", "--schedule", "interleaved_1f1b", "--virtual-chunks", "2"],
+        ["--mesh", "dp=4", "--zero-stage", "2", "--micro-batches", "1"],
+        ["--mesh", "pp=2,dp=2", "--zero-stage", "2", "--schedule", "interleaved_1f1b", "--virtual-chunks", "2",
+         "--dtype", "bf16"],
+        ["--mesh", "dp=2,tp=2", "--zero-stage", "2", "--activation-checkpointing"],
+        ["--mesh", "dp=2,ep=2", "--zero-stage", "2", "--moe-experts", "4"]],
     8: [["--mesh", "pp=2,dp=2,tp=2"],
         ["--mesh", "pp=2,dp=2,tp=2", "--model", "hf:llama", "--dtype", "bf16", "--schedule", "gpipe"],
         ["--mesh", "pp=4,dp=2", "--schedule", "interleaved_1f1b", "--virtual-chunks", "2", "--micro-batches", "4",

@@ -62,6 +62,7 @@ def _check_params(result, reference, what):
 @pytest.mark.parity
 @pytest.mark.parametrize("what, flags", [
     ("PP=2 x DP=2", ["--mesh", "pp=2,dp=2", "--steps", "3", "--schedule", "gpipe"]),
+    ("PP=2 x DP=2, ZeRO-2", ["--mesh", "pp=2,dp=2", "--steps", "2", "--zero-stage", "2"]),
     # --plan auto: the TP+SP plan derived from the GPT itself, before the pipeline cut
     ("auto plan, PP=2 x TP=2", ["--mesh", "pp=2,tp=2", "--plan", "auto", "--steps", "2"]),
 ])

@@ -58,6 +58,7 @@ CASES = [
     ["--mesh", "pp=2,dp=2,tp=2", "--model", "hf:llama", "--dtype", "bf16", "--schedule", "gpipe"],
     ["--mesh", "dp=2,ep=2", "--moe-experts", "4"],
     ["--mesh", "pp=2,ep=4", "--moe-experts", "8", "--activation-checkpointing"],
+    ["--mesh", "pp=2,dp=2", "--zero-stage", "2", "--micro-batches", "4"],
 ]
 
 

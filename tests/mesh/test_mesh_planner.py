@@ -57,6 +57,22 @@ def test_the_fastest_layout_that_fits_is_chosen_and_the_others_are_said_cut():
     assert none.best is None and not none.ranked
 
 
+def test_zero2_is_tried_where_zero1_does_not_fit():
+    # a toy cost: ZeRO-2 halves the memory over the data ranks and costs more time (a reduction per micro-batch)
+    def estimate(layout: Layout) -> tuple[int, float]:
+        memory, seconds = _estimate(layout)
+        return (memory // 2, seconds * 1.1) if layout.zero_stage == 2 else (memory, seconds)
+
+    roomy = plan_layout(8, 10**9, 16, SHAPE, estimate=estimate)
+    assert all(c.layout.zero_stage == 1 for c in roomy.ranked)  # it saves memory, never time
+    tight = plan_layout(8, 300, 16, SHAPE, estimate=estimate)
+    zero2 = [c for c in tight.ranked if c.layout.zero_stage == 2]
+    assert zero2 and all(c.layout.dp * c.layout.ep > 1 and _estimate(c.layout)[0] > 300 for c in zero2)
+    assert "zero2" in zero2[0].layout.describe()
+    assert all(layout.zero_stage == 2 or layout.dp * layout.ep == 1 for layout, why in tight.cut
+               if why.startswith("does not fit"))
+
+
 def test_a_70b_search_over_512_ranks_takes_seconds():
     shape = ModelShape(num_layers=80, num_heads=64, num_kv_heads=8)
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Which layout to launch: every valid way to lay a model over ``world_size`` ranks (PP x DP x EP x
-TP, the pipeline schedule and its virtual chunks, micro-batches, recompute), cut by a memory
-estimate, ranked by a step-time estimate, with a table of the best and why the others were cut.
+TP, the pipeline schedule and its virtual chunks, micro-batches, recompute, the ZeRO stage), cut by a
+memory estimate, ranked by a step-time estimate, with a table of the best and why the others were cut.
 
 The search knows only the model's shape (layers, heads, experts) and the batch; what a layout costs
 comes from the caller, who adds up the packages' own layout models (a job does; see
@@ -32,7 +32,7 @@ class Layout:
     pp: int
     """Pipeline stages' ranks (the PP dim's size)."""
     dp: int
-    """Data-parallel ranks (ZeRO-1: the optimizer's state is sharded over them)."""
+    """Data-parallel ranks (the optimizer's state is sharded over them; with ZeRO-2 the grads too)."""
     tp: int
     """Tensor (+sequence) parallel ranks."""
     ep: int = 1
@@ -45,6 +45,8 @@ class Layout:
     """Micro-batches per data rank's batch."""
     recompute: bool = False
     """Activation checkpointing per layer."""
+    zero_stage: int = 1
+    """What the data ranks split: 1, the optimizer's state (ZeRO-1); 2, the grads too (ZeRO-2)."""
 
     @property
     def world_size(self) -> int:
@@ -58,8 +60,8 @@ class Layout:
     def describe(self) -> str:
         """The spec and the rest, in one line."""
         chunks = f" v={self.virtual_chunks}" if self.virtual_chunks > 1 else ""
-        return (f"{self.spec():<22} {self.schedule + chunks:<20} m={self.micro_batches:<3}"
-                f" {'recompute' if self.recompute else '':<9}")
+        extras = " ".join(["recompute"] * self.recompute + [f"zero{self.zero_stage}"] * (self.zero_stage != 1))
+        return f"{self.spec():<22} {self.schedule + chunks:<20} m={self.micro_batches:<3} {extras:<15}"
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class Planned:
 
     def table(self, top: int = 8) -> str:
         """The ``top`` fastest layouts that fit, then how many were cut for each reason (an example each)."""
-        lines = [f"{'layout':<22} {'schedule':<20} {'m':<5} {'':<9} {'peak GiB':>9} {'step s':>9}"]
+        lines = [f"{'layout':<22} {'schedule':<20} {'m':<5} {'':<15} {'peak GiB':>9} {'step s':>9}"]
         for c in self.ranked[:top]:
             mark = "  <- chosen" if c.layout == self.best else ""
             lines.append(f"{c.layout.describe()} {c.peak_bytes / 2**30:>9.3f} {c.step_seconds:>9.4f}{mark}")
@@ -163,6 +165,8 @@ def plan_layout(world_size: int, memory_per_device: int, global_batch: int, shap
     ``estimate(layout) -> (peak bytes of the busiest rank, step seconds)``; ``prepare(layouts)``, if
     given, sees every valid layout once before any is estimated (an estimator that can do shared
     work ahead, or in parallel, does it there); ``search``: the keywords of :func:`enumerate_layouts`.
+    A layout is estimated with ZeRO-1, and where that does not fit and it has more than one data
+    rank, again with ZeRO-2 (which saves memory, never time: each micro-batch reduces its grads).
     Ties go to the smaller pipeline, then the smaller TP (fewer collectives per layer), then fewer
     micro-batches."""
     layouts, cut = enumerate_layouts(world_size, shape, global_batch, **search)
@@ -171,11 +175,14 @@ def plan_layout(world_size: int, memory_per_device: int, global_batch: int, shap
     ranked = []
     for layout in layouts:
         peak, seconds = estimate(layout)
+        if peak > memory_per_device and layout.dp * layout.ep > 1:
+            layout, (peak, seconds) = replace(layout, zero_stage=2), estimate(replace(layout, zero_stage=2))
         if peak > memory_per_device:
             cut.append((layout, f"does not fit: peak {peak / 2**30:.3f} GiB > {memory_per_device / 2**30:.3f} GiB"))
         else:
             ranked.append(Candidate(layout, peak, seconds))
-    ranked.sort(key=lambda c: (c.step_seconds, c.layout.pp, c.layout.tp, c.layout.micro_batches, c.layout.recompute))
+    ranked.sort(key=lambda c: (c.step_seconds, c.layout.pp, c.layout.tp, c.layout.micro_batches, c.layout.recompute,
+                               c.layout.zero_stage))
     return Planned(ranked[0].layout if ranked else None, ranked, cut, memory_per_device)
 
 
