@@ -159,6 +159,26 @@ def _model_state_terms(model: nn.Module, names: list[str], shapes: dict[str, lis
                        device: str, zero_stage: int = 1) -> tuple[list[MemoryTerm], _GradSync]:
     """One stage chunk's parameters and grads (DDP's buffers: with ``zero_stage=2`` this rank's range of
     each bucket), optimizer state and masters (sharded over the data ranks), and what its grad sync adds."""
+    return _state_terms(_chunk_state(model, names, shapes, sizes, coordinate, bucket_size, optimizer_kwargs),
+                        device, zero_stage)
+
+
+@dataclass(frozen=True)
+class _ChunkState:
+    """A stage chunk's buffers and optimizer state on one rank, whatever the ZeRO stage."""
+
+    buffers: list
+    """DDP's buffers (``plan_buffers``)."""
+    state: int
+    """The optimizer's state on this rank, in bytes."""
+    masters: int
+    """Its master weights, in bytes."""
+    published: int
+    """ZeRO-1's ``.grad`` copies in the parameters' dtype (see :class:`_GradSync`)."""
+
+
+def _chunk_state(model: nn.Module, names: list[str], shapes: dict[str, list[torch.Size]], sizes: dict[str, int],
+                 coordinate: dict[str, int], bucket_size: int, optimizer_kwargs: dict) -> _ChunkState:
     dp, ep = sizes["DP"], sizes["EP"]
     params, published, seen = [], 0, set()
     for n in names:
@@ -167,7 +187,7 @@ def _model_state_terms(model: nn.Module, names: list[str], shapes: dict[str, lis
         expert = ep > 1 and local != p.shape  # sharded over EP: reduced over DP only; dense over DP x EP
         group, size = ("DP", dp) if expert or ep == 1 else ("DPxEP", dp * ep)
         params.append((n, p.dtype, local.numel(), max(s.numel() for s in shapes[n]), group, size))
-        if _grad_dtype(p.dtype) != p.dtype and id(p) not in seen and zero_stage < 2:  # ZeRO-2 sets no .grad
+        if _grad_dtype(p.dtype) != p.dtype and id(p) not in seen:
             published += local.numel() * p.element_size()
         seen.add(id(p))
     buffers = plan_buffers(params, bucket_size=bucket_size, grad_dtype_of=_grad_dtype)
@@ -180,23 +200,30 @@ def _model_state_terms(model: nn.Module, names: list[str], shapes: dict[str, lis
                                    param_dtype=buffer.param_dtype, optimizer=torch.optim.AdamW,
                                    optimizer_kwargs=optimizer_kwargs)
         state, masters = state + opt.state, masters + opt.masters
-    sync = _zero2_sync(buffers, device, published) if zero_stage >= 2 else _GradSync(
-        published, sum(b.grad_bytes() for b in buffers if b.data_parallel_size > 1) if device == "cpu" else 0)
+    return _ChunkState(buffers, state, masters, published)
+
+
+def _state_terms(chunk: _ChunkState, device: str, zero_stage: int) -> tuple[list[MemoryTerm], _GradSync]:
+    """:func:`_model_state_terms` from the chunk's :class:`_ChunkState` (a planner prices a layout at
+    ZeRO-1 and ZeRO-2 from one)."""
+    buffers = chunk.buffers
+    sync = _zero2_sync(buffers, device) if zero_stage >= 2 else _GradSync(
+        chunk.published, sum(b.grad_bytes() for b in buffers if b.data_parallel_size > 1) if device == "cpu" else 0)
     return ([MemoryTerm("parameters", sum(b.param_bytes() for b in buffers), "ddp"),
              MemoryTerm("gradients", sum(b.grad_bytes(zero_stage) for b in buffers), "ddp"),
-             MemoryTerm("optimizer state", state, "optim"),
-             MemoryTerm("master weights", masters, "optim")], sync)
+             MemoryTerm("optimizer state", chunk.state, "optim"),
+             MemoryTerm("master weights", chunk.masters, "optim")], sync)
 
 
-def _zero2_sync(buffers: list, device: str, published: int) -> _GradSync:
-    """ZeRO-2's full-size buckets: during each backward, those filling and reducing (at most
-    ``MAX_IN_FLIGHT + 1`` of a buffer's largest); at its end, those still reducing, each with gloo's
-    copy on CPU."""
+def _zero2_sync(buffers: list, device: str) -> _GradSync:
+    """ZeRO-2's full-size buckets (it sets no ``.grad``): during each backward, those filling and
+    reducing (at most ``MAX_IN_FLIGHT + 1`` of a buffer's largest); at its end, those still reducing,
+    each with gloo's copy on CPU."""
     in_flight = sum(min(MAX_IN_FLIGHT + 1, len(b.buckets)) * b.bucket_grad_bytes() for b in buffers)
     copies = 2 if device == "cpu" else 1
     at_end = sum(min(MAX_IN_FLIGHT, len(b.buckets)) * b.bucket_grad_bytes() * copies for b in buffers
                  if b.data_parallel_size > 1)
-    return _GradSync(published, at_end, in_flight)
+    return _GradSync(0, at_end, in_flight)
 
 
 def parameters(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -13,7 +13,7 @@ part saves, its peak, what it receives and sends (``estimate._trace``) and the w
 and backward (under ``step_time``'s work counter). A stage of a layout is then the sum of its parts: its saved bytes and
 work add up, its temporaries are its largest part's. Which blocks a stage holds is the pipeline's
 own split (``ndweave.pipeline.split.assign_stages``, the balance by parameters the traced cut keeps),
-and from there every term is the full estimate's own function (``estimate._model_state_terms``,
+and from there every term is the full estimate's own function (``estimate._chunk_state``, ``_state_terms``,
 ``estimate._activation_terms``, ``step_time.step_terms``): only the traces are shared. The ranks
 priced are one per PP rank at each end of the DP, EP and TP dims (a ZeRO range's padding and an
 uneven vocabulary's rows fall on the last ones); the other ranks repeat one of those.
@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from estimate import (DIMS, _activation_terms, _data_bytes, _local_shapes, _model_state_terms, _peer_shapes,
-                      _StageIO, _tied_across_ranks, _trace, parameters, sharding_mesh)
+from estimate import (DIMS, _activation_terms, _chunk_state, _data_bytes, _local_shapes, _peer_shapes, _StageIO,
+                      _state_terms, _tied_across_ranks, _trace, parameters, sharding_mesh)
 from ndweave.mesh import resolve_spec, torch_compat
 from ndweave.mesh.calibrate import Machine, Work, WorkCounter
 from ndweave.mesh.contracts import MemoryTerm, RankMemory
@@ -178,12 +178,11 @@ class Pricer:
         # stages holding the same parts hold parameters of the same shapes, in the same order, whatever
         # the PP size
         key = (_counts(stages[stage]), sizes["DP"], sizes["EP"], sizes["TP"], coordinate["DP"], coordinate["EP"],
-               coordinate["TP"], zero_stage)
-        if key not in self._state:
-            self._state[key] = _model_state_terms(self.model, stages[stage].names, self._local_shapes(sizes, coordinate),
-                                                  sizes, coordinate, self.bucket_size, self.optimizer_kwargs,
-                                                  self.args.device, zero_stage)
-        return self._state[key]
+               coordinate["TP"])
+        if key not in self._state:  # the same at either ZeRO stage
+            self._state[key] = _chunk_state(self.model, stages[stage].names, self._local_shapes(sizes, coordinate),
+                                            sizes, coordinate, self.bucket_size, self.optimizer_kwargs)
+        return _state_terms(self._state[key], self.args.device, zero_stage)
 
     def _local_shapes(self, sizes: dict[str, int], coordinate: dict[str, int]) -> dict:
         key = (sizes["EP"], sizes["TP"], coordinate["EP"], coordinate["TP"])

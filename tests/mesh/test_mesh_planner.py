@@ -4,6 +4,7 @@ is quick."""
 
 import math
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -65,7 +66,11 @@ def test_zero2_is_tried_where_zero1_does_not_fit():
 
     roomy = plan_layout(8, 10**9, 16, SHAPE, estimate=estimate)
     assert all(c.layout.zero_stage == 1 for c in roomy.ranked)  # it saves memory, never time
-    tight = plan_layout(8, 300, 16, SHAPE, estimate=estimate)
+    prepared: list[list[Layout]] = []
+    tight = plan_layout(8, 300, 16, SHAPE, estimate=estimate, prepare=prepared.append)
+    # the estimator sees the ZeRO-2 layouts before they are estimated, as it saw the others
+    assert [{layout.zero_stage for layout in batch} for batch in prepared] == [{1}, {2}]
+    assert all(_estimate(replace(layout, zero_stage=1))[0] > 300 for layout in prepared[1])
     zero2 = [c for c in tight.ranked if c.layout.zero_stage == 2]
     assert zero2 and all(c.layout.dp * c.layout.ep > 1 and _estimate(c.layout)[0] > 300 for c in zero2)
     assert "zero2" in zero2[0].layout.describe()

@@ -172,11 +172,17 @@ def plan_layout(world_size: int, memory_per_device: int, global_batch: int, shap
     layouts, cut = enumerate_layouts(world_size, shape, global_batch, **search)
     if prepare is not None:
         prepare(layouts)
+    estimates = [(layout, *estimate(layout)) for layout in layouts]
+    zero2 = [replace(layout, zero_stage=2) for layout, peak, _ in estimates
+             if peak > memory_per_device and layout.dp * layout.ep > 1]
+    if prepare is not None and zero2:
+        prepare(zero2)
+    zero2_estimates = {layout: estimate(layout) for layout in zero2}
     ranked = []
-    for layout in layouts:
-        peak, seconds = estimate(layout)
-        if peak > memory_per_device and layout.dp * layout.ep > 1:
-            layout, (peak, seconds) = replace(layout, zero_stage=2), estimate(replace(layout, zero_stage=2))
+    for layout, peak, seconds in estimates:
+        if replace(layout, zero_stage=2) in zero2_estimates:
+            layout = replace(layout, zero_stage=2)
+            peak, seconds = zero2_estimates[layout]
         if peak > memory_per_device:
             cut.append((layout, f"does not fit: peak {peak / 2**30:.3f} GiB > {memory_per_device / 2**30:.3f} GiB"))
         else:
