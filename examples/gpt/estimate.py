@@ -143,8 +143,9 @@ class _GradSync:
     """The ``.grad`` DDP hands out in the parameters' dtype where its buffer's is wider (bf16 params,
     fp32 grads): a copy, held until the next ``zero_grad``."""
     reduce_copy: int
-    """What reducing its buckets copies: gloo (``--device cpu``) reduces a copy of each bucket over the
-    data-parallel group, held until the sync is waited for (at the end of the chunk's backward)."""
+    """What reducing its buckets copies: nothing. gloo (``--device cpu``) all-reduces ZeRO-1's buckets in
+    place (``ndweave.ddp.sync.reduces_by_all_reduce``; its reduce-scatter copied each bucket), NCCL
+    reduce-scatters them in place."""
 
 
 def _model_state_terms(model: nn.Module, names: list[str], shapes: dict[str, list[torch.Size]], sizes: dict[str, int],
@@ -173,7 +174,7 @@ def _model_state_terms(model: nn.Module, names: list[str], shapes: dict[str, lis
                                    param_dtype=buffer.param_dtype, optimizer=torch.optim.AdamW,
                                    optimizer_kwargs=optimizer_kwargs)
         state, masters = state + opt.state, masters + opt.masters
-    reduce_copy = sum(b.grad_bytes() for b in buffers if b.data_parallel_size > 1) if device == "cpu" else 0
+    reduce_copy = 0
     return ([MemoryTerm("parameters", sum(b.param_bytes() for b in buffers), "ddp"),
              MemoryTerm("gradients", sum(b.grad_bytes() for b in buffers), "ddp"),
              MemoryTerm("optimizer state", state, "optim"),
