@@ -25,8 +25,9 @@ ratio to unsharded / DP (ndweave's target: 1.00 within 2%).
 Then, in fresh processes per ZeRO stage (``--memory-bucket-mb`` buckets), the busiest rank's peak bytes of live tensors over two steps
 (``ndweave.mesh.testing.memory.TensorMemory``; model, buffers and state included) against the theory
 for an fp32 model with Adam (masters are the model's own ``param_data``): params 4Ψ + grads (4Ψ at
-ZeRO-1, 4Ψ/N at ZeRO-2) + Adam 8Ψ/N, + at ZeRO-2 the full-size buckets in flight, + on gloo the
-copies its reduce-scatters hold (all of ZeRO-1's buckets until backward ends; ZeRO-2's in flight).
+ZeRO-1, 4Ψ/N at ZeRO-2) + Adam 8Ψ/N, + at ZeRO-2 the full-size buckets in flight, + the largest
+param's grad as autograd hands it to DDP's hook. (Nothing for gloo: DDP all-reduces the buckets in
+place there, where gloo's reduce-scatter held a copy of each.)
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ def _memory_worker(rank: int, world: int, port: int, zero_stage: int, args, queu
     theory = {"params": params, "grads": params // world if zero_stage == 2 else params,
               "state": opt.optimizer_state_bytes() + opt.master_param_bytes(),
               "buckets": min(in_flight + 1, len(buckets)) * bucket if zero_stage == 2 else 0,
-              "gloo copies": (in_flight * bucket if zero_stage == 2 else params) if args.device == "cpu" else 0}
+              # autograd's grad of a param lives until DDP's hook has copied it into the bucket
+              "one grad": max(p.numel() for p in ddp.parameters()) * 4}
     peak = torch.tensor([memory.peak_bytes(device.type)], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:

@@ -20,7 +20,7 @@ import each other; they meet in ``ndweave.mesh.contracts``' ``MemoryTerm``):
   and the buffers it receives into (``receive buffers``); a split backward's grads between its
   input and weight steps; a tied weight's grads summed across PP ranks; and at the end of each
   chunk's backward its grad sync (``grad sync``): DDP's ``.grad`` copies in the parameters' dtype,
-  gloo's copy of each bucket it reduces.
+  and with ZeRO-2 the full-size buckets still reducing.
 
 The attention is traced with the kernel the job's device runs (meta alone takes the math path, which
 saves the T x T weights). A rank's peak is its model state and receive buffers plus the larger of two
@@ -100,7 +100,7 @@ def estimate_memory(args: argparse.Namespace, build_model: Callable[..., nn.Modu
         stages = resolved.stages_of(coordinate["PP"])
         for stage in stages:
             state, syncs[stage] = _model_state_terms(model, names[stage], shapes, sizes, coordinate, bucket_size,
-                                                     optimizer_kwargs, args.device, args.zero_stage)
+                                                     optimizer_kwargs, args.zero_stage)
             terms += state
         tied_grads = sum(_local_bytes(model, n, shapes) for s in stages for n in tied[s])
         terms += _activation_terms(resolved, traced, io, coordinate, tied_grads, syncs)
@@ -146,9 +146,10 @@ class _GradSync:
     """The ``.grad`` DDP hands out in the parameters' dtype where its buffer's is wider (bf16 params,
     fp32 grads): a copy, held until the next ``zero_grad``."""
     reduce_copy: int
-    """What reducing its buckets holds at the end of the chunk's backward beyond its grad buffers: gloo
-    (``--device cpu``) reduces a copy of each bucket over the data-parallel group, held until the sync
-    is waited for; with ZeRO-2 the full-size buckets still reducing (and gloo's copies of them)."""
+    """What reducing its buckets holds at the end of the chunk's backward beyond its grad buffers: with
+    ZeRO-1 nothing (gloo, ``--device cpu``, all-reduces the buckets in place:
+    ``ndweave.ddp.sync.reduces_by_all_reduce``; NCCL reduce-scatters them in place); with ZeRO-2 the
+    full-size buckets still reducing."""
     in_flight: int = 0
     """ZeRO-2: the full-size buckets each backward fills and reduces (``ndweave.ddp.grad_shard``: at
     most ``MAX_IN_FLIGHT`` reducing and one filling), on top of that backward's temporaries."""
@@ -156,11 +157,11 @@ class _GradSync:
 
 def _model_state_terms(model: nn.Module, names: list[str], shapes: dict[str, list[torch.Size]], sizes: dict[str, int],
                        coordinate: dict[str, int], bucket_size: int, optimizer_kwargs: dict,
-                       device: str, zero_stage: int = 1) -> tuple[list[MemoryTerm], _GradSync]:
+                       zero_stage: int = 1) -> tuple[list[MemoryTerm], _GradSync]:
     """One stage chunk's parameters and grads (DDP's buffers: with ``zero_stage=2`` this rank's range of
     each bucket), optimizer state and masters (sharded over the data ranks), and what its grad sync adds."""
     return _state_terms(_chunk_state(model, names, shapes, sizes, coordinate, bucket_size, optimizer_kwargs),
-                        device, zero_stage)
+                        zero_stage)
 
 
 @dataclass(frozen=True)
@@ -203,25 +204,23 @@ def _chunk_state(model: nn.Module, names: list[str], shapes: dict[str, list[torc
     return _ChunkState(buffers, state, masters, published)
 
 
-def _state_terms(chunk: _ChunkState, device: str, zero_stage: int) -> tuple[list[MemoryTerm], _GradSync]:
+def _state_terms(chunk: _ChunkState, zero_stage: int) -> tuple[list[MemoryTerm], _GradSync]:
     """:func:`_model_state_terms` from the chunk's :class:`_ChunkState` (a planner prices a layout at
     ZeRO-1 and ZeRO-2 from one)."""
     buffers = chunk.buffers
-    sync = _zero2_sync(buffers, device) if zero_stage >= 2 else _GradSync(
-        chunk.published, sum(b.grad_bytes() for b in buffers if b.data_parallel_size > 1) if device == "cpu" else 0)
+    sync = _zero2_sync(buffers) if zero_stage >= 2 else _GradSync(chunk.published, 0)
     return ([MemoryTerm("parameters", sum(b.param_bytes() for b in buffers), "ddp"),
              MemoryTerm("gradients", sum(b.grad_bytes(zero_stage) for b in buffers), "ddp"),
              MemoryTerm("optimizer state", chunk.state, "optim"),
              MemoryTerm("master weights", chunk.masters, "optim")], sync)
 
 
-def _zero2_sync(buffers: list, device: str) -> _GradSync:
+def _zero2_sync(buffers: list) -> _GradSync:
     """ZeRO-2's full-size buckets (it sets no ``.grad``): during each backward, those filling and
-    reducing (at most ``MAX_IN_FLIGHT + 1`` of a buffer's largest); at its end, those still reducing,
-    each with gloo's copy on CPU."""
+    reducing (at most ``MAX_IN_FLIGHT + 1`` of a buffer's largest); at its end, those still reducing
+    (in place, on gloo and NCCL alike)."""
     in_flight = sum(min(MAX_IN_FLIGHT + 1, len(b.buckets)) * b.bucket_grad_bytes() for b in buffers)
-    copies = 2 if device == "cpu" else 1
-    at_end = sum(min(MAX_IN_FLIGHT, len(b.buckets)) * b.bucket_grad_bytes() * copies for b in buffers
+    at_end = sum(min(MAX_IN_FLIGHT, len(b.buckets)) * b.bucket_grad_bytes() for b in buffers
                  if b.data_parallel_size > 1)
     return _GradSync(0, at_end, in_flight)
 

@@ -182,7 +182,7 @@ class Pricer:
         if key not in self._state:  # the same at either ZeRO stage
             self._state[key] = _chunk_state(self.model, stages[stage].names, self._local_shapes(sizes, coordinate),
                                             sizes, coordinate, self.bucket_size, self.optimizer_kwargs)
-        return _state_terms(self._state[key], self.args.device, zero_stage)
+        return _state_terms(self._state[key], zero_stage)
 
     def _local_shapes(self, sizes: dict[str, int], coordinate: dict[str, int]) -> dict:
         key = (sizes["EP"], sizes["TP"], coordinate["EP"], coordinate["TP"])

@@ -183,7 +183,7 @@ def host_seconds(resolved, machine: Machine) -> list[float]:
 
 def sync_and_optimizer(resolved, sizes: dict[str, int], machine: Machine, buffers_of: Callable[[int], tuple[list, int]],
                        optimizer: Callable[[int, int, torch.dtype], float], zero_stage: int = 1) -> tuple[float, float]:
-    """The slowest PP rank's grad sync (every bucket reduce-scattered and its parameters all-gathered
+    """The slowest PP rank's grad sync (every bucket reduced, on CPU all-reduced, and its parameters all-gathered
     over its group: DP, or DP x EP for the dense parameters of a MoE model over EP; TP's partial grads
     all-reduced) and optimizer step (its owned runs of every bucket, one
     step: ``optimizer(runs, elements, param_dtype)``, :func:`optimizer_seconds`). ``buffers_of(stage)``:
@@ -191,6 +191,8 @@ def sync_and_optimizer(resolved, sizes: dict[str, int], machine: Machine, buffer
     ``zero_stage=2`` every micro-batch's backward reduce-scatters its buckets (no full-size buffer
     keeps a local sum): ``m`` reduce-scatters a step."""
     reductions = resolved.num_microbatches if zero_stage >= 2 else 1
+    # gloo all-reduces a bucket in place where NCCL reduce-scatters it (ndweave.ddp.sync.reduces_by_all_reduce)
+    reduce = "all_reduce" if machine.device_type == "cpu" else "reduce_scatter"
     tp = sizes["TP"]
     inside = machine.within_host(sizes)  # DP within a host: DP x EP too (EP lies inside DP)
     sync = slowest = 0.0
@@ -204,7 +206,7 @@ def sync_and_optimizer(resolved, sizes: dict[str, int], machine: Machine, buffer
                 for b in buffer.buckets:
                     numel = b.end - b.start
                     rank_sync += reductions * machine.collective_seconds(
-                        "reduce_scatter", numel * buffer.grad_dtype.itemsize, dp, within_host="DP" in inside)
+                        reduce, numel * buffer.grad_dtype.itemsize, dp, within_host="DP" in inside)
                     rank_sync += machine.collective_seconds("all_gather", numel * buffer.param_dtype.itemsize, dp,
                                                             within_host="DP" in inside)
                     mine = owned_runs(numel, [(offset, n) for _, offset, n in b.entries], dp, 0)

@@ -143,10 +143,8 @@ def peak_and_theory(zero_stage: int) -> tuple[int, dict[str, int]]:
     params = sum(b.numel for b in model.grad_buckets()) * 4  # 4Ψ, and the buckets' padding
     theory = {"params": params, "grads": params // n if zero_stage == 2 else params,
               "adam": opt.optimizer_state_bytes(), "masters": opt.master_param_bytes(),
-              "buckets": (MAX_IN_FLIGHT + 1) * bucket if zero_stage == 2 else 0,
-              # gloo (CPU) reduce-scatters from a copy of the bucket while in flight: ZeRO-1's are all in
-              # flight until backward ends, ZeRO-2's at most MAX_IN_FLIGHT (NCCL reduces in place)
-              "gloo copies": MAX_IN_FLIGHT * bucket if zero_stage == 2 else params}
+              # (no copies: DDP all-reduces in place on gloo, NCCL reduce-scatters in place)
+              "buckets": (MAX_IN_FLIGHT + 1) * bucket if zero_stage == 2 else 0}
     return memory.peak_bytes("cpu"), theory
 
 
@@ -169,4 +167,5 @@ def test_zero2_peak_memory_per_rank_is_the_theory():
             f"ZeRO-{stage}: peak {peak / 2**20:.3f} MiB against the theory {bound / 2**20:.3f} MiB "
             f"({ {k: round(v / 2**20, 3) for k, v in theory.items()} } + activations)")
         peaks[stage] = peak
-    assert peaks[2] < 0.65 * peaks[1], f"ZeRO-2's peak {peaks[2]} is not well below ZeRO-1's {peaks[1]}"
+    # theory: (4Ψ + 4Ψ/4 + 8Ψ/4 + 3 of 16 layers' buckets) / (4Ψ + 4Ψ + 8Ψ/4) = 1.94 / 2.5 = 0.78
+    assert peaks[2] < 0.82 * peaks[1], f"ZeRO-2's peak {peaks[2]} is not well below ZeRO-1's {peaks[1]}"

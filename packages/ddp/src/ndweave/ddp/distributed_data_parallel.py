@@ -70,7 +70,8 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             ``False`` launches them all in :meth:`finish_grad_sync`.
         use_distributed_optimizer: reduce-scatter instead of all-reduce, so DP rank ``r`` holds the
             reduced range ``bucket.shard_range(r)`` of each bucket, and lay the parameters out in
-            flat ``param_data`` buffers (see :meth:`grad_buckets`): ``zero_stage=1``.
+            flat ``param_data`` buffers (see :meth:`grad_buckets`): ``zero_stage=1``. (On gloo the
+            buckets are all-reduced in place all the same: cheaper there, see ``sync.reduces_by_all_reduce``.)
         zero_stage: how much of the training state a sharded optimizer's DP ranks split (DeepSpeed's
             stages; default: 1 with ``use_distributed_optimizer=True``, else 0). ``0``: all-reduce,
             every rank holds every grad. ``1``: as ``use_distributed_optimizer=True`` (optimizer state
@@ -168,6 +169,9 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             shard_grads=self.zero_stage == 2,
         )
         self._bucket_slots: list[list[ParamSlot]] = [[] for _ in self._buckets]
+        # ZeRO-1 reduce-scatters each bucket, except where an all-reduce in place costs less (gloo)
+        self._reduce_scatters = [self.zero_stage == 1 and not sync.reduces_by_all_reduce(b.data_parallel_group)
+                                 for b in self._buckets]
         for slot in self._slots:
             self._bucket_slots[slot.bucket_index].append(slot)
             slot.dp_mesh_dim = sync.data_parallel_mesh_dim(slot.param, group_of[id(slot.param)])
@@ -405,7 +409,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         bucket = self._buckets[index]
         if bucket.data_parallel_group is None:
             return
-        if self.use_distributed_optimizer:
+        if self._reduce_scatters[index]:
             start, end = bucket.shard_range()
             work = sync.reduce_scatter(bucket.grad_data[start:end], bucket.grad_data, op, bucket.data_parallel_group)
         else:

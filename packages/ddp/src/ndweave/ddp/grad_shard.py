@@ -8,7 +8,8 @@ bucket's full-size buffer exists only while a micro-batch fills it and its reduc
 1. the first grad of a micro-batch that reaches a bucket allocates it (zeros, so padding and params
    without a grad count as zero) and points the bucket's slots into it;
 2. once the bucket is complete (in bucket order, as ever), it is reduce-scattered: into the shard
-   directly for the step's first micro-batch, else in place, then added to the shard;
+   directly for the step's first micro-batch, else in place, then added to the shard (on gloo it is
+   all-reduced in place, then copied or added: cheaper there, see ``sync.reduces_by_all_reduce``);
 3. at most :data:`MAX_IN_FLIGHT` reductions run at once: launching one more waits for the oldest,
    adds it and frees its buffer, so about ``MAX_IN_FLIGHT + 1`` buckets are alive during backward;
 4. at the end of every backward, whatever is left is launched and waited for.
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from ndweave.ddp.buffer import ParamSlot
-from ndweave.ddp.sync import partial_placements
+from ndweave.ddp.sync import partial_placements, reduces_by_all_reduce
 from ndweave.mesh.collectives import reduce_scatter_flat
 from ndweave.mesh.contracts import GradBucket, reduce_partial_grads
 from ndweave.mesh.torch_compat import local_tensor
@@ -50,12 +51,14 @@ MAX_IN_FLIGHT = 2
 
 @dataclass(eq=False)
 class _Reduction:
-    """A launched reduce-scatter of one bucket's full-size buffer."""
+    """A launched reduction of one bucket's full-size buffer."""
 
     index: int
     work: dist.Work
-    add_from: torch.Tensor | None
-    """The reduced range to add to the shard once done (``None``: the shard was the output)."""
+    reduced: torch.Tensor | None
+    """The reduced range to put in the shard once done (``None``: the shard was the output)."""
+    add: bool
+    """Add ``reduced`` to the shard (a later micro-batch) rather than copy it (the step's first)."""
 
 
 @dataclass(eq=False)
@@ -82,6 +85,7 @@ class GradShards:
         self._views = [[(bp.offset, bp.numel, local_tensor(bp.param).shape) for bp in b.params] for b in buckets]
         self._written = [False] * len(buckets)  # the shard holds this step's sum so far (add, not overwrite)
         self._pending: deque[_Reduction] = deque()
+        self._all_reduces = [reduces_by_all_reduce(b.data_parallel_group) for b in buckets]
 
     def open(self, index: int) -> None:
         """Give bucket ``index`` a zeroed full-size buffer (if it has none) and its slots views of it."""
@@ -106,9 +110,14 @@ class GradShards:
                 bucket.grad_data.add_(full)
             self._free(index)
             return
-        output = bucket.grad_data if first else full[start:end]
-        work = reduce_scatter_flat(output, full, op=op, group=bucket.data_parallel_group, async_op=True)
-        self._pending.append(_Reduction(index, work, None if first else output))
+        if self._all_reduces[index]:
+            work = dist.all_reduce(full, op=op, group=bucket.data_parallel_group, async_op=True)
+            reduced = full[start:end]
+        else:
+            reduced = None if first else full[start:end]
+            work = reduce_scatter_flat(bucket.grad_data if first else reduced, full, op=op,
+                                       group=bucket.data_parallel_group, async_op=True)
+        self._pending.append(_Reduction(index, work, reduced, add=not first))
         self.wait(keep=MAX_IN_FLIGHT)
 
     def wait(self, keep: int = 0) -> None:
@@ -116,8 +125,12 @@ class GradShards:
         while len(self._pending) > keep:
             reduction = self._pending.popleft()
             reduction.work.wait()
-            if reduction.add_from is not None:
-                self.buckets[reduction.index].grad_data.add_(reduction.add_from)
+            if reduction.reduced is not None:
+                shard = self.buckets[reduction.index].grad_data
+                if reduction.add:
+                    shard.add_(reduction.reduced)
+                else:
+                    shard.copy_(reduction.reduced)
             self._free(reduction.index)
 
     def start_step(self) -> None:

@@ -5,7 +5,8 @@ The order within a step (linear ops commute, so this equals reducing each micro-
 1. each micro-batch's grad is accumulated into the param's region of the bucket's flat buffer,
    scaled by ``slot.scale`` (``1/dp_size`` when averaging); a grad that is ``Partial`` on a non-DP
    mesh dim is accumulated as its local partial value, unreduced;
-2. the bucket is all-reduced (or reduce-scattered) over the data-parallel group;
+2. the bucket is all-reduced (or reduce-scattered, see :func:`reduces_by_all_reduce`) over the
+   data-parallel group;
 3. ``finish_grad_sync`` reduces the still-``Partial`` regions over their own mesh dims, once per
    step and bucketed, with :func:`ndweave.mesh.contracts.reduce_partial_grads`;
 4. ``.grad`` is set to a view of the buffer (a DTensor with the param's placements where the param
@@ -32,6 +33,7 @@ __all__ = [
     "publish_local",
     "reduce_partial_slots",
     "reduce_scatter",
+    "reduces_by_all_reduce",
     "settle_local",
     "start_step",
     "take_local",
@@ -80,6 +82,18 @@ def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup) 
                     for dst, value in zip(chunk, unflatten_dense_tensors(flat, chunk)):
                         dst.copy_(value)
                     chunk, size = [], 0
+
+
+def reduces_by_all_reduce(group: dist.ProcessGroup | None) -> bool:
+    """Whether a sharded optimizer's reduce-scatter over ``group`` is done as an in-place all-reduce of
+    the whole bucket instead (this rank then reads its range; the other ranges are reduced too).
+
+    On gloo it is: gloo's reduce-scatter copies its whole input on the calling thread before it starts
+    (1-1.5 ms of backward for a 4 MB bucket, against 0.2 ms to launch an all-reduce), spends more CPU
+    than an all-reduce of the same bucket at 2 ranks and no less at 4, and holds that copy until it is
+    waited for, where the all-reduce works in place. NCCL's reduce-scatter moves half an all-reduce's
+    bytes and copies nothing: kept (so is any other backend's, a mixed ``cpu:gloo,cuda:nccl`` one's too)."""
+    return group is not None and dist.get_backend(group) == "gloo"
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op, group) -> dist.Work:
