@@ -278,9 +278,12 @@ class Pricer:
         split between this process and forked copies of it, one per spare core: the traces of each
         (EP, TP) size (independent of each other, and most of a plan: 4.5 of 6.6 s for Llama-3 70B at
         512 ranks on 2 cores), then, every trace in hand, the layouts grouped by those sizes (each
-        group's model-state terms are its own). Where ``fork`` is missing, or a copy fails, what is left is
-        done on demand, as without this."""
+        group's model-state terms are its own). A ZeRO-1 layout that does not fit and has more than one
+        data rank is priced at ZeRO-2 too, beside it (``plan_layout`` asks for it next; its chunks'
+        state is at hand there). Layouts priced already are skipped. Where ``fork`` is missing, or a
+        copy fails, what is left is done on demand, as without this."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        layouts = [layout for layout in layouts if _layout_key(layout) not in self._ahead]
         if cores < 2 or "fork" not in multiprocessing.get_all_start_methods() or not layouts:
             return
         by_shard: dict[tuple[int, int], list[argparse.Namespace]] = {}
@@ -317,8 +320,20 @@ class Pricer:
     def _price_share(self, share: list[list[argparse.Namespace]], budget: int) -> dict:
         priced = {}
         for layout in (layout for group in share for layout in group):
-            peak = self.peak_bytes(layout)
+            ranks = self.rank_memory(layout)
+            peak = max(r.peak for r in ranks)
             priced[_layout_key(layout)] = (peak, self.step_seconds(layout) if peak <= budget else None)
+            sizes = resolve_spec(layout.mesh, None, dims=DIMS)
+            data_ranks = sizes["DP"] * sizes["EP"]
+            if peak > budget and layout.zero_stage == 1 and data_ranks > 1:
+                zero2 = copy.copy(layout)
+                zero2.zero_stage = 2
+                # ZeRO-2 keeps at least 1/(DP x EP) of each rank's grads and drops at most its grad sync's
+                # extra (the .grad copies): where even that floor does not fit, it is the answer, unpriced
+                floor = max(r.peak - r.by_name()["gradients"] * (1 - 1 / data_ranks) - r.by_name()["grad sync"]
+                            for r in ranks)
+                peak = self.peak_bytes(zero2) if floor <= budget else int(floor)
+                priced[_layout_key(zero2)] = (peak, self.step_seconds(zero2) if peak <= budget else None)
         return priced
 
     def _recomputed(self, block: _Traced, shard: tuple[int, int]) -> _Traced:
