@@ -424,7 +424,8 @@ class Pricer:
 
 def _layout_key(args: argparse.Namespace) -> tuple:
     """What tells one layout of a job from another (``auto_mesh.layout_flags``' flags)."""
-    return args.mesh, args.schedule, args.virtual_chunks, args.micro_batches, args.activation_checkpointing, args.zero_stage
+    return (args.mesh, args.schedule, args.virtual_chunks, args.micro_batches, args.activation_checkpointing,
+            args.zero_stage)
 
 
 def _balanced(jobs: list[tuple[Any, float]], workers: int) -> list[list[Any]]:

@@ -14,7 +14,8 @@ What a step asks for comes from the packages that run it, as the memory estimate
   a message's latency per neighbouring stage on another rank;
 * the schedule: ``ndweave.pipeline.step_time.simulate_schedule`` runs the actions in torch's order
   with those times, activations crossing to another rank over the link;
-* the data-parallel grad sync: a reduce-scatter of every grad bucket and an all-gather of its
+* the data-parallel grad sync: a reduce-scatter (on CPU, where gloo does it in place, an all-reduce)
+  of every grad bucket (with ZeRO-2, per micro-batch) and an all-gather of its
   parameters after the step, over the bucket's group (DP; DP x EP for a MoE model's dense
   parameters), from the buckets DDP lays out
   (``ndweave.ddp.buffer.plan_buffers``, the function DDP calls); the grads tensor parallelism leaves
@@ -188,8 +189,8 @@ def sync_and_optimizer(resolved, sizes: dict[str, int], machine: Machine, buffer
     all-reduced) and optimizer step (its owned runs of every bucket, one
     step: ``optimizer(runs, elements, param_dtype)``, :func:`optimizer_seconds`). ``buffers_of(stage)``:
     DDP's buffers of the stage's chunk and its TP-replicated grad bytes (:func:`stage_buffers`). With
-    ``zero_stage=2`` every micro-batch's backward reduce-scatters its buckets (no full-size buffer
-    keeps a local sum): ``m`` reduce-scatters a step."""
+    ``zero_stage=2`` every micro-batch's backward reduces its buckets (no full-size buffer keeps a
+    local sum): ``m`` reductions a step."""
     reductions = resolved.num_microbatches if zero_stage >= 2 else 1
     # gloo all-reduces a bucket in place where NCCL reduce-scatters it (ndweave.ddp.sync.reduces_by_all_reduce)
     reduce = "all_reduce" if machine.device_type == "cpu" else "reduce_scatter"
