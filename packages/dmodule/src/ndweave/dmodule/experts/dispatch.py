@@ -141,4 +141,24 @@ def _all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list
                 group: dist.ProcessGroup | None) -> torch.Tensor:
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return rows
-    return all_to_all_single(rows.contiguous(), output_splits, input_splits, group or dist.group.WORLD)
+    if rows.is_meta:  # a trace: torch's functional collective runs on meta, and a dispatch mode sees it
+        return all_to_all_single(rows.contiguous(), output_splits, input_splits, group or dist.group.WORLD)
+    return _AllToAll.apply(rows, output_splits, input_splits, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; its backward is the reverse move. (torch's public
+    autograd version, ``torch.distributed.nn.functional.all_to_all_single``, is deprecated in favour of
+    a private one, which a trace on meta uses: ``torch_compat.all_to_all_single``.)"""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.splits, ctx.group = (input_splits, output_splits), group
+        out = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _AllToAll.apply(grad, *ctx.splits, ctx.group), None, None, None
