@@ -464,6 +464,9 @@ def _fork(fn: Callable[[], Any]) -> Callable[[float], Any]:
         os.close(read)
         code = 1
         try:
+            # one core each; and a CPU kernel's thread pool started before the fork (OpenMP's) hangs
+            # the copy at its next parallel kernel (seen: an arange of 36,864 elements)
+            torch.set_num_threads(1)
             with os.fdopen(write, "wb") as out:
                 pickle.dump(fn(), out)
             code = 0

@@ -75,7 +75,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float6
 #: posting and completing the stage's sends and receives, its input and output handling, the
 #: engine's and DDP's hooks), in ops' worth of ``Machine.op_overhead_s``: a stage with next to no
 #: compute runs a forward every 0.6-2 ms on the 2-core machine the tests run on, ~75-250 ops' worth.
-ACTION_HOST_OPS = 100
+#: 200: at 8 ranks on those 2 cores, 16 micro-batches of a pipeline over 8 cost 240-370 ms more a step
+#: than 8 (``tests/integration/test_integration_step_time.py``), 1.6-2.4x what 200 predicts where the
+#: whole steps run 1.6-3.3x their estimates; 100 priced the actions at half that share, and ranked a
+#: pipeline over 8 ranks ahead of data parallel over 8, measured 5-16% faster.
+ACTION_HOST_OPS = 200
 
 
 def estimate_step_seconds(args: argparse.Namespace, machine: Machine, build_model: Callable[..., nn.Module],

@@ -194,3 +194,23 @@ def test_on_paper_prices_a_published_run_and_chooses_a_layout():
     assert out["published_mesh_peak"] > 0 and out["published_mesh_step"] > 0
     best = out["planned"].ranked[0]
     assert best.layout.world_size == ranks and best.peak_bytes <= 96 * 2**30
+
+
+def _parallel_kernel(_share) -> int:
+    return int(torch.arange(1 << 20).sum())  # large enough for a CPU kernel to run on its thread pool
+
+
+@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
+def test_a_copy_forked_after_a_parallel_kernel_runs_one():
+    # OpenMP's thread pool, started here before the fork, hangs a copy at its next parallel kernel:
+    # the copies price on one thread each (without that: killed at their deadline, results missing)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _parallel_kernel(None)
+        start = time.perf_counter()
+        results = proxy._in_parallel(_parallel_kernel, [0, 1])
+    finally:
+        torch.set_num_threads(threads)
+    assert results == [sum(range(1 << 20))] * 2
+    assert time.perf_counter() - start < 30
