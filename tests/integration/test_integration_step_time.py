@@ -166,7 +166,7 @@ def test_the_estimate_orders_the_layouts_as_the_job_runs_them(world, machine):
     argvs = [layout_argv(*layout) for layout in layouts]
     # measured on fresh ranks: a pool's ranks keep every group earlier tests made, each with a gloo thread
     # that polls (ndweave.mesh.testing.pool), and on 2 cores those steal from the ranks' hand-overs. In
-    # the suite, on reused ranks, 8 ranks' pp=8 ran 1.3x dp=8's step; on fresh ones, 1.05x.
+    # the suite, on reused ranks, 8 ranks' pp=8 ran 1.3x dp=8's step; on fresh ones, 1.05-1.16x.
     shutdown_pools()
     # the estimates (seconds of tracing on meta) run while the ranks start, not while they are timed
     with concurrent.futures.ThreadPoolExecutor(1) as background:
