@@ -179,7 +179,27 @@ class _ChunkState:
 
 
 def _chunk_state(model: nn.Module, names: list[str], shapes: dict[str, list[torch.Size]], sizes: dict[str, int],
-                 coordinate: dict[str, int], bucket_size: int, optimizer_kwargs: dict) -> _ChunkState:
+                 coordinate: dict[str, int], bucket_size: int, optimizer_kwargs: dict,
+                 buffers: tuple[list, int] | None = None) -> _ChunkState:
+    """``buffers``: :func:`_chunk_buffers` of the same chunk, if at hand (the same on every DP rank)."""
+    dp, ep = sizes["DP"], sizes["EP"]
+    buffers, published = buffers or _chunk_buffers(model, names, shapes, sizes, bucket_size)
+    state = masters = 0
+    for buffer in buffers:
+        rank_in_group = (coordinate["DP"] if buffer.data_parallel_size == dp
+                         else coordinate["DP"] * ep + coordinate["EP"])
+        layout = [(b.end - b.start, [(offset, n) for _, offset, n in b.entries]) for b in buffer.buckets]
+        opt = state_bytes_per_rank(layout, data_parallel_size=buffer.data_parallel_size, dp_rank=rank_in_group,
+                                   param_dtype=buffer.param_dtype, optimizer=torch.optim.AdamW,
+                                   optimizer_kwargs=optimizer_kwargs)
+        state, masters = state + opt.state, masters + opt.masters
+    return _ChunkState(buffers, state, masters, published)
+
+
+def _chunk_buffers(model: nn.Module, names: list[str], shapes: dict[str, list[torch.Size]], sizes: dict[str, int],
+                   bucket_size: int) -> tuple[list, int]:
+    """DDP's buffers of one chunk on a rank of ``shapes`` (its TP and EP coordinates), and the bytes of
+    ZeRO-1's ``.grad`` copies."""
     dp, ep = sizes["DP"], sizes["EP"]
     params, published, seen = [], 0, set()
     for n in names:
@@ -191,17 +211,7 @@ def _chunk_state(model: nn.Module, names: list[str], shapes: dict[str, list[torc
         if _grad_dtype(p.dtype) != p.dtype and id(p) not in seen:
             published += local.numel() * p.element_size()
         seen.add(id(p))
-    buffers = plan_buffers(params, bucket_size=bucket_size, grad_dtype_of=_grad_dtype)
-    state = masters = 0
-    for buffer in buffers:
-        rank_in_group = (coordinate["DP"] if buffer.data_parallel_size == dp
-                         else coordinate["DP"] * ep + coordinate["EP"])
-        layout = [(b.end - b.start, [(offset, n) for _, offset, n in b.entries]) for b in buffer.buckets]
-        opt = state_bytes_per_rank(layout, data_parallel_size=buffer.data_parallel_size, dp_rank=rank_in_group,
-                                   param_dtype=buffer.param_dtype, optimizer=torch.optim.AdamW,
-                                   optimizer_kwargs=optimizer_kwargs)
-        state, masters = state + opt.state, masters + opt.masters
-    return _ChunkState(buffers, state, masters, published)
+    return plan_buffers(params, bucket_size=bucket_size, grad_dtype_of=_grad_dtype), published
 
 
 def _state_terms(chunk: _ChunkState, zero_stage: int) -> tuple[list[MemoryTerm], _GradSync]:

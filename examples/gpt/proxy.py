@@ -47,9 +47,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-from estimate import (DIMS, _activation_terms, _chunk_state, _data_bytes, _local_shapes, _peer_shapes, _StageIO,
-                      _state_terms, _tied_across_ranks, _trace, parameters, sharding_mesh)
+from estimate import (DIMS, _activation_terms, _chunk_buffers, _chunk_state, _data_bytes, _local_shapes, _peer_shapes,
+                      _rank_actions, _StageIO, _state_terms, _tied_across_ranks, _trace, parameters, sharding_mesh)
 from ndweave.mesh import resolve_spec, torch_compat
 from ndweave.mesh.calibrate import Machine, Work, WorkCounter
 from ndweave.mesh.contracts import MemoryTerm, RankMemory
@@ -134,6 +135,8 @@ class Pricer:
         self._shapes: dict[tuple, dict] = {}
         self._peers: dict[tuple, list] = {}
         self._state: dict[tuple, tuple] = {}
+        self._terms: dict[tuple, tuple] = {}
+        self._chunk_buffers: dict[tuple, tuple] = {}
         self._buffers: dict[tuple, tuple] = {}
         self._tied_names: dict[tuple, list[list[str]]] = {}
         self._proxies: dict[bool, nn.Module] = {}
@@ -179,10 +182,17 @@ class Pricer:
         # the PP size
         key = (_counts(stages[stage]), sizes["DP"], sizes["EP"], sizes["TP"], coordinate["DP"], coordinate["EP"],
                coordinate["TP"])
-        if key not in self._state:  # the same at either ZeRO stage
-            self._state[key] = _chunk_state(self.model, stages[stage].names, self._local_shapes(sizes, coordinate),
-                                            sizes, coordinate, self.bucket_size, self.optimizer_kwargs)
-        return _state_terms(self._state[key], zero_stage)
+        if key not in self._state:  # one chunk state for either ZeRO stage
+            shapes = self._local_shapes(sizes, coordinate)
+            on_any_dp_rank = key[:4] + key[5:]
+            if on_any_dp_rank not in self._chunk_buffers:
+                self._chunk_buffers[on_any_dp_rank] = _chunk_buffers(self.model, stages[stage].names, shapes, sizes,
+                                                                     self.bucket_size)
+            self._state[key] = _chunk_state(self.model, stages[stage].names, shapes, sizes, coordinate,
+                                            self.bucket_size, self.optimizer_kwargs, self._chunk_buffers[on_any_dp_rank])
+        if (key, zero_stage) not in self._terms:
+            self._terms[key, zero_stage] = _state_terms(self._state[key], zero_stage)
+        return self._terms[key, zero_stage]
 
     def _local_shapes(self, sizes: dict[str, int], coordinate: dict[str, int]) -> dict:
         key = (sizes["EP"], sizes["TP"], coordinate["EP"], coordinate["TP"])
@@ -229,13 +239,17 @@ class Pricer:
 
     # ---- the parts -----------------------------------------------------------------------------
     def _layout(self, args: argparse.Namespace) -> tuple[dict[str, int], ResolvedPlan, list[_Stage], list[Part]]:
-        sizes = resolve_spec(args.mesh, None, dims=DIMS)
-        plan = PipelineParallelPlan(schedule_type=args.schedule, virtual_chunks=args.virtual_chunks,
-                                    num_microbatches=args.micro_batches)
-        resolved = resolve_plan(plan, sizes["PP"])
+        sizes, resolved = self._resolved(args)
         rows = args.global_batch // (sizes["DP"] * sizes["EP"] * args.micro_batches)
         return (sizes, resolved, self._split(resolved.num_stages),
                 self.parts((sizes["EP"], sizes["TP"]), args.activation_checkpointing, rows))
+
+    @staticmethod
+    def _resolved(args: argparse.Namespace) -> tuple[dict[str, int], ResolvedPlan]:
+        sizes = resolve_spec(args.mesh, None, dims=DIMS)
+        plan = PipelineParallelPlan(schedule_type=args.schedule, virtual_chunks=args.virtual_chunks,
+                                    num_microbatches=args.micro_batches)
+        return sizes, resolve_plan(plan, sizes["PP"])
 
     def _split(self, num_stages: int) -> list[_Stage]:
         """The parts and parameters of each stage when the model is cut into ``num_stages``."""
@@ -292,7 +306,8 @@ class Pricer:
             by_shard.setdefault((sizes["EP"], sizes["TP"]), []).append(layout)
         recompute = any(layout.activation_checkpointing for layout in layouts)
         # checkpointing is traced without TP or EP, over the smallest TP above one, and over each EP
-        # size (see _recomputed); a trace over TP or EP costs about twice one without (their dispatch)
+        # size (see _recomputed); a trace over TP or EP costs about three without (their dispatch:
+        # 0.4 s against 0.13 s a trace for Llama-3 70B)
         shards = sorted(set(by_shard) - set(self._traced))
         above_one = next((s for s in shards if s[0] == 1 and s[1] > 1), None)
         with_recompute = {s: recompute and _recompute_at(s, above_one) == s for s in shards}
@@ -300,13 +315,27 @@ class Pricer:
         for setting in [(False, 1), (False, 2)] + [(True, 1)] * recompute:
             self._cut(*setting)
         torch_compat.TensorMemory  # noqa: B018
-        shares = _balanced([((s, with_recompute[s]), 2 + 2 * (s != (1, 1)) + with_recompute[s]) for s in shards], cores)
-        for traced, recomputed in _in_parallel(self._trace_share, shares):
+        # this process also prepares what pricing any layout needs (the stages of each PP size, each
+        # rank's shapes, the schedules' action lists): done once before the pricing is forked, not in
+        # every copy (0.35 s for Llama-3 70B, about three traces without TP)
+        shares = _balanced([((s, with_recompute[s]), (1 + 2 * (s != (1, 1))) * (2 + with_recompute[s]))
+                            for s in shards], cores, first_load=3)
+        for traced, recomputed in _in_parallel(self._trace_share, shares, first=lambda: self._prepare(layouts)):
             self._traced.update(traced)
             self._recompute.update(recomputed)
         shares = _balanced([(group, len(group)) for group in by_shard.values()], cores)
         for priced in _in_parallel(lambda share: self._price_share(share, budget), shares):
             self._ahead.update(priced)
+
+    def _prepare(self, layouts: list[argparse.Namespace]) -> None:
+        """What pricing ``layouts`` needs besides the traces, cached (see :meth:`price_ahead`)."""
+        for layout in layouts:
+            sizes, resolved = self._resolved(layout)
+            self._tied(self._split(resolved.num_stages), resolved)
+            for coordinate in _representatives({**sizes, "PP": 1}):
+                self._local_shapes(sizes, coordinate)
+            if issubclass(resolved.schedule, PipelineScheduleMulti):
+                _rank_actions(resolved, 0)  # every PP rank's
 
     def _trace_share(self, share: list[tuple[tuple[int, int], bool]]) -> tuple[dict, dict]:
         for shard, with_recompute in share:
@@ -428,11 +457,11 @@ def _layout_key(args: argparse.Namespace) -> tuple:
             args.zero_stage)
 
 
-def _balanced(jobs: list[tuple[Any, float]], workers: int) -> list[list[Any]]:
+def _balanced(jobs: list[tuple[Any, float]], workers: int, first_load: float = 0.0) -> list[list[Any]]:
     """``jobs`` (job, cost) in at most ``workers`` shares of about equal cost: the largest first, each
-    to the least loaded share."""
+    to the least loaded share; the first share starts at ``first_load`` (work of its own)."""
     shares: list[list[Any]] = [[] for _ in range(min(workers, len(jobs)))]
-    loads = [0.0] * len(shares)
+    loads = [float(first_load)] + [0.0] * (len(shares) - 1)
     for job, cost in sorted(jobs, key=lambda jc: -jc[1]):
         least = loads.index(min(loads))
         shares[least].append(job)
@@ -440,13 +469,16 @@ def _balanced(jobs: list[tuple[Any, float]], workers: int) -> list[list[Any]]:
     return shares
 
 
-def _in_parallel(fn: Callable[[Any], Any], shares: list[Any]) -> list[Any]:
-    """``fn`` of each share: the first here, the others in forked copies of this process; a failed
-    copy's result is left out (its work is then done on demand). A copy still at work long after this
-    share is done (stuck on a lock another thread held when it forked) is killed."""
+def _in_parallel(fn: Callable[[Any], Any], shares: list[Any], first: Callable[[], None] | None = None) -> list[Any]:
+    """``fn`` of each share: the first here (after ``first()``, if given), the others in forked copies
+    of this process; a failed copy's result is left out (its work is then done on demand). A copy
+    still at work long after this share is done (stuck on a lock another thread held when it forked)
+    is killed."""
     children = [_fork(lambda share=share: fn(share)) for share in shares[1:]]
     start = time.monotonic()
     try:
+        if first is not None:
+            first()
         results = [fn(shares[0])] if shares else []
     finally:  # the copies are waited for even when this share raises
         deadline = time.monotonic() + max(60.0, 4 * (time.monotonic() - start))

@@ -5,6 +5,9 @@ layer, and the errors for forwards that cannot be cut where asked."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -194,3 +197,19 @@ def test_split_by_measured_time_balances_what_parameter_counts_cannot():
         _stages(model, 2, example=IDS.to("meta"), split_method="time")
     with pytest.raises(ValueError, match="'time' times the layers of the traced forward: pass example_inputs="):
         _stages(model, 2, example=None, split_method="time")
+
+
+def test_cutting_a_model_imports_no_compiler():
+    # fx's own stack-trace filter imports torch._dynamo, torch.export and inductor to list their files
+    # (0.4-0.5 s in a fresh process); the tracer filters the frames itself
+    script = ("import sys, torch\n"
+              "from pipeline_models import SEQ, TinyLM\n"
+              "from ndweave.pipeline import PipelineParallelPlan\n"
+              "from ndweave.pipeline.construct import cut_model\n"
+              "from ndweave.pipeline.plan import resolve_plan\n"
+              "plan = PipelineParallelPlan(schedule_type='gpipe')\n"
+              "cut_model(TinyLM(), plan, resolve_plan(plan, 2), torch.zeros(2, SEQ, dtype=torch.long), 'meta')\n"
+              "print(sorted(m for m in ('torch.export._trace', 'torch._inductor.codecache') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(__file__), check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -20,6 +20,7 @@ imports no sibling::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,7 +80,17 @@ def state_values_per_element(optimizer: type[torch.optim.Optimizer], dtype: torc
     """(bytes per element of the elementwise state tensors, bytes of the other tensors, such as Adam's
     ``step``) that ``optimizer`` keeps per parameter of ``dtype`` after a step, built as
     ``DistributedOptimizer`` builds it (fused where torch has the kernel)."""
-    spec = resolve_optimizer(optimizer, optimizer_kwargs or {"lr": 0.0})
+    kwargs = optimizer_kwargs or {"lr": 0.0}
+    try:
+        return _probed(optimizer, dtype, tuple(sorted(kwargs.items())))
+    except TypeError:  # an unhashable hyperparameter: probed every time
+        return _probed.__wrapped__(optimizer, dtype, tuple(sorted(kwargs.items())))
+
+
+@functools.lru_cache(maxsize=64)  # a planner asks for the same optimizer once per chunk of every layout
+def _probed(optimizer: type[torch.optim.Optimizer], dtype: torch.dtype,
+            kwargs: tuple[tuple[str, Any], ...]) -> tuple[int, int]:
+    spec = resolve_optimizer(optimizer, dict(kwargs))
     spec.fused(dtype, "cpu")
     state = spec.probe_state(0, dtype)
     tensors = [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor)]

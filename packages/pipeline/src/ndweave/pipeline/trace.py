@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,16 @@ __all__ = ["ForwardGraph", "trace_forward"]
 # torch's argument parser takes ``torch.ones(T, T)`` only with int sizes, not proxies (fx alone fails
 # there too); during a trace these record a node when a size is traced
 _FACTORIES = ("empty", "eye", "full", "ones", "rand", "randn", "zeros")
+
+
+def _is_torch_machinery(filename: str) -> bool:
+    """A frame of torch's tracing and dispatch (fx, dynamo, its private modules), not of a model:
+    what fx's own filter leaves out (``torch.nn``'s modules, a model's code, stay)."""
+    root = os.path.dirname(torch.__file__) + os.sep
+    if not filename.startswith(root):
+        return filename == "<string>"
+    inside = filename[len(root):]
+    return inside.startswith(("_", "fx" + os.sep, "export" + os.sep)) or inside == "__init__.py"
 
 
 @dataclass
@@ -98,6 +110,13 @@ class _ValueTracer(fx.Tracer):
         self.constants: dict[str, torch.Tensor] = {}
         self.record_stack_traces = True  # errors can point at the user's line
         self._computing = False  # running a value: module calls and attributes are the real ones
+
+    def _filter_traceback_frames(self, user_stack_summary: traceback.StackSummary) -> traceback.StackSummary:
+        # the user's frames from the first forward on, torch's left out: fx's own filter imports
+        # torch._dynamo, torch.export and inductor for their file names (0.4 s, once per process)
+        forward = next((i for i, frame in enumerate(user_stack_summary) if frame.name == "forward"), None)
+        frames = [] if forward is None else user_stack_summary[forward:]
+        return traceback.StackSummary.from_list([f for f in frames if not _is_torch_machinery(f.filename)])
 
     def trace(self, root, concrete_args=None):
         originals = {name: getattr(torch, name) for name in _FACTORIES}
