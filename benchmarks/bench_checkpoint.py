@@ -55,7 +55,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from common import Row, add_common_args, emit, init_rank, measure, spawn
+from common import Row, add_common_args, close, emit, init_rank, measure, spawn
 
 OPS = ("ndweave save", "dcp.save", "raw write", "ndweave save, pieces", "ndweave load", "dcp.load")
 KINDS = ("host", "device")
@@ -193,8 +193,7 @@ def _worker(rank: int, world: int, port: int, args, folder: str, queue) -> None:
         queue.put({"times": {op: statistics.median(ts) for op, ts in times.items()},
                    "cpu": {op: statistics.median(ts) for op, ts in cpu.items()}, "staged": staged,
                    "matmuls": train.matmuls, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())})
-    dist.barrier()
-    dist.destroy_process_group()
+    close()
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import Row, add_common_args, emit, init_rank, interleaved, mlp, spawn, sync
+from common import Row, add_common_args, close, emit, init_rank, interleaved, mlp, spawn, sync
 
 
 def _model(args) -> torch.nn.Module:
@@ -96,8 +96,7 @@ def _worker(rank: int, world: int, port: int, mode: str, kind: str, args, queue)
     dist.all_gather_object(gathered, result)
     if rank == 0:
         queue.put(gathered)
-    dist.barrier()
-    dist.destroy_process_group()
+    close()
 
 
 def _bandwidth(ddp, args, device) -> dict:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import Row, add_common_args, emit, init_rank, interleaved, spawn
+from common import Row, add_common_args, close, emit, init_rank, interleaved, spawn
 
 
 class Experts(nn.Module):
@@ -123,8 +123,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         rows, counts = (moved / world).tolist()  # mean over ranks
         queue.put({"timing": {k: (t.wall, t.best_wall, t.cpu) for k, t in timing.items()},
                    "rows": rows / args.layers / 4, "counts": counts / args.layers})  # 4 row moves per layer
-    dist.barrier()
-    dist.destroy_process_group()
+    close()
 
 
 def main() -> None:

@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import Row, add_common_args, emit, init_rank, interleaved, spawn
+from common import Row, add_common_args, close, emit, init_rank, interleaved, spawn
 
 GPT_DIR = Path(__file__).resolve().parents[1] / "examples" / "gpt"
 
@@ -452,8 +452,7 @@ def _worker(rank: int, world: int, port: int, spec: str, model: str, args, tmp: 
     dist.all_gather_object(everyone, result)
     if rank == 0:
         queue.put(everyone)
-    dist.barrier()
-    dist.destroy_process_group()
+    close()
 
 
 def _quiet() -> None:

@@ -12,7 +12,11 @@ Same plain MLP, same data, Adam, plain data parallelism:
   Without ndweave-ddp installed it falls back to ``ndweave.mesh.testing.ReferenceDataParallel``;
 * ``ndweave+overlap``: the same with ``overlap_param_gather=True`` (the all-gather runs under the
   next forward, so it leaves ``step ms`` and shows in ``iter ms`` only where it is not hidden);
-* ``ndweave-zero2``: ``ndweave`` with ``DDP(..., zero_stage=2)``: grads kept as 1/DP shards.
+* ``ndweave-zero2``: ``ndweave`` with ``DDP(..., zero_stage=2)``: grads kept as 1/DP shards;
+* ``ndweave-unchecked``: ``ndweave`` without its two per-step checks, as torch's DDP and
+  ``ZeroRedundancyOptimizer`` run: ``DDP(..., detect_desync=False)`` (no comparison of the ranks'
+  counters before the grad sync waits) and ``on_nonfinite="unchecked"`` (no all-reduced grad norm
+  when nothing clips). Each check is one small collective a step.
 
 Per world size it prints, side by side: iteration time (forward + backward + step; mean over the
 steps barrier to barrier, median over interleaved rounds), the busiest rank's CPU time per iteration
@@ -20,7 +24,10 @@ steps barrier to barrier, median over interleaved rounds), the busiest rank's CP
 over this row's: below 1 means ndweave is faster); ``opt.step()`` time alone (for ndweave this
 includes finishing the grad reduce-scatter and the parameter all-gather; for torch DDP the all-reduce
 is in backward); optimizer-state bytes per rank (state tensors + separate master weights) and their
-ratio to unsharded / DP (ndweave's target: 1.00 within 2%).
+ratio to unsharded / DP (ndweave's target: 1.00 within 2%). Then where the CPU goes: the busiest
+rank's CPU per phase of the iteration (``zero_grad``, forward, backward, step) for each kind, and what
+one small gloo collective costs the busiest rank (five ints gathered; each of ndweave's two checks is
+one such collective a step).
 
 Then, in fresh processes per ZeRO stage (``--memory-bucket-mb`` buckets), the busiest rank's peak bytes of live tensors over two steps
 (``ndweave.mesh.testing.memory.TensorMemory``; model, buffers and state included) against the theory
@@ -39,23 +46,26 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import Row, add_common_args, emit, init_rank, measure, mlp, spawn, sync
+from common import Row, add_common_args, close, emit, init_rank, measure, mlp, spawn, sync
 
-KINDS = ("unsharded", "torch-zero", "ndweave", "ndweave+overlap", "ndweave-zero2")
+KINDS = ("unsharded", "torch-zero", "ndweave", "ndweave+overlap", "ndweave-zero2", "ndweave-unchecked")
+PHASES = ("zero_grad", "forward", "backward", "step")  # the iteration's parts, as the CPU table splits it
+SMALL_CALLS = 100
 
 
 def _model(args) -> torch.nn.Module:
     return mlp(args.layers, args.width)
 
 
-def _ndweave_ddp(model, device, args, zero_stage: int = 1, bucket_mb: float | None = None):
+def _ndweave_ddp(model, device, args, zero_stage: int = 1, bucket_mb: float | None = None, checked: bool = True):
     bucket = int((args.bucket_mb if bucket_mb is None else bucket_mb) * 2**20) // 4
     try:
         from ndweave.ddp import DDP
         from ndweave.mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("DP",))
-        return DDP(model, mesh["DP"], bucket_size=bucket, zero_stage=zero_stage), "ndweave.ddp"
+        return (DDP(model, mesh["DP"], bucket_size=bucket, zero_stage=zero_stage, detect_desync=checked),
+                "ndweave.ddp")
     except ImportError:
         from ndweave.mesh.testing import ReferenceDataParallel
 
@@ -70,9 +80,12 @@ def _build(kind: str, model, device, args):
     if kind.startswith("ndweave"):
         from ndweave.optim import DistributedOptimizer
 
-        ddp, source = _ndweave_ddp(model, device, args, zero_stage=2 if kind.endswith("zero2") else 1)
+        checked = not kind.endswith("unchecked")
+        ddp, source = _ndweave_ddp(model, device, args, zero_stage=2 if kind.endswith("zero2") else 1,
+                                   checked=checked)
         opt = DistributedOptimizer(torch.optim.Adam, [ddp], optimizer_kwargs={"lr": 1e-4},
-                                   overlap_param_gather=kind.endswith("overlap"))
+                                   overlap_param_gather=kind.endswith("overlap"),
+                                   on_nonfinite="raise" if checked else "unchecked")
         return ddp, opt, source
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=args.bucket_mb)
     if kind == "torch-zero":
@@ -94,30 +107,60 @@ def _worker(rank: int, world: int, port: int, kind: str, args, queue) -> None:
     y = torch.randint(0, 10, (args.batch,), generator=g).to(device)
     ddp, opt, source = _build(kind, _model(args).to(device), device, args)
     steps: list[float] = []
+    phases = torch.zeros(len(PHASES), dtype=torch.float64)  # this process's CPU seconds in each
 
     def iteration() -> None:
+        cpu = [time.process_time()]
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        cpu.append(time.process_time())
+        loss = torch.nn.functional.cross_entropy(ddp(x), y)
+        cpu.append(time.process_time())
+        loss.backward()
         sync(device)
+        cpu.append(time.process_time())
         t1 = time.perf_counter()
         opt.step()
         sync(device)
         steps.append(time.perf_counter() - t1)
+        cpu.append(time.process_time())
+        phases.add_(torch.tensor(cpu[1:], dtype=torch.float64) - torch.tensor(cpu[:-1], dtype=torch.float64))
 
     for _ in range(args.warmup):
         iteration()
     steps.clear()
+    phases.zero_()
     wall, cpu = measure(iteration, device, args.steps)
     step = torch.tensor([statistics.median(steps)], dtype=torch.float64)
     dist.all_reduce(step, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     state = torch.tensor([_state_bytes(kind, opt)], dtype=torch.float64)
     all_state = [torch.zeros_like(state) for _ in range(world)]
     dist.all_gather(all_state, state)
+    all_phases = [torch.zeros_like(phases) for _ in range(world)]
+    dist.all_gather(all_phases, phases / args.steps)
+    small = _small_collective_cpu(world) if kind == "unsharded" else None
     if rank == 0:
+        busiest = max(all_phases, key=lambda t: float(t.sum()))
         queue.put({"iter": wall, "cpu": cpu, "step": step.item(), "state": [int(s.item()) for s in all_state],
-                   "source": source})
-    dist.barrier()
-    dist.destroy_process_group()
+                   "source": source, "phases": busiest.tolist(), "small": small})
+    close()
+
+
+def _small_collective_cpu(world: int) -> float:
+    """The busiest rank's CPU seconds for one all_gather of five ints on a gloo group of every rank:
+    what each of ndweave's checks costs a step (DDP's desync check is exactly this; the non-finite
+    check one all-reduced scalar)."""
+    group = dist.new_group(backend="gloo")
+    mine = torch.zeros(5, dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    for _ in range(10):
+        dist.all_gather(everyone, mine, group=group)
+    dist.barrier(group=group)
+    start = time.process_time()
+    for _ in range(SMALL_CALLS):
+        dist.all_gather(everyone, mine, group=group)
+    spent = torch.tensor([(time.process_time() - start) / SMALL_CALLS], dtype=torch.float64)
+    dist.all_reduce(spent, op=dist.ReduceOp.MAX, group=group)
+    return spent.item()
 
 
 def _run(kind: str, world: int, args) -> dict:
@@ -155,8 +198,7 @@ def _memory_worker(rank: int, world: int, port: int, zero_stage: int, args, queu
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
         queue.put({"peak": int(peak.item()), "theory": theory})
-    dist.barrier()
-    dist.destroy_process_group()
+    close()
 
 
 def main() -> None:
@@ -196,6 +238,13 @@ def main() -> None:
             print(f"{kind:16} {r['iter'] * 1e3:9.2f} {ours['iter'] / r['iter']:9.2f} {r['cpu'] * 1e3:9.2f} "
                   f"{ours['cpu'] / r['cpu']:9.2f} {r['step'] * 1e3:9.2f} {ours['step'] / r['step']:9.2f} {mb:20.3f} "
                   f"{max(r['state']) * world / unsharded:17.3f}")
+        print(f"\nbusiest rank's CPU ms by phase (one round; backward includes the grad reductions it starts)")
+        print(f"{'':16} " + " ".join(f"{p:>9}" for p in PHASES))
+        for kind in KINDS:
+            print(f"{kind:16} " + " ".join(f"{v * 1e3:9.2f}" for v in rounds[kind][0]["phases"]))
+        small = statistics.median(r["small"] for r in rounds["unsharded"])
+        print(f"one all_gather of five ints on gloo (each of ndweave's two checks is one such collective a step): "
+              f"{small * 1e3:.2f} ms CPU on the busiest rank")
         memory = {stage: spawn(_memory_worker, world, stage, args) for stage in (1, 2)}
         print(f"\n{'peak MB/rank':16} {'measured':>9} {'theory':>9} {'ratio':>6}  terms (MB; "
               f"{args.memory_bucket_mb:g} MB buckets)")
@@ -212,7 +261,9 @@ def main() -> None:
                         bound=f"unsharded/DP = {unsharded / world / 2**20:.2f} MB: ours "
                               f"{max(ours['state']) * world / unsharded:.3f}x, torch's "
                               f"{max(zero['state']) * world / unsharded:.3f}x",
-                        note=f"opt.step() alone {ours['step'] / zero['step']:.2f}x torch's"))
+                        note=f"opt.step() alone {ours['step'] / zero['step']:.2f}x torch's; without ndweave's two "
+                             f"checks CPU {results['ndweave-unchecked']['cpu'] / zero['cpu']:.2f}x (one small "
+                             f"collective each: {small * 1e3:.2f} ms CPU)"))
         zero2, peaks = results["ndweave-zero2"], {s: m["peak"] / 2**20 for s, m in memory.items()}
         theory2 = sum(memory[2]["theory"].values()) / 2**20
         rows.append(Row("ndweave.optim DistributedOptimizer, DDP zero_stage=2", f"ZeroRedundancyOptimizer(Adam) "

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import Row, add_common_args, emit, init_rank, interleaved, spawn
+from common import Row, add_common_args, close, emit, init_rank, interleaved, spawn
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -100,7 +100,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                         timeline.text()))
     if rank == 0:
         queue.put(results)
-    dist.destroy_process_group()
+    close()
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["Row", "Timing", "add_common_args", "emit", "init_rank", "interleaved", "measure", "report_and_close", "mlp", "spawn", "sync"]
+__all__ = ["Row", "Timing", "add_common_args", "close", "emit", "init_rank", "interleaved", "measure", "report_and_close", "mlp", "spawn", "sync"]
 
 
 def spawn(worker: Callable[..., None], world: int, *args: Any) -> Any:
@@ -96,8 +96,16 @@ def report_and_close(rank: int, timing: dict[str, Timing], queue: Any) -> None:
     """Hand rank 0's ``timing`` (name -> (wall, best wall, CPU)) to ``spawn``, then leave the group."""
     if rank == 0:
         queue.put({k: (t.wall, t.best_wall, t.cpu) for k, t in timing.items()})
-    dist.barrier()
-    dist.destroy_process_group()
+    close()
+
+
+def close() -> None:
+    """Leave the process group, torch's rows and ours alike, with ``ndweave.mesh.shutdown()``: after
+    ``destroy_process_group()`` alone, gloo's worker threads could still be releasing a last work as
+    the interpreter ended, and about one 4-rank run in six aborted there (SIGABRT), its figures lost."""
+    from ndweave.mesh import shutdown
+
+    shutdown()
 
 
 @dataclass(frozen=True)
