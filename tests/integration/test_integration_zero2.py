@@ -148,6 +148,9 @@ def peak_and_theory(zero_stage: int) -> tuple[int, dict[str, int]]:
     return memory.peak_bytes("cpu"), theory
 
 
+GLOO_WORKER_THREADS = 2  # ProcessGroupGloo's default
+
+
 @distributed(world_size=4, timeout=300)
 def test_zero2_peak_memory_per_rank_is_the_theory():
     """fp32, DP=4, AdamW (masters are the fp32 model's own param_data): ZeRO-2's peak is params 4Ψ +
@@ -162,7 +165,12 @@ def test_zero2_peak_memory_per_rank_is_the_theory():
         # 8Ψ/N: the last rank owns a little less (each bucket pads at its end)
         assert theory["adam"] == pytest.approx(8 * psi / 4, rel=0.05) and theory["masters"] == 0
         steady = theory["params"] + theory["grads"] + theory["adam"]
-        bound = sum(theory.values()) + 0.1 * theory["params"]
+        # a reduced bucket's buffer lives on until gloo's worker thread drops its finished work, just
+        # after wait() returns: up to one more bucket per worker thread (2 per group), timing-dependent.
+        # Without this, 4 of 7 runs read 0.13-0.15 MiB over the buckets in flight; with a 3 ms pause
+        # after each wait (the thread done by then), 5 of 5 stayed within. A pool of buffers would bound it.
+        held = GLOO_WORKER_THREADS * theory["buckets"] // (MAX_IN_FLIGHT + 1) if stage == 2 else 0
+        bound = sum(theory.values()) + held + 0.1 * theory["params"]
         assert steady <= peak <= bound, (
             f"ZeRO-{stage}: peak {peak / 2**20:.3f} MiB against the theory {bound / 2**20:.3f} MiB "
             f"({ {k: round(v / 2**20, 3) for k, v in theory.items()} } + activations)")
