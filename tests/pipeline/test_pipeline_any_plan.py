@@ -201,7 +201,7 @@ def test_split_by_measured_time_balances_what_parameter_counts_cannot():
 
 def test_cutting_a_model_imports_no_compiler():
     # fx's own stack-trace filter imports torch._dynamo, torch.export and inductor to list their files
-    # (0.4-0.5 s in a fresh process); the tracer filters the frames itself
+    # (0.4-0.5 s in a fresh process); the tracer records the user's frames itself
     script = ("import sys, torch\n"
               "from pipeline_models import SEQ, TinyLM\n"
               "from ndweave.pipeline import PipelineParallelPlan\n"

@@ -108,15 +108,20 @@ class _ValueTracer(fx.Tracer):
         self.example_inputs = example_inputs
         self.values: dict[fx.Node, Any] = {}
         self.constants: dict[str, torch.Tensor] = {}
-        self.record_stack_traces = True  # errors can point at the user's line
         self._computing = False  # running a value: module calls and attributes are the real ones
 
-    def _filter_traceback_frames(self, user_stack_summary: traceback.StackSummary) -> traceback.StackSummary:
-        # the user's frames from the first forward on, torch's left out: fx's own filter imports
-        # torch._dynamo, torch.export and inductor for their file names (0.4 s, once per process)
-        forward = next((i for i, frame in enumerate(user_stack_summary) if frame.name == "forward"), None)
-        frames = [] if forward is None else user_stack_summary[forward:]
-        return traceback.StackSummary.from_list([f for f in frames if not _is_torch_machinery(f.filename)])
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> fx.Node:
+        # each node records the user's frames, so errors can point at the user's line: from the first
+        # forward on, torch's left out (fx's own ``record_stack_traces`` filter imports torch._dynamo,
+        # torch.export and inductor to list their files: 0.4 s, once per process)
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if not node.stack_trace:
+            stack = traceback.extract_stack()
+            forward = next((i for i, frame in enumerate(stack) if frame.name == "forward"), None)
+            frames = [] if forward is None else [f for f in stack[forward:] if not _is_torch_machinery(f.filename)]
+            if frames:
+                node.stack_trace = "".join(traceback.StackSummary.from_list(frames).format()).strip()
+        return node
 
     def trace(self, root, concrete_args=None):
         originals = {name: getattr(torch, name) for name in _FACTORIES}
