@@ -80,11 +80,12 @@ def state_values_per_element(optimizer: type[torch.optim.Optimizer], dtype: torc
     """(bytes per element of the elementwise state tensors, bytes of the other tensors, such as Adam's
     ``step``) that ``optimizer`` keeps per parameter of ``dtype`` after a step, built as
     ``DistributedOptimizer`` builds it (fused where torch has the kernel)."""
-    kwargs = optimizer_kwargs or {"lr": 0.0}
+    kwargs = tuple(sorted((optimizer_kwargs or {"lr": 0.0}).items()))
     try:
-        return _probed(optimizer, dtype, tuple(sorted(kwargs.items())))
+        hash(kwargs)
     except TypeError:  # an unhashable hyperparameter: probed every time
-        return _probed.__wrapped__(optimizer, dtype, tuple(sorted(kwargs.items())))
+        return _probed.__wrapped__(optimizer, dtype, kwargs)
+    return _probed(optimizer, dtype, kwargs)
 
 
 @functools.lru_cache(maxsize=64)  # a planner asks for the same optimizer once per chunk of every layout
