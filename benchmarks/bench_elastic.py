@@ -21,9 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 # (phase, the line that ends it): each phase starts where the previous one ended
 MARKS = [("launch", "ParallelMesh("), ("kill", "SIGKILLs itself"), ("detected", "exitcode: -9"),
          ("restarted", "ParallelMesh("), ("resumed", "resumed from step")]
@@ -31,12 +29,10 @@ MARKS = [("launch", "ParallelMesh("), ("kill", "SIGKILLs itself"), ("detected", 
 
 def one_round(args: argparse.Namespace) -> dict[str, float]:
     """Seconds from the launch to each mark of ``MARKS``, in one restarted run."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(p) for p in sorted((ROOT / "packages").glob("*/src"))]
-                                         + [os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory() as checkpoints:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world}",
-                   "--max-restarts=1", str(ROOT / "examples" / "gpt" / "train.py"), "--mesh", args.mesh,
+                   "--max-restarts=1", "-m", "ndweave_gpt", "--mesh", args.mesh,
                    "--n-layer", "2", "--n-embd", "64", "--block-size", "32", "--steps", str(args.kill_at_step + 2),
                    "--checkpoint-every", str(args.checkpoint_every), "--checkpoint-dir", checkpoints, "--plot", "",
                    "--device", args.device, "--kill-rank", str(args.world - 1),

@@ -4,7 +4,7 @@
     python benchmarks/bench_job.py --models nanogpt --meshes pp=2,dp=2,tp=2 --profile /tmp/job.prof
     python benchmarks/bench_job.py --quick     # tiny sizes, one round: a smoke test
 
-Ours is ``examples/gpt/train.py``'s own functions (imported, not copied): ``build_model`` ->
+Ours is the job's own functions (``ndweave_gpt.build``, imported, not copied): ``build_model`` ->
 ``parallelize`` (pipeline cut by FQN, the zoo's TP+SP plan per stage chunk: ``nanogpt``, or
 ``hf_llama`` for ``--model hf:llama``; ``ndweave.ddp`` on DP, ``PipeEngine``) -> ``build_optimizer``
 (``DistributedOptimizer``: ZeRO-1 AdamW, global-norm clip, the job's lr schedule) ->
@@ -65,7 +65,6 @@ import math
 import os
 import pstats
 import shutil
-import sys
 import tempfile
 import time
 import warnings
@@ -78,22 +77,15 @@ import torch.distributed as dist
 from torch import nn
 
 from common import Row, add_common_args, close, emit, init_rank, interleaved, spawn
-
-GPT_DIR = Path(__file__).resolve().parents[1] / "examples" / "gpt"
-
-
-def _job():
-    """``examples/gpt/train.py`` as a module (the examples are plain files, not a package)."""
-    if str(GPT_DIR) not in sys.path:
-        sys.path.insert(0, str(GPT_DIR))
-    import train  # noqa: PLC0415
-
-    return train
-
+from ndweave.checkpoint import DataPosition
+from ndweave_gpt.build import (adamw_kwargs, build_mesh, build_model, build_optimizer, data_mean, data_rank, loss_fn,
+                               lr_schedule, parallelize)
+from ndweave_gpt.config import parse_args
+from ndweave_gpt.data import TextData
 
 def _job_args(spec: str, model: str, args, dtype: str, micro_batches: int):
     hf = ["--config", args.hf_config] if model != "nanogpt" else []
-    return _job().parse_args([
+    return parse_args([
         "--model", model, *hf, "--mesh", spec, "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
         "--n-head", str(args.n_head),
         "--block-size", str(args.block_size), "--global-batch", str(args.global_batch),
@@ -103,18 +95,18 @@ def _job_args(spec: str, model: str, args, dtype: str, micro_batches: int):
 
 # ----------------------------------------------------------------------------------------- ours
 class Ours:
-    """The job's own composition (examples/gpt/train.py's functions)."""
+    """The job's own composition (``ndweave_gpt.build``'s functions)."""
 
     def __init__(self, a, mesh, ckpt_dir: str):
         from ndweave.checkpoint import CheckpointManager
 
-        job = _job()
-        self.job, self.a, self.mesh = job, a, mesh
-        model = job.build_model(a)
-        self.chunks, self.engine = job.parallelize(model, mesh, a)
+        self.a, self.mesh = a, mesh
+        model = build_model(a)
+        job = parallelize(model, mesh, a)
+        self.chunks, self.engine = job.chunks, job.engine
         del model
         gc.collect()
-        self.optimizer, self.scheduler = job.build_optimizer(self.chunks, a)
+        self.optimizer, self.scheduler = build_optimizer(self.chunks, a)
         self.manager = CheckpointManager(ckpt_dir, keep_last=1)
         self.saves = 0
 
@@ -123,7 +115,7 @@ class Ours:
         loss = self.engine(x, y).detach().to(torch.float64)
         self.optimizer.step()
         self.scheduler.step()
-        return self.job.data_mean(loss, self.mesh)
+        return data_mean(loss, self.mesh)
 
     def save(self) -> None:
         self.saves += 1
@@ -131,7 +123,7 @@ class Ours:
 
     def stage_layout(self) -> tuple[list[int], bool, bool]:
         """The blocks this rank's stage holds, and whether it holds the embeddings / the head."""
-        family = FAMILIES[self.a.model]
+        family = FAMILIES[self.a.model.name]
         names = [n for chunk in self.chunks for n, _ in chunk.named_parameters(remove_duplicate=False)]
         prefix, embedding = f"{family.names.blocks}.", f"{family.names.embedding}."
         blocks = sorted({int(n[len(prefix):].split(".")[0]) for n in names if n.startswith(prefix)})
@@ -291,14 +283,13 @@ class Theirs:
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import parallelize_module
 
-        job = _job()
-        self.job, self.a, self.tmesh, self.device, self.ckpt_dir = job, a, tmesh, device, ckpt_dir
+        self.a, self.tmesh, self.device, self.ckpt_dir = a, tmesh, device, ckpt_dir
         # the groups held, not sliced from the mesh each step (a DeviceMesh slice costs milliseconds)
         self.pp, self.dp = tmesh["pp"].size(), tmesh["dp"].size()
         self.pp_group, self.dp_group = tmesh["pp"].get_group(), tmesh["dp"].get_group()
         blocks, self.first, self.last = layout
-        family, tp = FAMILIES[a.model], tmesh["tp"].size()
-        model = job.build_model(a)
+        family, tp = FAMILIES[a.model.name], tmesh["tp"].size()
+        model = build_model(a)
         names = family.names
         tied = model.lm_head.weight is model.get_submodule(names.embedding).weight
         stage = family.stage(model, blocks, self.first, self.last, tp)
@@ -320,20 +311,20 @@ class Theirs:
         self.params = [p for p in stage.parameters()]
         self.norm_params = [p for p in self.params if not (self.tied is not None and self.last and p is self.tied)]
         kind = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[optimizer]
-        self.optimizer = torch.optim.AdamW(self.params, **job.adamw_kwargs(a), **kind)
-        self.scheduler = job.lr_schedule(self.optimizer, a)
+        self.optimizer = torch.optim.AdamW(self.params, **adamw_kwargs(a), **kind)
+        self.scheduler = lr_schedule(self.optimizer, a)
         self.schedule = None
         if self.pp > 1:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-            cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[a.schedule]
+            cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[a.parallel.schedule]
             pipe = PipelineStage(stage, tmesh["pp"].get_local_rank(), self.pp, device, group=tmesh["pp"].get_group())
-            self.schedule = cls(pipe, n_microbatches=micro_batches, loss_fn=job.loss_fn)
+            self.schedule = cls(pipe, n_microbatches=micro_batches, loss_fn=loss_fn)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.optimizer.zero_grad()
         if self.schedule is None:
-            loss = self.job.loss_fn(self.stage(x), y)
+            loss = loss_fn(self.stage(x), y)
             loss.backward()
             loss = loss.detach().to(torch.float64)
         else:
@@ -359,7 +350,7 @@ class Theirs:
     def _clip(self) -> None:
         from torch.distributed.tensor import DTensor
 
-        if not self.a.clip:
+        if not self.a.training.clip:
             return
         norm = torch.nn.utils.get_total_norm([p.grad for p in self.norm_params if p.grad is not None], 2.0)
         if isinstance(norm, DTensor):
@@ -368,7 +359,7 @@ class Theirs:
             norm = norm ** 2
             dist.all_reduce(norm, group=self.pp_group)
             norm = norm.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(self.params, self.a.clip, norm)
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.a.training.clip, norm)
 
     def save(self) -> None:
         import torch.distributed.checkpoint as dcp
@@ -381,22 +372,21 @@ class Theirs:
 # ------------------------------------------------------------------------------------ the ranks
 def _pair(spec: str, model: str, args, dtype: str, tmesh, device, tmp: str):
     """Ours and theirs for ``spec`` in ``dtype``, from the same model, with one data stream each."""
-    job = _job()
     pp = tmesh["pp"].size()
     micro = args.micro_batches if pp > 1 else 1  # one stage: a plain step on each side, no accumulation
     a = _job_args(spec, model, args, dtype, micro)
-    mesh = job.build_mesh(a)
+    mesh = build_mesh(a)
     ours = Ours(a, mesh, os.path.join(tmp, f"ours-{dtype}"))
     theirs = Theirs(a, tmesh, ours.stage_layout(), micro, device, os.path.join(tmp, f"theirs-{dtype}"),
                     args.torch_adamw)
-    dp_rank, dp_size = job.data_rank(mesh)
+    dp_rank, dp_size = data_rank(mesh)
     feeds = {}
     for name, side in (("ndweave", ours), ("torch", theirs)):
-        data, position = job.TextData(a.block_size, a.seed), job.DataPosition()
+        data, position = TextData(a.model.block_size, a.training.seed), DataPosition()
 
         def feed(side=side, data=data, position=position) -> float:
-            x, y = (t.to(device) for t in data.batch(position, a.global_batch, dp_rank, dp_size))
-            position.advance(a.global_batch)
+            x, y = (t.to(device) for t in data.batch(position, a.data.global_batch, dp_rank, dp_size))
+            position.advance(a.data.global_batch)
             return side.step(x, y)
         feeds[name] = feed
     return {"ndweave": ours, "torch": theirs}, feeds
@@ -493,7 +483,7 @@ AREAS = (
     ("c10d and DeviceMesh (Python)", ("/torch/distributed/",)), ("autograd (Python)", ("/torch/autograd/",)),
     ("torch.nn modules and hooks", ("/torch/nn/",)), ("torch.fx", ("/torch/fx/",)),
     ("torch, other Python", ("/torch/",)),
-    ("the job (examples/gpt)", ("/examples/gpt/",)),
+    ("the job (ndweave_gpt)", ("/ndweave_gpt/",)),
 )
 
 
@@ -517,7 +507,7 @@ def profile_summary(path: str, steps: int, top: int = 14) -> str:
     # the step's own frames (the engine, the stage forward and backward, the model) hold nearly all of it
     ours = sorted(((cum, tot, calls, f"{Path(filename).name}:{line}({name})")
                    for (filename, line, name), (_, calls, tot, cum, _) in stats.stats.items()
-                   if ("/ndweave/" in filename or "/examples/gpt/" in filename) and not filename.endswith("model.py")
+                   if ("/ndweave/" in filename or "/ndweave_gpt/" in filename) and not filename.endswith("nanogpt.py")
                    and cum < 0.25 * total), reverse=True)
     if ours:
         lines.append("  ndweave / job functions by cumulative time per step, under 25% of it (ms cumulative, ms self, "
@@ -557,7 +547,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser)
     parser.add_argument("--models", nargs="+", choices=list(FAMILIES), default=list(FAMILIES),
-                        help="the job's --model: model.py's GPT, transformers' Llama (--hf-config)")
+                        help="the job's --model: its nanogpt GPT, transformers' Llama (--hf-config)")
     parser.add_argument("--hf-config", default="tiny", help="the hf: model's --config preset")
     parser.add_argument("--meshes", nargs="+", default=["dp=2,tp=2", "pp=2,dp=2,tp=2"])
     parser.add_argument("--n-layer", type=int, default=4, help="nanogpt's")
@@ -636,7 +626,7 @@ def _run(model: str, spec: str, args) -> Row:
                                   args.profile_steps))
     pipe = f" + torch.distributed.pipelining ({args.schedule})" if "pp=" in spec else ""
     return Row(
-        "ndweave job (gpt/train.py)",
+        "ndweave job (ndweave_gpt)",
         f"torch parallelize_module TP+SP + FSDP2 (ZeRO-2){pipe} + dcp.save, {_describe(model, args)}, "
         f"{spec.replace(',', ' x ')}",
         world, ours / theirs, ours_cpu / theirs_cpu,

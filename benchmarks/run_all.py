@@ -111,7 +111,7 @@ def main() -> int:
     print(f"\n{header}; load average {load_before} at the start, {load()} at the end\n")
     print(table(rows))
     print(f"\nRatios are ours / torch native: below 1 means ndweave is faster. **CPU** is the busiest rank's "
-          f"process CPU time per step (median of interleaved rounds): the figure the README quotes, because other "
+          f"process CPU time per step (median of interleaved rounds): the figure benchmarks/RESULTS.md quotes, because other "
           f"jobs sharing the machine stretch wall time (a rank waiting for a core) but not the CPU time a rank "
           f"spends. Wall time (median round, barrier to barrier) is shown next to it."
           + (" --quick: tiny sizes, not figures to quote." if args.quick else ""))

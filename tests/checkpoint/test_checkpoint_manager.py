@@ -4,12 +4,16 @@ old ones and leftovers of crashed saves are removed after the next commit."""
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import pytest
 import torch
 
 from checkpoint_cases import mlp
 from ndweave.checkpoint import CheckpointManager
+from ndweave.checkpoint import saver
+from ndweave.mesh.testing import distributed
+from ndweave.mesh.torch_compat import group_timeout, live_groups
 
 
 def test_retention_keeps_the_newest_complete_checkpoints(tmp_path):
@@ -46,3 +50,39 @@ def test_the_newest_complete_checkpoint_loads_and_crashed_saves_are_ignored(tmp_
 def test_keep_last_must_keep_something():
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointManager("x", keep_last=0)
+
+
+@distributed(world_size=2)
+def test_close_commits_the_pending_async_save_then_destroys_the_managers_group(tmp_path):
+    manager = CheckpointManager(tmp_path, async_checkpoint=True, timeout=20)
+    handle = manager.save(1, {"model": mlp(seed=0), "step": 1})
+    group = manager._process_group  # made by the first async save, tagged, with the manager's timeout
+    assert group.group_desc == "ndweave:checkpoint-planning" and group_timeout(group) == timedelta(seconds=20)
+    manager.close()
+    assert handle.done() and manager.steps() == [1]  # committed on every rank before close() returned
+    assert group not in live_groups()
+    manager.close()  # a second close does nothing
+    with pytest.raises(RuntimeError, match="is closed: make a new one to save again"):
+        manager.save(2, {"model": mlp(seed=0), "step": 2})
+
+
+def test_a_manager_closes_on_leaving_its_block_and_raises_what_its_last_save_raised(tmp_path, monkeypatch):
+    assert CheckpointManager(tmp_path).timeout == 300  # ndweave's collective timeout, not torch's 30 minutes
+    with CheckpointManager(tmp_path, async_checkpoint=True) as manager:
+        handle = manager.save(1, {"model": mlp(seed=0), "step": 1})
+    assert handle.done() and manager.steps() == [1]
+
+    def fails() -> None:
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(saver, "_yield_to_training", fails)  # the background thread fails before writing
+    manager = CheckpointManager(tmp_path, async_checkpoint=True)
+    manager.save(2, {"model": mlp(seed=0), "step": 2})
+    with pytest.raises(OSError, match="disk gone"):
+        manager.close()
+    manager.close()  # raised once: closed all the same
+    manager = CheckpointManager(tmp_path, async_checkpoint=True)
+    with pytest.raises(OSError, match="disk gone"):
+        manager.save(3, {"model": mlp(seed=0), "step": 3}).wait()
+    manager.close()  # the error was raised by wait() already: not again
+    assert manager.steps() == [1]

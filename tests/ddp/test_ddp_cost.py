@@ -76,3 +76,39 @@ def test_zero2_keeps_the_planned_grad_shards_and_frees_full_buckets_after_backwa
     # after backward only the shards hold grads: no full-size bucket, no view of one, no .grad
     assert all(slot.main_grad is None for slot in ddp._slots)
     assert all(p.grad is None for p in ddp.parameters())
+
+
+@distributed(world_size=2, timeout=60)
+def test_zero2_holds_exactly_the_full_size_buckets_grad_sync_counts():
+    """``grad_sync(..., zero_stage=2)``: during a backward, the full-size buckets alive at once (those
+    reducing and the one filling) are ``in_flight`` bytes at most, and reached; as its last bucket is
+    launched, those still reducing are ``reduce_copy`` bytes. ZeRO-1 holds neither, only its
+    ``.grad`` copies where the grad buffer is wider than the parameter."""
+    from ndweave.ddp.cost import grad_dtype, grad_sync, published_grad_bytes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(6)])  # six equal buckets of 64
+    plans = plan_buffers([(n, p.dtype, p.numel(), p.numel(), "DP", 2) for n, p in model.named_parameters()],
+                         bucket_size=64, grad_dtype_of=grad_dtype)
+    ddp = DDP(model, init_device_mesh("cpu", (2,), mesh_dim_names=("DP",)), bucket_size=64, zero_stage=2)
+    shards, alive, launched = ddp._grad_shards, [], []
+    opened, launch = shards.open, shards.launch
+
+    def full_bytes() -> int:
+        return sum(f.numel() * f.element_size() for f in shards.full if f is not None)
+
+    def counting_open(index: int) -> None:
+        opened(index)
+        alive.append(full_bytes())
+
+    def counting_launch(index, op) -> None:
+        launch(index, op)
+        launched.append(full_bytes())
+
+    shards.open, shards.launch = counting_open, counting_launch
+    ddp(torch.randn(2, 8)).sum().backward()
+    sync = grad_sync(plans, zero_stage=2)
+    assert len(plans[0].buckets) == 6 and max(alive) == sync.in_flight == 3 * plans[0].bucket_grad_bytes()
+    assert launched[-1] == sync.reduce_copy == 2 * plans[0].bucket_grad_bytes()
+    assert grad_sync(plans, zero_stage=1, published=7) == type(sync)(published=7, reduce_copy=0)
+    assert published_grad_bytes([(torch.bfloat16, 10), (torch.float32, 10)]) == 20

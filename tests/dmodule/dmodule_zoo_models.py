@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import copy
 import re
-import importlib.util
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,22 +20,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 from core_models import MLP  # the seed's MLP (4 -> 8 -> 4)
+from gpt_model import GPT, GPTConfig  # the job's GPT, copied into the tests (tests/gpt_model.py)
 from ndweave.mesh.testing import STRICT_DTYPE, assert_close
 
-ROOT = Path(__file__).resolve().parents[2]
 BATCH, SEQ = 2, 16
 _NORM = re.compile(r"(norm|ln_\w+|layernorm)\.(weight|bias)$")
-
-
-def load_nanogpt():
-    """``examples/gpt/model.py`` as a module (the examples folder is not a package)."""
-    name = "ndweave_examples_nanogpt"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "gpt" / "model.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def build(name: str, **overrides) -> nn.Module:
@@ -46,9 +32,8 @@ def build(name: str, **overrides) -> nn.Module:
     if name == "mlp":
         return MLP()
     if name == "nanogpt":
-        ng = load_nanogpt()
         cfg = dict(vocab_size=100, block_size=SEQ, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
-        return ng.GPT(ng.GPTConfig(**{**cfg, **overrides}))
+        return GPT(GPTConfig(**{**cfg, **overrides}))
     if name == "hf_llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 

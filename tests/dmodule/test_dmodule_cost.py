@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from ndweave.dmodule import get_plan, parallelize_module  # noqa: E402
 from ndweave.dmodule.cost import local_param_shapes, parallelize_on_meta  # noqa: E402
 from ndweave.mesh import init_device_mesh  # noqa: E402
-from ndweave.mesh.testing import distributed, fake_world  # noqa: E402
+from ndweave.mesh.testing import distributed  # noqa: E402
+from ndweave.mesh import fake_world
 
 
 def _mixtral() -> torch.nn.Module:

@@ -170,7 +170,7 @@ def test_copies_of_a_deferred_module_share_its_program():
     """The auto plan traces meta copies of the model it is given. Deep-copying a deferred model's
     recorded program (fake tensors, outside their mode) corrupted the heap in torch 2.13 and crashed a
     later garbage collection (CI: about one in 12 auto plans of a deferred GPT-2 then materialized)."""
-    from ndweave.mesh.trace import meta_copy
+    from ndweave.dmodule.infer.trace import meta_copy
 
     model = deferred_init(Net)
     twin = meta_copy(model)

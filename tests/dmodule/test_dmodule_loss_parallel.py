@@ -65,7 +65,7 @@ def test_nanogpt_loss_parallel_matches_one_process(sequence_parallel):
 
 
 def _loss_inside(net, tokens):
-    """examples/gpt/model.py's own loss (reshape(-1, vocab), ignore_index=-1), inside forward."""
+    """The job's GPT's own loss (reshape(-1, vocab), ignore_index=-1), inside forward (tests/gpt_model.py)."""
     return net(tokens[:, :-1].clamp(min=0), tokens[:, 1:])[1]
 
 

@@ -12,7 +12,7 @@ from torch.distributed.tensor import Shard
 
 from ndweave.dmodule import PlanKeyError, load_plan, parallelize_module, register_patch, save_plan
 from ndweave.dmodule.patches import registered_patches
-from ndweave.mesh.testing import fake_world
+from ndweave.mesh import fake_world
 
 
 @register_patch("test_scale_output")

@@ -11,8 +11,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import ndweave.dmodule
 import ndweave.dmodule.vescale  # veScale's `from vescale.dmodule.api import parallelize_module`, changed
 from ndweave.dmodule import DModule
-from ndweave.mesh.testing import STRICT_DTYPE, assert_close, distributed, fake_world
+from ndweave.mesh.testing import STRICT_DTYPE, assert_close, distributed
 
+from ndweave.mesh import fake_world
 NDWEAVE, VESCALE = ndweave.dmodule, ndweave.dmodule.vescale
 ENTRY_POINTS = {"ndweave": NDWEAVE, "vescale": VESCALE}
 

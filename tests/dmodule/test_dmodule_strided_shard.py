@@ -14,7 +14,8 @@ from ndweave.mesh.torch_compat import StridedShard as _StridedShard
 from ndweave.dmodule import PlacementSpec, deferred_init, parallelize_module
 from ndweave.dmodule.api import local_shard
 from ndweave.dmodule.plan import check_placements
-from ndweave.mesh.testing import fake_world, run_distributed
+from ndweave.mesh.testing import run_distributed
+from ndweave.mesh import fake_world
 from ndweave.mesh.testing.memory import TensorMemory
 
 

@@ -3,6 +3,7 @@ signature (keyword arguments, ``*args``, ``**kwargs``, nested values), outputs p
 (dict, dataclass, HF ``ModelOutput``), ``factory={ModuleClass: ...}``, and errors that name the
 thing and the fix (``PlanKeyError`` is both a ``KeyError`` and a ``ValueError``)."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -269,3 +270,27 @@ def test_plans_naming_what_is_not_there_fail_with_the_fix():
     with pytest.raises(ValueError, match=r"factory\[Block\]\[torch\.zeros\]: \[Shard\(dim=0\), Replicate\(\)\] on a "
                                          r"1-D mesh; give one Shard or Replicate per mesh dim"):
         parallelize_module(Block(), mesh, factory={Block: {torch.zeros: [Shard(0), R]}})
+
+
+@distributed(world_size=2)
+def test_vescale_entry_point_drops_what_the_forward_cannot_take_with_a_warning():
+    """veScale scripts run as typed through ``ndweave.dmodule.vescale``: an input entry for an argument
+    the forward does not take, or more entries than positional arguments, warn and are dropped (as
+    veScale does); the entries that bind still lay out their arguments, and the outputs equal a plain
+    run. ndweave's own entry point still refuses both (above)."""
+    from ndweave.dmodule import vescale
+
+    mesh = _tp_mesh()
+    torch.set_default_dtype(STRICT_DTYPE)
+    torch.manual_seed(0)
+    ref = Block()
+    x = torch.randn(2, 4)
+    for plan in ({".input": {"hidden": [R], "hiden": [R]}}, {".input": [[R], [R], [R]]}):
+        dm = copy.deepcopy(ref)
+        with pytest.warns(UserWarning, match=r"(names 'hiden'|gives 3 inputs).*: ignored, as veScale ignores it"):
+            dm = vescale.parallelize_module(dm, mesh, {"forward": plan})
+        out = dm(x)
+        assert isinstance(out, DTensor) and out.placements == (R,)  # veScale's outputs stay DTensors
+        assert_close(out.to_local(), ref(x), name="output")
+    with pytest.raises(KeyError, match="names 'hiden'"):  # scoped to veScale's call: ndweave's stays strict
+        parallelize_module(copy.deepcopy(ref), mesh, {"forward": {".input": {"hiden": [R]}}})

@@ -117,6 +117,7 @@ def test_hf_gpt2_fused_qkv_patch_needs_the_strided_layout():
     model = build("hf_gpt2")
     plan = get_plan("hf_gpt2", model)
     del plan["parameter"][r"transformer.h.\d+.attn.c_attn.weight"]  # arrives Replicate
-    with pytest.raises(ValueError, match=r"c_attn.weight: the fused q\|k\|v projection must be laid out "
-                                         r"\[_StridedShard\(dim=1, sf=3\)\].*parameter section; it is \(Replicate\(\),\)"):
+    with pytest.raises(ValueError, match=r"c_attn.weight: a projection fused from 3 pieces must be laid out "
+                                         r"\[_StridedShard\(dim, split_factor=3\)\] in the plan's parameter section"
+                                         r".*; it is \(Replicate\(\),\)"):
         parallelize_module(model, init_device_mesh("cpu", (2,)), plan)

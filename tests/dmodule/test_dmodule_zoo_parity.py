@@ -51,5 +51,5 @@ def test_nanogpt_plan_refuses_heads_that_do_not_split():
 
     model = build("nanogpt", n_head=2)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    with pytest.raises(ValueError, match="2 attention heads do not split over the 4 ranks"):
+    with pytest.raises(ValueError, match="n_head=2 does not split over the 4 ranks"):
         parallelize_module(model, mesh, get_plan("nanogpt", model))

@@ -48,3 +48,52 @@ def test_vocab_parallel_embedding_needs_row_sharding():
     with pytest.raises(ValueError, match=r"weight must be sharded \[Shard\(0\)\]"):
         parallelize_module(nn.Embedding(8, 4), init_device_mesh("cpu", (2,)),
                            {"patch": {"": ["vocab_parallel_embedding"]}})
+
+
+@pytest.mark.parity
+@distributed(world_size=2)
+def test_deprecated_hf_gpt2_patch_names_warn_and_compute_as_the_generic_ones():
+    """A plan saved before the zoo used the generic patches still loads and computes the same."""
+    pytest.importorskip("transformers")
+    import copy
+    import io
+
+    from dmodule_zoo_models import batch, build, run
+
+    from ndweave.dmodule import parallelize_module
+    from ndweave.dmodule.plans import get_plan, load_plan, save_plan
+
+    torch.set_default_dtype(STRICT_DTYPE)
+    torch.manual_seed(0)
+    model = build("hf_gpt2")
+    saved = get_plan("hf_gpt2", model)
+    saved["patch"] = {"transformer.wte": ["vocab_parallel_embedding"],
+                      r"transformer.h.\d+.attn.c_attn": ["hf_gpt2_fused_qkv"],
+                      "class:GPT2Attention": ["hf_gpt2_attention_local_heads"]}
+    text = io.StringIO()
+    save_plan(saved, text)
+    mesh = init_device_mesh("cpu", (2,))
+    with pytest.warns(DeprecationWarning) as warned:
+        old = parallelize_module(copy.deepcopy(model), mesh, load_plan(io.StringIO(text.getvalue())))
+    said = " ".join(str(w.message) for w in warned)
+    assert "'hf_gpt2_fused_qkv' is deprecated" in said and '"fused_colwise"' in said, said
+    assert "'hf_gpt2_attention_local_heads' is deprecated" in said and '"divide_attributes"' in said, said
+    new = parallelize_module(copy.deepcopy(model), mesh, get_plan("hf_gpt2", model))
+    inputs, targets = batch("hf_gpt2", model, 0)
+    assert_close(run("hf_gpt2", old, inputs, targets)[1], run("hf_gpt2", new, inputs, targets)[1], name="loss")
+
+
+@distributed(world_size=2)
+def test_deprecated_hf_llama_patch_name_warns_and_still_checks_the_heads():
+    pytest.importorskip("transformers")
+    from dmodule_zoo_models import build
+
+    from ndweave.dmodule import parallelize_module
+    from ndweave.dmodule.plans import get_plan
+
+    model = build("hf_llama", num_key_value_heads=1)
+    plan = get_plan("hf_llama", model)
+    plan["patch"]["class:LlamaAttention"] = ["hf_llama_attention_heads"]
+    with pytest.warns(DeprecationWarning, match="'hf_llama_attention_heads' is deprecated.*tp_divides"):
+        with pytest.raises(ValueError, match="num_key_value_heads=1 must both be divisible by the tensor-parallel size 2"):
+            parallelize_module(model, init_device_mesh("cpu", (2,)), plan)

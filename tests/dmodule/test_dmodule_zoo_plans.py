@@ -10,7 +10,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from ndweave.mesh.torch_compat import StridedShard as _StridedShard
 
 from ndweave.dmodule import PlacementSpec
-from ndweave.dmodule.patches import registered_patches
+from ndweave.dmodule.patches import patch_name, registered_patches, resolve_patch
 from ndweave.dmodule.plans import get_plan, list_plans, load_plan, save_plan
 from ndweave.dmodule.plans.serialization import encode_plan
 from ndweave.dmodule.spec import normalize_plan
@@ -42,8 +42,11 @@ def test_unknown_plan_lists_the_known_ones():
 def test_every_plan_is_valid_data(name, sequence_parallel):
     plan = get_plan(name, sequence_parallel=sequence_parallel)
     normalize_plan(plan, None, None, None)  # the core accepts every value
-    for patches in plan.get("patch", {}).values():
-        assert all(isinstance(p, str) and p in registered_patches() for p in patches)
+    for key, patches in plan.get("patch", {}).items():
+        # a registered name, bare or with JSON arguments the patch takes
+        assert all(not callable(p) and patch_name(p) in registered_patches() for p in patches)
+        for p in patches:
+            resolve_patch(p, f"patch[{key!r}]")
     assert get_plan(name, sequence_parallel=sequence_parallel) is not plan  # fresh: safe to edit
 
 

@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ndweave.mesh.testing import train_one_process
+from ndweave_gpt.models.nanogpt import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_example(name: str):
-    """``examples/<name>.py`` as a module, e.g. ``"gpt/model"`` (the examples are not a package)."""
-    key = "ndweave_examples_" + name.replace("/", "_")
-    if key not in sys.modules:
-        path = ROOT / "examples" / f"{name}.py"
-        sys.path.insert(0, str(path.parent))  # gpt/train imports gpt/model and gpt/data by bare name
-        spec = importlib.util.spec_from_file_location(key, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
 
 
 class MLP(nn.Module):
@@ -44,10 +30,10 @@ def build(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "mlp":
         return MLP()
-    ng = load_example("gpt/model")
-    # bias=False: a key-projection bias has an exactly-zero true gradient (softmax ignores a constant
-    # per query), so Adam would turn two runs' different rounding noise into full-size steps.
-    return ng.GPT(ng.GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, dropout=0.0, bias=False))
+    # the job's GPT (ndweave_gpt, installed in the integration environment); bias=False: a key-projection
+    # bias has an exactly-zero true gradient (softmax ignores a constant per query), so Adam would turn
+    # two runs' different rounding noise into full-size steps.
+    return GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, dropout=0.0, bias=False))
 
 
 def batches(kind: str, steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -21,7 +21,7 @@ from ndweave.checkpoint import DataPosition, load, save
 from ndweave.ddp import DistributedDataParallel as DDP
 from ndweave.dmodule import get_plan, parallelize_module
 from ndweave.mesh import init_device_mesh
-from ndweave.mesh.testing import assert_close, full_tensor, run_distributed
+from ndweave.mesh.testing import assert_close, full_tensor, run_distributed, train_one_process
 from ndweave.optim import BasicOptimizer, DistributedOptimizer, MASTER_KEY
 
 BEFORE, AFTER, BATCH = 3, 5, 8
@@ -55,12 +55,23 @@ def _train(model, optimizer, scheduler, position, steps, dp_rank=0, dp_size=1, c
 
 
 def _reference(steps):
-    """One process, plain AdamW: the run every resumed one must equal."""
+    """One process, plain AdamW: the run every resumed one must equal. Its optimizer and scheduler
+    are built here and returned, for the state checks."""
     model = build("gpt", seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    scheduler, position = _schedule(optimizer), DataPosition()
-    _train(model, optimizer, scheduler, position, steps, clip=CLIP)
+    scheduler = _schedule(optimizer)
+    train_one_process(model, DATA[:steps], optimizer=optimizer, model_loss=_loss, clip=CLIP, scheduler=scheduler)
     return model, optimizer, scheduler
+
+
+def _gpt2_loss(model, ids, _):
+    """``gpt2._train``'s loss: the next token of ``ids`` itself."""
+    logits = model(input_ids=ids).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, gpt2.VOCAB), ids[:, 1:].reshape(-1))
+
+
+def _gpt2_reference(reference, optimizer, batches):
+    train_one_process(reference, [(ids, ids) for ids in batches], optimizer=optimizer, model_loss=_gpt2_loss)
 
 
 def _parallel(dp, tp, zero, seed):
@@ -185,14 +196,14 @@ def test_gpt2_fused_qkv_sharded_state_resumes_on_one_process(tmp_path):
     try:
         reference = gpt2._gpt2(seed=0)
         ref_optimizer = torch.optim.AdamW(reference.parameters(), **gpt2.ADAMW)
-        gpt2._train(reference, ref_optimizer, gpt2._batches(0, gpt2.STEPS))
+        _gpt2_reference(reference, ref_optimizer, gpt2._batches(0, gpt2.STEPS))
         model = gpt2._gpt2(seed=1)
         optimizer = torch.optim.AdamW(model.parameters(), **gpt2.ADAMW)
         load(tmp_path / "gpt2", {"model": model, "optimizer": optimizer})
         _check_params(model, reference, "GPT-2 on one process")
         _check_optimizer(optimizer, model, reference, ref_optimizer, "GPT-2 on one process")
         more = gpt2._batches(gpt2.STEPS, gpt2.MORE_STEPS)
-        gpt2._train(reference, ref_optimizer, more)
+        _gpt2_reference(reference, ref_optimizer, more)
         gpt2._train(model, optimizer, more)
         _check_params(model, reference, "GPT-2 on one process, resumed")
     finally:

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from moe_models import ADAMW, ROWS, TinyMoE, build_hf_moe, lm_batch, lm_loss, parallel_moe, tiny_batch, tiny_loss
 from ndweave.checkpoint import load, save
 from ndweave.dmodule import get_plan
-from ndweave.mesh.testing import STRICT_DTYPE, assert_close, run_distributed
+from ndweave.mesh.testing import STRICT_DTYPE, assert_close, run_distributed, train_one_process
 
 CLIP = 0.5
 WORLD = 4
@@ -31,14 +31,17 @@ def _reference(build, make_batch, loss_of):
     end of each phase."""
     torch.manual_seed(0)
     model = build()
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    losses, params, step = [], [], 0
-    for steps in PHASES:
-        for _ in range(steps):
-            losses.append(_step(model, optimizer, loss_of, make_batch(step, BATCH), clip=CLIP))
-            step += 1
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return losses, params
+    ends = {sum(PHASES[:phase + 1]) - 1 for phase in range(len(PHASES))}  # each phase's last step
+    params = []
+
+    def at_phase_end(step, model):
+        if step in ends:
+            params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+    run = train_one_process(model, [make_batch(step, BATCH) for step in range(sum(PHASES))],
+                            optimizer=lambda ps: torch.optim.AdamW(ps, **ADAMW),
+                            model_loss=lambda model, x, y: loss_of(model, (x, y)), clip=CLIP, on_step=at_phase_end)
+    return [torch.tensor(loss, dtype=STRICT_DTYPE) for loss in run.losses], params
 
 
 def _step(model, optimizer, loss_of, batch, clip=None) -> float:

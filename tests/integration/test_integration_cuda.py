@@ -1,4 +1,4 @@
-"""The GPT job (examples/gpt/train.py: DModule TP+SP, pipeline, DDP, DistributedOptimizer) on GPUs
+"""The GPT job (``ndweave_gpt``: DModule TP+SP, pipeline, DDP, DistributedOptimizer) on GPUs
 with NCCL, float64 against its own single-device run on the GPU (strict).
 
 Skipped where fewer than 2 CUDA devices are visible; run on a GPU machine with
@@ -8,8 +8,10 @@ Skipped where fewer than 2 CUDA devices are visible; run on a GPU machine with
 import pytest
 import torch
 
-from integration_models import load_example
 from ndweave.mesh.testing import assert_close, run_distributed
+from ndweave_gpt.config import parse_args
+from ndweave_gpt.loop import train
+from ndweave_gpt.reference import train_single_device
 
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"
@@ -19,8 +21,7 @@ TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16
 
 
 def _job_on_cuda(argv: list[str]):
-    job = load_example("gpt/train")
-    result = job.train(job.parse_args(argv))
+    result = train(parse_args(argv))
     assert torch.cuda.max_memory_allocated() > 0
     return result
 
@@ -28,10 +29,9 @@ def _job_on_cuda(argv: list[str]):
 @needs_two_gpus
 @pytest.mark.parametrize("mesh", ["dp=2", "tp=2", "pp=2"])
 def test_gpt_job_on_two_gpus(mesh, tmp_path):
-    job = load_example("gpt/train")
     argv = [*TINY, "--mesh", mesh, "--checkpoint-dir", str(tmp_path)]
     result = run_distributed(_job_on_cuda, 2, argv, device_type="cuda", timeout=300)[0]
-    reference = job.train_single_device(job.parse_args(argv))
+    reference = train_single_device(parse_args(argv))
     steps = sorted(result.losses)
     assert_close(torch.tensor([result.losses[s] for s in steps], dtype=torch.float64),
                  torch.tensor([reference.losses[s] for s in steps], dtype=torch.float64),

@@ -24,11 +24,12 @@ import time
 import pytest
 import torch
 
-from integration_models import ROOT, load_example
 from ndweave.checkpoint import CheckpointManager
 from ndweave.mesh.testing import assert_close
+from ndweave_gpt.build import build_model
+from ndweave_gpt.config import parse_args
+from ndweave_gpt.reference import train_single_device
 
-job = load_example("gpt/train")
 STEPS = 6
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16", "--global-batch", "8",
         "--micro-batches", "2", "--warmup", "2", "--lr", "1e-2", "--min-lr", "1e-3", "--clip", "0.5",
@@ -37,11 +38,9 @@ TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16
 
 
 def _torchrun(nproc: int, checkpoints, *flags: str, restarts: int = 0) -> tuple[int, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(p) for p in sorted((ROOT / "packages").glob("*/src"))]
-                                         + [os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               f"--max-restarts={restarts}", str(ROOT / "examples" / "gpt" / "train.py"), *TINY,
+               f"--max-restarts={restarts}", "-m", "ndweave_gpt", *TINY,
                "--checkpoint-dir", str(checkpoints), *flags]
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     return done.returncode, done.stdout
@@ -50,9 +49,9 @@ def _torchrun(nproc: int, checkpoints, *flags: str, restarts: int = 0) -> tuple[
 def _check_against_one_process(checkpoints) -> None:
     """The newest checkpoint's loss history (every step since the run began) and model, loaded on
     this process, against the uninterrupted single-process run."""
-    args = job.parse_args([*TINY, "--quiet"])
-    reference = job.train_single_device(args)
-    model = job.build_model(args)
+    args = parse_args([*TINY, "--quiet"])
+    reference = train_single_device(args)
+    model = build_model(args)
     state = {"model": model, "loss_history": []}  # the job keeps it as a list (a resume may extend it)
     assert CheckpointManager(checkpoints).load_latest(state, strict=False) == STEPS
     expected = [reference.losses[s] for s in range(1, STEPS + 1)]
@@ -108,6 +107,6 @@ def test_a_killed_rank_without_restarts_is_named_and_no_worker_is_left(tmp_path)
 def _is_worker(pid: str) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return b"train.py" in cmdline.read()
+            return b"ndweave_gpt" in cmdline.read()
     except OSError:  # gone (or no /proc)
         return False

@@ -1,4 +1,4 @@
-"""The GPT job's memory estimate (``--estimate``, ``examples/gpt/estimate.py``) against the job itself,
+"""The GPT job's memory estimate (``--estimate``, ``ndweave_gpt.cost.estimate``) against the job itself,
 before anything exists:
 
 * model state, exactly: per rank the bytes of DDP's parameter and grad buffers and
@@ -19,10 +19,14 @@ import math
 import pytest
 import torch
 
-from integration_models import load_example
+from ndweave.mesh import resolve_spec
 from ndweave.mesh.testing import run_distributed
+from ndweave_gpt.__main__ import main
+from ndweave_gpt.build import build_mesh, build_model, build_optimizer, data_rank, parallelize
+from ndweave_gpt.config import DIMS, parse_args
+from ndweave_gpt.cost import memory_estimate, plan_mesh
+from ndweave_gpt.loop import train
 
-job = load_example("gpt/train")
 SMALL = ["--n-layer", "4", "--n-embd", "64", "--n-head", "4", "--block-size", "32", "--global-batch", "8",
          "--micro-batches", "2", "--steps", "2", "--quiet", "--plot", "", "--metrics", "", "--checkpoint-every", "0"]
 #: The estimated peak over the measured peak of live tensor bytes stays within 1 ± this on every rank
@@ -34,17 +38,18 @@ PEAK_BOUND = 0.05
 
 
 def _sizes(argv: list[str]) -> int:
-    args = job.parse_args(argv)
-    return math.prod(job.resolve_spec(args.mesh, None, dims=job.DIMS).values())
+    args = parse_args(argv)
+    return math.prod(resolve_spec(args.parallel.mesh, None, dims=DIMS).values())
 
 
 def _model_state(argv: list[str]) -> dict[str, int]:
     """What this rank's job allocates for parameters, grads and the optimizer (after one step)."""
-    args = job.parse_args(argv)
-    mesh = job.build_mesh(args)
-    chunks, engine = job.parallelize(job.build_model(args), mesh, args)
-    optimizer, _ = job.build_optimizer(chunks, args)
-    x = torch.randint(0, 256, (args.global_batch // job.data_rank(mesh)[1], args.block_size))
+    args = parse_args(argv)
+    mesh = build_mesh(args)
+    job = parallelize(build_model(args), mesh, args)
+    chunks, engine = job.chunks, job.engine
+    optimizer, _ = build_optimizer(chunks, args)
+    x = torch.randint(0, 256, (args.data.global_batch // data_rank(mesh)[1], args.model.block_size))
     engine(x, x)
     optimizer.step()
     buckets = [b for c in chunks for b in c.grad_buckets()]
@@ -67,7 +72,7 @@ def test_the_estimated_model_state_is_what_the_job_allocates_on_every_rank():
     argvs = [[*SMALL, *flags] for flags in STATE_CASES]
     allocated = run_distributed(_model_states, 8, argvs, timeout=300)  # per rank: one dict per case
     for case, argv in enumerate(argvs):
-        predicted = job.memory_estimate(job.parse_args(argv))
+        predicted = memory_estimate(parse_args(argv))
         for rank, got in enumerate(r[case] for r in allocated):
             terms = predicted[rank].by_name()
             assert {k: terms[k] for k in got} == got, f"{STATE_CASES[case]} rank {rank}: predicted {terms}, allocated {got}"
@@ -130,7 +135,7 @@ def test_each_ranks_measured_peak_is_near_the_estimate(world, tmp_path):
     measured = run_distributed(_peaks_on_rank, world, argvs, timeout=600)[0]  # per case: every rank's peak
     off = {}
     for flags, argv, peaks in zip(PEAK_CASES[world], argvs, measured):
-        ratios = [r.peak / m for r, m in zip(job.memory_estimate(job.parse_args(argv)), peaks)]
+        ratios = [r.peak / m for r, m in zip(memory_estimate(parse_args(argv)), peaks)]
         if not all(abs(r - 1) <= PEAK_BOUND for r in ratios):
             off[" ".join(flags)] = [round(r, 3) for r in ratios]
     assert not off, f"estimate / measured per rank: {off}"
@@ -141,32 +146,32 @@ def _peaks_on_rank(argvs: list[list[str]]) -> list[list[int]]:
     # overridable functions (patched ones included, which hold the tracer and so the whole model) the
     # first time they are asked for: asked here first, so a fresh rank does not keep its first model
     torch.overrides.get_overridable_functions()
-    return [job.train(job.parse_args(argv)).tensor_peak for argv in argvs]
+    return [train(parse_args(argv)).tensor_peak for argv in argvs]
 
 
 def test_estimate_prints_a_row_per_rank_and_names_what_it_cannot_estimate(capsys):
-    assert job.main([*SMALL, "--mesh", "pp=2,dp=2,tp=2", "--estimate"]) == 0
+    assert main([*SMALL, "--mesh", "pp=2,dp=2,tp=2", "--estimate"]) == 0
     rows = capsys.readouterr().out.splitlines()
     assert "activations" in rows[0] and "peak MiB" in rows[0] and len(rows) == 1 + 8
-    assert job.main([*SMALL, "--mesh", "dp=2,ep=2", "--moe-experts", "4", "--estimate"]) == 0
+    assert main([*SMALL, "--mesh", "dp=2,ep=2", "--moe-experts", "4", "--estimate"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 1 + 4  # experts over EP: balanced routing
     with pytest.raises(SystemExit, match="--estimate: .*DP=-1, which needs the world size"):
-        job.main([*SMALL, "--mesh", "dp=-1", "--estimate"])
+        main([*SMALL, "--mesh", "dp=-1", "--estimate"])
 
 
 @pytest.mark.heavy
 def test_mesh_auto_prints_the_table_and_its_choice_runs(capsys, tmp_path):
     base = [*SMALL, "--checkpoint-dir", str(tmp_path)]
-    argv = job.plan_mesh(job.parse_args(["--mesh", "auto", "--world-size", "2", *base]), ["--mesh", "auto", *base])
+    argv = plan_mesh(parse_args(["--mesh", "auto", "--world-size", "2", *base]), ["--mesh", "auto", *base])
     table = capsys.readouterr().out
     assert "<- chosen" in table and "cut" in table
-    args = job.parse_args(argv)
-    assert args.mesh != "auto" and math.prod(job.resolve_spec(args.mesh, None, dims=job.DIMS).values()) == 2
+    args = parse_args(argv)
+    assert args.parallel.mesh != "auto" and math.prod(resolve_spec(args.parallel.mesh, None, dims=DIMS).values()) == 2
     chosen = next(line for line in table.splitlines() if "<- chosen" in line)
-    assert chosen.split()[0] == args.mesh.replace("ep=1,", "")  # the table's row is what runs
+    assert chosen.split()[0] == args.parallel.mesh.replace("ep=1,", "")  # the table's row is what runs
     losses = run_distributed(_losses_on_rank, 2, [*argv, "--steps", "1"], timeout=300)
     assert losses[0] == losses[1] and len(losses[0]) == 1
 
 
 def _losses_on_rank(argv: list[str]) -> list[float]:
-    return list(job.train(job.parse_args(argv)).losses.values())
+    return list(train(parse_args(argv)).losses.values())

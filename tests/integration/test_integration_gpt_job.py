@@ -1,4 +1,4 @@
-"""The main job, ``examples/gpt/train.py``, as users run it: its own training function on the test
+"""The main job, ``ndweave_gpt`` (``python -m ndweave_gpt``), as users run it: its own training function on the test
 harness's ranks (float64) against its own single-device run, strict:
 
 * PP=2 x DP=2 on 4 ranks: every step's loss and the final parameters; PP=2 x TP=2 in fp32 through
@@ -28,21 +28,26 @@ import types
 import pytest
 import torch
 
-from integration_models import ROOT, load_example
 from ndweave.mesh.testing import assert_close, run_distributed
+from ndweave_gpt import report
+from ndweave_gpt.build import lr_schedule
+from ndweave_gpt.config import parse_args
+from ndweave_gpt.loop import train
+from ndweave_gpt.metrics import JsonlFile, Sinks, TensorBoard, step_row
+from ndweave_gpt.reference import train_single_device
+from ndweave_gpt.state import resume_changes
 
-job = load_example("gpt/train")
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16", "--global-batch", "8",
         "--micro-batches", "2", "--warmup", "2", "--lr", "1e-2", "--min-lr", "1e-3", "--clip", "0.5",
         "--dtype", "float64", "--quiet", "--plot", "", "--metrics", ""]
 
 
 def _args(*extra: str):
-    return job.parse_args([*TINY, *extra])
+    return parse_args([*TINY, *extra])
 
 
 def _run(argv: list[str]):
-    return job.train(job.parse_args(argv))
+    return train(parse_args(argv))
 
 
 def _check(result, reference, what):
@@ -69,7 +74,7 @@ def _check_params(result, reference, what):
 def test_job_on_4_ranks_matches_one_process(what, flags, tmp_path):
     argv = [*TINY, *flags, "--checkpoint-dir", str(tmp_path)]
     results = run_distributed(_run, 4, argv, timeout=300)
-    reference = job.train_single_device(job.parse_args(argv))
+    reference = train_single_device(parse_args(argv))
     for rank, result in enumerate(results):
         _check(result, reference, f"{what}, rank {rank}")
         _check_params(result, reference, f"{what}, rank {rank}")
@@ -81,8 +86,8 @@ def test_compare_single_device_in_fp32_passes_its_measured_bound(tmp_path, capsy
     """What ``--compare-single-device`` prints and decides, for an fp32 run on PP=2 x TP(+SP)=2."""
     argv = [*TINY, "--dtype", "fp32", "--mesh", "pp=2,tp=2", "--steps", "3", "--checkpoint-dir", str(tmp_path)]
     result = run_distributed(_run, 4, argv, timeout=300)[0]
-    args = job.parse_args(argv)
-    assert job.report.compare(result, args, lambda k, last: job.train_single_device(args, k, last))
+    args = parse_args(argv)
+    assert report.compare(result, args, lambda k, last: train_single_device(args, k, last))
     assert "PASS" in capsys.readouterr().out
 
 
@@ -90,8 +95,8 @@ def test_compare_single_device_in_fp32_passes_its_measured_bound(tmp_path, capsy
 @pytest.mark.heavy
 def test_job_on_eight_ranks_resumes_at_dp4_and_on_one_process(tmp_path):
     base = [*TINY, "--steps", "4", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0"]
-    uninterrupted = job.train_single_device(_args("--steps", "4"))
-    at_two = job.train_single_device(_args("--steps", "4"), last=2)
+    uninterrupted = train_single_device(_args("--steps", "4"))
+    at_two = train_single_device(_args("--steps", "4"), last=2)
 
     first = run_distributed(_run, 8, [*base, "--mesh", "pp=2,dp=2,tp=2", "--stop-at", "2"], timeout=400)[0]
     assert sorted(first.losses) == [1, 2]
@@ -122,16 +127,14 @@ def test_two_torchrun_nodes_on_loopback(tmp_path):
     """Two torchrun agents, as on two machines (node ranks 0 and 1), 2 processes each, c10d
     rendezvous on 127.0.0.1: the job runs PP=2 x DP=2 across them and prints its summary."""
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(p) for p in sorted((ROOT / "packages").glob("*/src"))]
-                                         + [os.environ.get("PYTHONPATH", "")])}
-    train = [str(ROOT / "examples" / "gpt" / "train.py"), *TINY[:-5], "--dtype", "fp32", "--mesh", "pp=2,dp=-1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    job = ["-m", "ndweave_gpt", *TINY[:-5], "--dtype", "fp32", "--mesh", "pp=2,dp=-1",
              "--steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt"), "--plot", str(tmp_path / "loss.png"),
              "--metrics", str(tmp_path / "metrics.jsonl")]
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "gpt-job",
-         "--node-rank", str(node), *train],
+         "--node-rank", str(node), *job],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
     try:
         outputs = [agent.communicate(timeout=300)[0] for agent in agents]
@@ -165,7 +168,7 @@ def test_resuming_with_more_steps_extends_the_run_and_fewer_is_refused(tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and [r["loss"] for r in rows] == list(longer.history.values())
     assert all(r["lr"] > 0 and r["grad_norm"] > 0 and r["tokens_s"] > 0 and r["peak_bytes"] > 0 for r in rows)
-    reference = job.train_single_device(job.parse_args([*base, "--steps", "3"]))
+    reference = train_single_device(parse_args([*base, "--steps", "3"]))
     assert_close(torch.tensor(list(first.losses.values()), dtype=torch.float64),
                  torch.tensor(list(reference.losses.values()), dtype=torch.float64), name="the first 3 steps")
     messages = run_distributed(_resume_refused, 2, [*base, "--steps", "4", "--resume"], timeout=300)
@@ -179,7 +182,7 @@ def test_a_run_extended_on_another_mesh_continues_like_one_process(tmp_path):
     base = [*TINY, "--checkpoint-dir", str(tmp_path)]
     run_distributed(_run, 2, [*base, "--mesh", "dp=2", "--steps", "6"], timeout=300)
     extended = run_distributed(_run, 2, [*base, "--mesh", "pp=2", "--steps", "9", "--resume"], timeout=300)
-    reference = job.train_single_device(_args("--steps", "9"), extended_from=6)
+    reference = train_single_device(_args("--steps", "9"), extended_from=6)
     for rank, result in enumerate(extended):
         assert sorted(result.losses) == [7, 8, 9] and sorted(result.history) == list(range(1, 10))
         _check(result, reference, f"steps 7..9 at PP=2, rank {rank}")
@@ -197,7 +200,7 @@ def test_validation_at_pp2_dp2_is_one_process_in_the_metrics_and_the_report(tmp_
             "--metrics", str(tmp_path / "m.jsonl"), "--plot", str(tmp_path / "loss.png"),
             *(["--tensorboard", str(tmp_path / "tb")] if importlib.util.find_spec("tensorboard") else [])]
     results = run_distributed(_run, 4, argv, timeout=300)
-    reference = job.train_single_device(job.parse_args(argv))
+    reference = train_single_device(parse_args(argv))
     assert sorted(reference.val_losses) == [2, 3]
     for rank, result in enumerate(results):
         assert sorted(result.val_losses) == [2, 3], rank
@@ -218,8 +221,8 @@ def test_validation_at_pp2_dp2_is_one_process_in_the_metrics_and_the_report(tmp_
             assert [s for s, _ in events] == [s for s, _ in expected], key
             assert_close(torch.tensor([v for _, v in events], dtype=torch.float64),  # stored as float32
                          torch.tensor([v for _, v in expected], dtype=torch.float64), rtol=1e-6, atol=0, name=key)
-    args = job.parse_args([a for a in argv if a != "--quiet"])
-    job.report.finish(results[0], args)
+    args = parse_args([a for a in argv if a != "--quiet"])
+    report.finish(results[0], args)
     done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done: ")]
     assert len(done) == 1 and f"final loss {results[0].losses[3]:.4f}, validation loss " \
         f"{results[0].val_losses[3]:.4f}" in done[0], done
@@ -231,14 +234,14 @@ def test_tensorboard_without_its_package_is_named_with_the_fix(capsys):
     metrics are event files (the JSONL file is written either way)."""
     if importlib.util.find_spec("tensorboard") is None:
         with pytest.raises(SystemExit):
-            job.parse_args([*TINY, "--tensorboard", "tb"])
+            parse_args([*TINY, "--tensorboard", "tb"])
         assert "the tensorboard package is not installed; `pip install tensorboard`" in capsys.readouterr().err
     else:
-        assert job.parse_args([*TINY, "--tensorboard", "tb"]).tensorboard == "tb"
+        assert parse_args([*TINY, "--tensorboard", "tb"]).metrics.tensorboard == "tb"
 
 
 def test_metrics_go_to_jsonl_and_to_tensorboard(tmp_path, monkeypatch):
-    """The job's Metrics writer, with a stand-in for torch.utils.tensorboard (whose package is optional)."""
+    """The job's metrics sinks, with a stand-in for torch.utils.tensorboard (whose package is optional)."""
     scalars = []
 
     class Writer:
@@ -252,9 +255,9 @@ def test_metrics_go_to_jsonl_and_to_tensorboard(tmp_path, monkeypatch):
             scalars.append(("closed", self.folder, None))
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
-    metrics = job.report.Metrics(str(tmp_path / "m.jsonl"), str(tmp_path / "tb"))
-    metrics.write(step=3, loss=2.5, val_loss=math.nan, lr=1e-3, grad_norm=None, seconds=0.5, tokens=100,
-                  peak_bytes=7)
+    metrics = Sinks([JsonlFile(str(tmp_path / "m.jsonl")), TensorBoard(str(tmp_path / "tb"))])
+    metrics.write(step_row(step=3, loss=2.5, val_loss=math.nan, lr=1e-3, grad_norm=None, seconds=0.5, tokens=100,
+                           peak_bytes=7))
     metrics.close()
     assert json.loads((tmp_path / "m.jsonl").read_text()) == {
         "step": 3, "loss": 2.5, "val_loss": None, "lr": 1e-3, "grad_norm": None, "tokens_s": 200.0, "step_s": 0.5,
@@ -264,10 +267,10 @@ def test_metrics_go_to_jsonl_and_to_tensorboard(tmp_path, monkeypatch):
 
 
 def test_a_resume_may_change_the_batch_and_lr_and_says_so():
-    args = job.parse_args([*TINY, "--global-batch", "16", "--lr", "2e-2", "--steps", "3"])
-    scheduler = job.lr_schedule(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-2), job.parse_args(TINY))
+    args = parse_args([*TINY, "--global-batch", "16", "--lr", "2e-2", "--steps", "3"])
+    scheduler = lr_schedule(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-2), parse_args(TINY))
     state = {"settings": {"global_batch": 8, "lr": 1e-2, "steps": 3}}
-    assert job._resume_changes(state, scheduler, args) == [
+    assert resume_changes(state, scheduler, args) == [
         "--global-batch 16 (the checkpoint's run had 8)", "--lr 0.02 (the checkpoint's run had 0.01)"]
     assert scheduler.base_lrs == [2e-2] and state["settings"]["lr"] == 2e-2
     assert scheduler.optimizer.param_groups[0]["lr"] == 2e-2 / 2  # the next step's: warmup's first, of the new peak
@@ -284,7 +287,7 @@ def test_a_resume_may_change_the_batch_and_lr_and_says_so():
 ])
 def test_flags_the_job_cannot_run_are_named(flags, message, capsys):
     with pytest.raises(SystemExit):
-        job.parse_args(flags)
+        parse_args(flags)
     assert message in capsys.readouterr().err
 
 
@@ -295,8 +298,8 @@ MOE = ["--moe-experts", "4", "--moe-top-k", "2"]
 @pytest.mark.heavy
 def test_moe_job_on_pp2_dp2_ep2_resumes_at_dp2_ep2_and_on_one_process(tmp_path):
     base = [*TINY, *MOE, "--steps", "4", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0"]
-    uninterrupted = job.train_single_device(_args(*MOE, "--steps", "4"))
-    at_two = job.train_single_device(_args(*MOE, "--steps", "4"), last=2)
+    uninterrupted = train_single_device(_args(*MOE, "--steps", "4"))
+    at_two = train_single_device(_args(*MOE, "--steps", "4"), last=2)
 
     first = run_distributed(_run, 8, [*base, "--mesh", "pp=2,dp=2,ep=2", "--stop-at", "2"], timeout=400)
     for rank, result in enumerate(first):
@@ -318,15 +321,13 @@ def test_moe_job_on_pp2_dp2_ep2_resumes_at_dp2_ep2_and_on_one_process(tmp_path):
 def test_moe_job_launched_on_pp2_dp2_ep2_compares_with_one_process(tmp_path):
     """``torchrun`` with 8 processes, as users launch it: fp32 MoE blocks at PP=2 x DP=2 x EP=2 against
     the job's own single-device run (``--compare-single-device``), then resumed at EP=4 on 4 ranks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(p) for p in sorted((ROOT / "packages").glob("*/src"))]
-                                         + [os.environ.get("PYTHONPATH", "")])}
-    train = [str(ROOT / "examples" / "gpt" / "train.py"), *TINY[:-5], *MOE, "--plot", "", "--steps", "3",
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    job = ["-m", "ndweave_gpt", *TINY[:-5], *MOE, "--plot", "", "--steps", "3",
              "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "0"]  # fp32, the report shown
 
     def launch(ranks: int, *flags: str) -> str:
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc-per-node={ranks}", *train, *flags], cwd=tmp_path, env=env,
+                               f"--nproc-per-node={ranks}", *job, *flags], cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=400)
         assert done.returncode == 0, f"exited with {done.returncode}:\n{done.stdout[-4000:]}"
         return done.stdout

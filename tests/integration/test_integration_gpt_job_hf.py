@@ -1,9 +1,9 @@
-"""The main job on what users bring (``examples/gpt/train.py --model hf:... --init-from ...``), float64
+"""The main job on what users bring (``python -m ndweave_gpt --model hf:... --init-from ...``), float64
 strict, against one process starting from what transformers itself loads:
 
 * HF Llama (a ``model.safetensors`` folder, the LM head tied to the embedding and stored once) at
   PP=2 x DP=2 x TP(+SP)=2 from ``--init-from``: every
-  step's loss and the final parameters; then the job's checkpoint exported (``export_hf.py``) and
+  step's loss and the final parameters; then the job's checkpoint exported (``python -m ndweave_gpt.export_hf``) and
   loaded by ``AutoModelForCausalLM.from_pretrained``: the trained parameters and their logits;
 * HF Qwen2 (sharded safetensors with an index, the "auto" plan) at PP=2 x DP=2 x
   TP=2 with ``--activation-checkpointing``: equal to one process without it;
@@ -20,12 +20,13 @@ import sys
 import pytest
 import torch
 
-from integration_models import ROOT, load_example
 from ndweave.mesh.testing import assert_close, run_distributed
+from ndweave_gpt import report
+from ndweave_gpt.build import build_model, plan_name
+from ndweave_gpt.config import num_experts, parse_args
+from ndweave_gpt.models import hf as hf_models
+from ndweave_gpt.reference import train_single_device
 from test_integration_gpt_job import TINY, _check, _check_params, _run
-
-job = load_example("gpt/train")
-hf_models = load_example("gpt/hf_models")
 
 
 def _hf_folder(folder, model_type: str, **save) -> None:
@@ -61,15 +62,15 @@ def test_hf_llama_from_a_pretrained_folder_on_pp2_dp2_tp2_equals_one_process_and
     argv = [*TINY, "--init-from", str(source), "--mesh", "pp=2,dp=2,tp=2", "--steps", "3",
             "--checkpoint-dir", str(tmp_path / "ckpt")]
     results = run_distributed(_run, 8, argv, timeout=500)
-    args = job.parse_args(argv)
-    assert args.model == "hf:llama" and job.plan_name(args) == "hf_llama"
-    reference = job.train_single_device(args, model=_pretrained(source))
+    args = parse_args(argv)
+    assert args.model.name == "hf:llama" and plan_name(args) == "hf_llama"
+    reference = train_single_device(args, model=_pretrained(source))
     for rank, result in enumerate(results):
         _check(result, reference, f"hf:llama PP=2 x DP=2 x TP=2, rank {rank}")
         _check_params(result, reference, f"hf:llama PP=2 x DP=2 x TP=2, rank {rank}")
 
-    # the script entry on the checkpoint folder (train.py --export-hf runs it at the end)
-    subprocess.run([sys.executable, str(ROOT / "examples/gpt/export_hf.py"), str(tmp_path / "ckpt"), str(out)],
+    # the module's entry on the checkpoint folder (the job's --export-hf runs it at the end)
+    subprocess.run([sys.executable, "-m", "ndweave_gpt.export_hf", str(tmp_path / "ckpt"), str(out)],
                    check=True, timeout=300)
     exported = _pretrained(out, dtype="auto")
     assert next(exported.parameters()).dtype == torch.float64  # the config says the weights' dtype
@@ -87,9 +88,9 @@ def test_hf_qwen2_sharded_with_activation_checkpointing_on_pp2_dp2_tp2_equals_on
     argv = [*TINY, "--init-from", str(source), "--mesh", "pp=2,dp=2,tp=2", "--steps", "3",
             "--checkpoint-dir", str(tmp_path / "ckpt")]
     results = run_distributed(_run, 8, [*argv, "--activation-checkpointing"], timeout=500)
-    args = job.parse_args(argv)
-    assert args.model == "hf:qwen2" and job.plan_name(args) == "auto"
-    reference = job.train_single_device(args, model=_pretrained(source))  # without activation checkpointing
+    args = parse_args(argv)
+    assert args.model.name == "hf:qwen2" and plan_name(args) == "auto"
+    reference = train_single_device(args, model=_pretrained(source))  # without activation checkpointing
     for rank, result in enumerate(results):
         _check(result, reference, f"hf:qwen2 PP=2 x DP=2 x TP=2, rank {rank}")
         _check_params(result, reference, f"hf:qwen2 PP=2 x DP=2 x TP=2, rank {rank}")
@@ -99,12 +100,12 @@ def test_hf_qwen2_sharded_with_activation_checkpointing_on_pp2_dp2_tp2_equals_on
 def test_nanogpt_from_a_torch_state_dict_and_with_activation_checkpointing_match_one_process(tmp_path):
     """A torch-only user's ``.pt`` state dict at PP=2 x TP=2 (each rank reading its slices of the
     memory-mapped file), with activation checkpointing per block: one process without it."""
-    pretrained = job.build_model(job.parse_args([*TINY, "--seed", "5"]))  # not the weights --seed 1234 builds
+    pretrained = build_model(parse_args([*TINY, "--seed", "5"]))  # not the weights --seed 1234 builds
     torch.save(pretrained.state_dict(), tmp_path / "gpt.pt")
     argv = [*TINY, "--init-from", str(tmp_path / "gpt.pt"), "--mesh", "pp=2,tp=2", "--steps", "2",
             "--checkpoint-dir", str(tmp_path / "ckpt")]
     results = run_distributed(_run, 4, [*argv, "--activation-checkpointing"], timeout=300)
-    reference = job.train_single_device(job.parse_args(argv), model=pretrained)
+    reference = train_single_device(parse_args(argv), model=pretrained)
     for rank, result in enumerate(results):
         _check(result, reference, f"nanogpt from gpt.pt, PP=2 x TP=2, rank {rank}")
         _check_params(result, reference, f"nanogpt from gpt.pt, PP=2 x TP=2, rank {rank}")
@@ -119,9 +120,9 @@ def test_hf_mixtral_with_experts_over_ep_on_pp2_ep2_equals_one_process(tmp_path)
     argv = [*TINY, "--model", "hf:mixtral", "--moe-experts", "4", "--moe-top-k", "2", "--mesh", "pp=2,ep=2",
             "--steps", "3", "--checkpoint-dir", str(tmp_path)]
     results = run_distributed(_run, 4, argv, timeout=500)
-    args = job.parse_args(argv)
-    assert job.plan_name(args) == "hf_mixtral" and job.num_experts(args) == 4
-    reference = job.train_single_device(args)
+    args = parse_args(argv)
+    assert plan_name(args) == "hf_mixtral" and num_experts(args) == 4
+    reference = train_single_device(args)
     for rank, result in enumerate(results):
         assert result.mesh == "PP=2 x DP=1 x EP=2 x TP=1", result.mesh
         _check(result, reference, f"hf:mixtral PP=2 x EP=2, rank {rank}")
@@ -130,7 +131,7 @@ def test_hf_mixtral_with_experts_over_ep_on_pp2_ep2_equals_one_process(tmp_path)
 
 def _refused(argv: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as refused:
-        job.parse_args(argv)
+        parse_args(argv)
     return str(refused.value) + capsys.readouterr().err  # argparse's errors go to stderr
 
 
@@ -157,10 +158,10 @@ def test_model_flags_the_job_cannot_run_are_named(flags, message, tmp_path, caps
 def test_mfu_is_model_flops_over_the_devices_peak():
     """6 FLOPs per parameter per token (forward 2, backward 4) plus attention's 12 x layers x width x
     sequence (PaLM's appendix B), over the peak of every device; no peak known: no estimate."""
-    flops = job.report.flops_per_token(num_params=1_000_000, num_layers=4, width=128, seq_len=64)
+    flops = report.flops_per_token(num_params=1_000_000, num_layers=4, width=128, seq_len=64)
     assert flops == 6 * 1_000_000 + 12 * 4 * 128 * 64
-    assert job.report.mfu(flops, tokens_per_s=1e5, peak_flops=1e12, devices=4) == pytest.approx(flops * 1e5 / 4e12)
-    assert job.report.mfu(flops, tokens_per_s=1e5, peak_flops=None, devices=4) is None
-    assert job.report.peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
-    assert job.report.peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5e12
-    assert job.report.peak_flops("cpu", torch.float32) is None
+    assert report.mfu(flops, tokens_per_s=1e5, peak_flops=1e12, devices=4) == pytest.approx(flops * 1e5 / 4e12)
+    assert report.mfu(flops, tokens_per_s=1e5, peak_flops=None, devices=4) is None
+    assert report.peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
+    assert report.peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5e12
+    assert report.peak_flops("cpu", torch.float32) is None

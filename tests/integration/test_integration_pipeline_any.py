@@ -20,22 +20,24 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from integration_models import batches, build, load_example
+from integration_models import batches, build
 from ndweave.ddp import DistributedDataParallel as DDP
 from ndweave.dmodule import get_plan, parallelize_module
 from ndweave.mesh import init_device_mesh
 from ndweave.mesh.testing import STRICT_DTYPE, assert_close, distributed, run_distributed
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage, generate
+from ndweave_gpt.config import parse_args
+from ndweave_gpt.loop import train
+from ndweave_gpt.reference import train_single_device
 from test_integration_pipeline import STEPS, _check, _distributed_optimizer, _reference, _train
 
-job = load_example("gpt/train")
 TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "4", "--block-size", "16", "--global-batch", "8",
         "--micro-batches", "2", "--warmup", "2", "--lr", "1e-2", "--min-lr", "1e-3", "--clip", "0.5",
         "--dtype", "float64", "--quiet", "--plot", "", "--metrics", ""]
 
 
 def _run(argv: list[str]):
-    return job.train(job.parse_args(argv))
+    return train(parse_args(argv))
 
 
 @pytest.mark.parity
@@ -43,7 +45,7 @@ def test_job_validation_loss_and_sample_through_the_pipeline_match_one_process(t
     argv = [*TINY, "--mesh", "pp=2,tp=2", "--steps", "3", "--eval-every", "2", "--sample", "12",
             "--checkpoint-dir", str(tmp_path)]
     results = run_distributed(_run, 4, argv, timeout=300)
-    reference = job.train_single_device(job.parse_args(argv))
+    reference = train_single_device(parse_args(argv))
     assert sorted(reference.val_losses) == [2, 3] and len(reference.sample) > len("ROMEO:\n")
     for rank, result in enumerate(results):
         assert sorted(result.val_losses) == [2, 3], rank

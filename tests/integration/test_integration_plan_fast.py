@@ -1,4 +1,4 @@
-"""``--mesh auto``'s prices (``examples/gpt/proxy.py``: every layout from three traced parts of the
+"""``--mesh auto``'s prices (``ndweave_gpt.cost.proxy``: every layout from three traced parts of the
 model) against the full estimates they stand in for, and the planner at scale:
 
 * on layouts of the GPT and HF Llama (PP x DP x TP, every kind of schedule, recompute, fp32 and
@@ -9,7 +9,7 @@ model) against the full estimates they stand in for, and the planner at scale:
   notices; recompute's share of the forward is measured at one row and held at any);
 * the stages' parameters are the pipeline's own cut's (``stage_param_names``);
 * Llama-3 70B (80 layers) planned for 512 ranks of 80 GiB on meta: a layout chosen, no tensor
-  allocated, the time it took printed (the README's figures are from a quiet machine), every layout
+  allocated, the time it took printed (benchmarks/RESULTS.md's figures are from a quiet machine), every layout
   priced ahead in forked copies of the process; on the GPT, pricing ahead gives the plan pricing one
   by one gives.
 """
@@ -18,24 +18,19 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
-
 import pytest
 import torch
 
-from integration_models import load_example
 from ndweave.ddp import DEFAULT_BUCKET_SIZE
 from ndweave.mesh import resolve_spec
-from ndweave.mesh.calibrate import calibrate
+from ndweave.plan.calibrate import calibrate
 from ndweave.mesh.testing.memory import TensorMemory
 from ndweave.pipeline import PipelineParallelPlan
 from ndweave.pipeline.cost import stage_param_names
-
-job = load_example("gpt/train")
-proxy = load_example("gpt/proxy")
-step_time = load_example("gpt/step_time")
-auto_mesh = load_example("gpt/auto_mesh")
-CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "configs"
+from ndweave_gpt.build import adamw_kwargs, build_model, loss_fn, mesh_problem, sharding_plan
+from ndweave_gpt.config import DIMS, parse_args
+from ndweave_gpt.cost import auto_mesh, memory_estimate, on_paper, proxy, step_time
+from ndweave_gpt.cost.on_paper import CONFIGS
 
 SMALL = ["--n-layer", "4", "--n-embd", "64", "--n-head", "4", "--block-size", "32", "--global-batch", "8",
          "--micro-batches", "2"]
@@ -69,8 +64,8 @@ def machine(tmp_path_factory):
 
 
 def _pricer(args, machine):
-    return proxy.Pricer(args, machine, job.build_model, lambda model, sizes: job.sharding_plan(model, args, sizes),
-                        job.loss_fn, DEFAULT_BUCKET_SIZE, job.adamw_kwargs(args))
+    return proxy.Pricer(args, machine, build_model, lambda model, sizes: sharding_plan(model, args, sizes),
+                        loss_fn, DEFAULT_BUCKET_SIZE, adamw_kwargs(args))
 
 
 def test_part_prices_are_the_full_estimates(machine):
@@ -79,12 +74,12 @@ def test_part_prices_are_the_full_estimates(machine):
     torch.overrides.get_overridable_functions()
     pricers, off = {}, {}
     for flags in CASES:
-        args = job.parse_args([*SMALL, *flags])
-        pricer = pricers.setdefault((args.model, args.dtype, args.moe_experts), _pricer(args, machine))
-        peak = pricer.peak_bytes(args) / max(r.peak for r in job.memory_estimate(args))
+        args = parse_args([*SMALL, *flags])
+        pricer = pricers.setdefault((args.model.name, args.model.dtype, args.model.moe_experts), _pricer(args, machine))
+        peak = pricer.peak_bytes(args) / max(r.peak for r in memory_estimate(args))
         step = pricer.step_seconds(args) / step_time.estimate_step_seconds(
-            args, machine, job.build_model, lambda model, sizes, a=args: job.sharding_plan(model, a, sizes),
-            job.loss_fn, DEFAULT_BUCKET_SIZE, job.adamw_kwargs(args)).seconds
+            args, machine, build_model, lambda model, sizes, a=args: sharding_plan(model, a, sizes),
+            loss_fn, DEFAULT_BUCKET_SIZE, adamw_kwargs(args)).seconds
         if abs(peak - 1) > PEAK_AGREEMENT or abs(step - 1) > STEP_AGREEMENT:
             off[" ".join(flags)] = (round(peak, 4), round(step, 4))
     assert not off, f"priced / full (peak, step): {off}"
@@ -93,7 +88,7 @@ def test_part_prices_are_the_full_estimates(machine):
 def test_recompute_at_another_tp_size_is_its_trace(machine):
     # checkpointing is traced over one TP size above one; another size's recomputed block is derived
     # (the same ops again, the same share of the forward's FLOPs and bytes): held to its own trace
-    args = job.parse_args([*SMALL, "--mesh", "tp=4"])
+    args = parse_args([*SMALL, "--mesh", "tp=4"])
     pricer = _pricer(args, machine)
     for tp in (1, 2, 4):
         pricer.parts((1, tp), True, 1)
@@ -108,29 +103,29 @@ def test_recompute_at_another_tp_size_is_its_trace(machine):
 
 @pytest.mark.parametrize("model", ["nanogpt", "hf:llama"])
 def test_each_stage_holds_what_the_pipeline_cut_gives_it(model, machine):
-    args = job.parse_args([*SMALL, "--model", model, "--mesh", "pp=2"])
+    args = parse_args([*SMALL, "--model", model, "--mesh", "pp=2"])
     pricer = _pricer(args, machine)
     for stages in (2, 3, 4):
         plan = PipelineParallelPlan(schedule_type="interleaved_1f1b", virtual_chunks=2, num_microbatches=2)
         if stages % 2:
             plan = PipelineParallelPlan(schedule_type="gpipe", num_microbatches=stages)
         pp = stages // 2 if stages % 2 == 0 else stages
-        cut = stage_param_names(job.build_model(args, "meta"), plan, pp,
-                                example_inputs=torch.zeros(2, args.block_size, dtype=torch.long, device="meta"))
+        cut = stage_param_names(build_model(args, "meta"), plan, pp,
+                                example_inputs=torch.zeros(2, args.model.block_size, dtype=torch.long, device="meta"))
         assert [sorted(s.names) for s in pricer._split(stages)] == [sorted(names) for names in cut]
 
 
 def test_a_70b_llama_is_planned_for_512_ranks_on_meta(machine, capsys):
-    args = job.parse_args(["--model", "hf:llama", "--config", str(CONFIGS / "llama3_70b.json"), "--block-size", "8192",
-                           "--global-batch", "1024", "--dtype", "bf16", "--mesh", "dp=1"])
-    args.device = "cuda"  # a GPU's memory: no dataset in it (nothing runs: priced with this machine's rates)
+    args = parse_args(["--model", "hf:llama", "--config", os.path.join(CONFIGS, "llama3_70b.json"), "--block-size",
+                       "8192", "--global-batch", "1024", "--dtype", "bf16", "--mesh", "dp=1"])
+    args = args.replace(device="cuda")  # a GPU's memory: no dataset in it (nothing runs: priced with this machine's rates)
 
     def plan():
         pricer = _pricer(args, machine)
         return pricer, auto_mesh.choose_layout(
             args, auto_mesh.model_shape(pricer.model, args, 0), 512, 80 * 2**30, peak_bytes=pricer.peak_bytes,
             step_seconds=pricer.step_seconds, price_ahead=pricer.price_ahead,
-            job_rule=lambda a: job.mesh_problem(a, resolve_spec(a.mesh, None, dims=job.DIMS)))
+            job_rule=lambda a: mesh_problem(a, resolve_spec(a.parallel.mesh, None, dims=DIMS)))
 
     start = time.perf_counter()
     pricer, planned = plan()
@@ -148,8 +143,8 @@ def test_a_70b_llama_is_planned_for_512_ranks_on_meta(machine, capsys):
 
 def test_layouts_priced_ahead_in_forked_copies_plan_as_priced_on_demand(machine):
     # price_ahead splits the traces, then the pricing, between this process and forked copies of it
-    args = job.parse_args([*SMALL, "--mesh", "dp=1"])
-    shape, rule = None, lambda a: job.mesh_problem(a, resolve_spec(a.mesh, None, dims=job.DIMS))
+    args = parse_args([*SMALL, "--mesh", "dp=1"])
+    shape, rule = None, lambda a: mesh_problem(a, resolve_spec(a.parallel.mesh, None, dims=DIMS))
     ranked = {}
     for ahead in (True, False):
         pricer = _pricer(args, machine)
@@ -177,18 +172,17 @@ def test_a_forked_copy_that_fails_or_runs_past_its_time_gives_nothing():
 
 def test_a_moe_model_is_planned_over_its_ep_layouts_too(machine):
     # the experts over EP are priced from a balanced routing (no values on meta); tp > 1 is the job's cut
-    args = job.parse_args([*SMALL, "--moe-experts", "4", "--mesh", "dp=1"])
+    args = parse_args([*SMALL, "--moe-experts", "4", "--mesh", "dp=1"])
     pricer = _pricer(args, machine)
     planned = auto_mesh.choose_layout(
         args, auto_mesh.model_shape(pricer.model, args, 4), 4, 2**30, peak_bytes=pricer.peak_bytes,
         step_seconds=pricer.step_seconds, price_ahead=pricer.price_ahead,
-        job_rule=lambda a: job.mesh_problem(a, resolve_spec(a.mesh, None, dims=job.DIMS)))
+        job_rule=lambda a: mesh_problem(a, resolve_spec(a.parallel.mesh, None, dims=DIMS)))
     assert planned.best is not None and {c.layout.ep for c in planned.ranked} == {1, 2, 4}
     assert all(layout.tp > 1 for layout, reason in planned.cut if "no tensor-parallel layout for MoE" in reason)
 
 
 def test_on_paper_prices_a_published_run_and_chooses_a_layout():
-    on_paper = load_example("gpt/on_paper")
     name, config, ranks, batch, sequence, mesh, recompute, *_ = on_paper.RUNS[0]
     out = on_paper.plan_on_paper(config, ranks, batch, sequence, mesh, recompute)
     assert out["published_mesh_peak"] > 0 and out["published_mesh_step"] > 0

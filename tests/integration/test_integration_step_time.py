@@ -1,11 +1,11 @@
-"""The GPT job's step-time estimate (``examples/gpt/step_time.py``) against the job's measured steps:
+"""The GPT job's step-time estimate (``ndweave_gpt.cost.step_time``) against the job's measured steps:
 the estimate must put the layouts in the order the job runs them.
 
 On 4 and 8 CPU ranks, a small grid of the job's layouts (PP x DP x TP; GPipe, 1F1B, interleaved
 1F1B; a few micro-batch counts) is built as the job builds it, and the job's training step of each
 is timed in rounds, one step of every layout per round (``interleaved_steps``), so that load from
 elsewhere on the machine slows every layout alike; a layout's step is its fastest of ``ROUNDS``.
-The estimate is ``estimate_step_seconds`` with this machine's calibration (``ndweave.mesh.calibrate``,
+The estimate is ``estimate_step_seconds`` with this machine's calibration (``ndweave.plan.calibrate``,
 measured once per session). Per world size: the Spearman rank correlation of predicted and measured
 steps is at least ``MIN_SPEARMAN`` (the issue's 0.8), and the layout the estimate ranks first runs
 within ``BEST_WITHIN`` (10%) of the fastest measured.
@@ -26,14 +26,15 @@ import time
 import pytest
 import torch
 
-from integration_models import load_example
 from ndweave.checkpoint import DataPosition
 from ndweave.ddp import DEFAULT_BUCKET_SIZE
-from ndweave.mesh.calibrate import calibrate
+from ndweave.plan.calibrate import calibrate
 from ndweave.mesh.testing import run_distributed, shutdown_pools
-
-job = load_example("gpt/train")
-step_time = load_example("gpt/step_time")
+from ndweave_gpt.build import (adamw_kwargs, build_mesh, build_model, build_optimizer, check_mesh, data_mean, data_rank,
+                               loss_fn, parallelize, sharding_plan)
+from ndweave_gpt.config import parse_args
+from ndweave_gpt.cost import step_time
+from ndweave_gpt.data import TextData
 
 MODEL = ["--n-layer", "8", "--n-embd", "128", "--n-head", "4", "--block-size", "64", "--global-batch", "16",
          "--steps", "100", "--warmup", "1"]
@@ -90,9 +91,9 @@ def interleaved_steps(argvs: list[list[str]], rounds: int) -> list[list[float]]:
     """Every layout of ``argvs`` built as the job builds it (its own mesh, engine, DDP and ZeRO
     optimizer), then ``rounds`` rounds of one training step of each in turn, each step timed as the
     job's metrics time it: a burst of load from elsewhere on the machine slows every layout's step of
-    a round alike, not one layout's every step. The step is ``train._train``'s (the batch, the
+    a round alike, not one layout's every step. The step is ``ndweave_gpt.loop.loop``'s (the batch, the
     pipelined forward and backward with DDP's grad sync, the optimizer, the loss's mean over DP).
-    Not ``job.train`` itself: its end gathers every parameter to every rank by ``all_gather_object``
+    Not ``ndweave_gpt.loop.train`` itself: its end gathers every parameter to every rank by ``all_gather_object``
     of views into DDP's buffers, which pickles each view's whole buffer (a minute and gigabytes per
     rank at 8 ranks), and writes a checkpoint."""
     jobs = [_Job(argv) for argv in argvs]
@@ -107,35 +108,36 @@ class _Job:
     """One layout of the job, built and stepped once."""
 
     def __init__(self, argv: list[str]) -> None:
-        self.args = args = job.parse_args(argv)
-        self.mesh = job.build_mesh(args)
-        job.check_mesh(self.mesh, args)
-        self.dp_rank, self.dp_size = job.data_rank(self.mesh)
-        chunks, self.engine = job.parallelize(job.build_model(args), self.mesh, args)
-        self.optimizer, self.scheduler = job.build_optimizer(chunks, args)
-        self.data, self.position = job.TextData(args.block_size, args.seed), DataPosition()
+        self.args = args = parse_args(argv)
+        self.mesh = build_mesh(args)
+        check_mesh(self.mesh, args)
+        self.dp_rank, self.dp_size = data_rank(self.mesh)
+        job = parallelize(build_model(args), self.mesh, args)
+        self.engine = job.engine
+        self.optimizer, self.scheduler = build_optimizer(job.chunks, args)
+        self.data, self.position = TextData(args.model.block_size, args.training.seed), DataPosition()
         self.step()
 
     def step(self) -> float:
         tick = time.perf_counter()
-        x, y = self.data.batch(self.position, self.args.global_batch, self.dp_rank, self.dp_size)
+        x, y = self.data.batch(self.position, self.args.data.global_batch, self.dp_rank, self.dp_size)
         self.optimizer.zero_grad()
         loss = self.engine(x, y).detach().to(torch.float64)
         self.optimizer.step()
         self.scheduler.step()
-        self.position.advance(self.args.global_batch)
-        job.data_mean(loss, self.mesh)
+        self.position.advance(self.args.data.global_batch)
+        data_mean(loss, self.mesh)
         return time.perf_counter() - tick
 
 
 def predicted_steps(argvs: list[list[str]], machine) -> list[float]:
-    """Each layout's estimated step (seconds), as ``train.py`` would ask for it."""
+    """Each layout's estimated step (seconds), as the job would ask for it."""
     out = []
     for argv in argvs:
-        args = job.parse_args(argv)
+        args = parse_args(argv)
         sharding = functools.partial(_sharding, args)
-        out.append(step_time.estimate_step_seconds(args, machine, job.build_model, sharding, job.loss_fn,
-                                                   DEFAULT_BUCKET_SIZE, job.adamw_kwargs(args)).seconds)
+        out.append(step_time.estimate_step_seconds(args, machine, build_model, sharding, loss_fn,
+                                                   DEFAULT_BUCKET_SIZE, adamw_kwargs(args)).seconds)
     return out
 
 
@@ -150,7 +152,7 @@ def _ready() -> None:
 
 
 def _sharding(args, model, sizes):
-    return job.sharding_plan(model, args, sizes)
+    return sharding_plan(model, args, sizes)
 
 
 def test_spearman_of_known_orders():

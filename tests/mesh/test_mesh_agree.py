@@ -5,7 +5,8 @@ import pytest
 import torch.distributed as dist
 
 from ndweave.mesh import init_device_mesh
-from ndweave.mesh.agree import RankMismatchError, agree_or_raise, gather, raise_on_every_rank
+from ndweave.mesh.agree import (RankMismatchError, agree_or_raise, decide_on_first, gather, gather_ints,
+                                raise_on_every_rank)
 from ndweave.mesh.testing import distributed
 
 
@@ -77,7 +78,7 @@ def test_without_a_process_group_the_calls_are_local():
 
 def test_a_fake_world_has_no_other_rank_to_gather_from(monkeypatch):
     # fake_world is one process: no collective runs (the planner's traces agree on plans there)
-    from ndweave.mesh.testing import fake_world
+    from ndweave.mesh import fake_world
 
     def no_collective(*args, **kwargs):
         raise AssertionError("all_gather_object ran in a fake world")
@@ -87,3 +88,54 @@ def test_a_fake_world_has_no_other_rank_to_gather_from(monkeypatch):
         assert gather(None, "x") == {3: "x"}
         mesh = init_device_mesh("cpu", (2, 4))
         assert agree_or_raise(mesh, "plan", lambda: (1, {"plan": "p", "local": 7})) == (1, {3: 7})
+
+
+@pytest.mark.parametrize("kind", ["mesh", "group", "default"])
+@distributed(world_size=4, timeout=60)
+def test_a_few_ints_are_gathered_in_one_tensor_collective_per_group(kind):
+    over, rank = _over(kind), dist.get_rank()
+
+    def no_pickling(*args, **kwargs):
+        raise AssertionError("all_gather_object ran")
+
+    saved, dist.all_gather_object = dist.all_gather_object, no_pickling  # (on the rank: no monkeypatch there)
+    try:
+        assert gather_ints(over, [rank, 7, -rank]) == {r: (r, 7, -r) for r in range(4)}
+    finally:
+        dist.all_gather_object = saved
+
+
+@distributed(world_size=4, timeout=60)
+def test_the_first_rank_decides_each_ranks_answer_and_only_it_sees_every_value():
+    rank, seen = dist.get_rank(), []
+
+    def decide(everyone):
+        seen.append(everyone)
+        return {r: sum(everyone.values()) + r for r in everyone}
+
+    assert decide_on_first(None, "planning", rank * 10, decide) == 60 + rank
+    assert seen == ([{0: 0, 1: 10, 2: 20, 3: 30}] if rank == 0 else [])
+    pair = dist.new_group([1, 3])
+    if rank in (1, 3):  # the group's first rank (global rank 1) decides
+        assert decide_on_first(pair, "x", rank, lambda everyone: {r: (dist.get_rank(), everyone) for r in everyone}) == \
+            (1, {1: 1, 3: 3})
+
+    def fails(everyone):
+        raise ValueError("no plan for rank 9")
+
+    outcome = _outcome(lambda: decide_on_first(None, "planning", rank, fails))
+    assert outcome == ("ValueError", "planning failed on rank 0: no plan for rank 9")
+    assert set(gather(None, outcome).values()) == {outcome}
+
+
+@distributed(world_size=2, timeout=60)
+def test_a_mismatch_can_be_phrased_by_the_caller():
+    rank = dist.get_rank()
+    outcome = _outcome(lambda: agree_or_raise(None, "wrap", lambda: (None, {"model": f"m{rank}", "local": rank}),
+                                              mismatch=lambda everyone: ValueError(f"models {everyone}")))
+    assert outcome == ("ValueError", "models {0: {'model': 'm0'}, 1: {'model': 'm1'}}")
+
+
+def test_without_a_process_group_the_exchanges_are_local():
+    assert gather_ints(None, [1, 2]) == {0: (1, 2)}
+    assert decide_on_first(None, "x", 5, lambda everyone: {0: everyone[0] + 1}) == 6

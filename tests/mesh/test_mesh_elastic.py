@@ -95,3 +95,18 @@ def test_each_worker_group_gets_a_namespace_the_previous_one_never_wrote():
     for t in late:
         t.join()
     assert len(set(found.values())) == 1 and found[0] != stale, (found, stale)
+
+
+def test_a_mesh_started_without_a_launcher_says_to_use_torchrun():
+    """``init_device_mesh`` in a script run with plain ``python``: torch's env:// would say only
+    "environment variable RANK expected"; the error names torchrun and the other way out."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                             "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")}
+    code = "from ndweave.mesh import init_device_mesh\ninit_device_mesh('cpu', (1,))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set. Start the script with torchrun" in out.stderr

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ndweave.mesh import DEVICE_MESH, ParallelMesh, init_device_mesh
-from ndweave.mesh.testing import fake_world
+from ndweave.mesh import fake_world
 
 
 @pytest.mark.parametrize("rank", [0, 5, 21, 63])
@@ -110,3 +110,22 @@ def test_a_submesh_in_another_order_names_the_order_that_works():
         with pytest.raises(KeyError, match=r"keeps the mesh's dim order \('PP', 'DP', 'TP'\); ask for mesh\['PP', 'TP'\]"):
             mesh["TP", "PP"]
         assert mesh["PP", "TP"].mesh_dim_names == ("PP", "TP")
+
+
+@pytest.mark.parametrize("rank", [0, 13, 31])
+def test_expert_parallel_is_a_role_like_the_others(rank):
+    """``"EP"`` is a mesh role (``ROLE_DIMS``, ``EXPERT_DIM``) with its getters; a mesh without it has an
+    EP size of one: rank 0, no mesh, no group."""
+    from ndweave.mesh import EXPERT_DIM, ROLE_DIMS
+
+    assert EXPERT_DIM == ROLE_DIMS["expert"] == "EP"
+    with fake_world(32, rank=rank):
+        mesh = init_device_mesh("cpu", (2, 2, 4, 2), mesh_dim_names=("PP", "DP", "EP", "TP"))
+        pp, dp, ep, tp = rank // 16, (rank // 8) % 2, (rank // 2) % 4, rank % 2
+        assert (mesh.get_expert_parallel_rank(), mesh.get_data_parallel_rank()) == (ep, dp)
+        assert mesh.get_expert_parallel_mesh().mesh.tolist() == [16 * pp + 8 * dp + 2 * i + tp for i in range(4)]
+        assert mesh.get_expert_parallel_group() is mesh.get_group("EP")
+    with fake_world(4, rank=1):
+        dense = init_device_mesh("cpu", (2, 2))
+        assert dense.get_expert_parallel_rank() == 0
+        assert dense.get_expert_parallel_mesh() is None and dense.get_expert_parallel_group() is None

@@ -44,3 +44,9 @@ def test_bad_coordinates_name_the_problem():
         layout.rank_at(grid, (0, 0, 0))
     with pytest.raises(ValueError, match="rank 9 is not in this mesh"):
         layout.coordinate_of(grid, 9)
+    # a float (numpy's IndexError) or a bool (a mask: a wrong rank, silently) is named instead
+    with pytest.raises(TypeError, match=r"index on mesh dim 1 is 1.0 \(float\); mesh coordinates are ints"):
+        layout.rank_at(grid, (0, 1.0))
+    with pytest.raises(TypeError, match="index on mesh dim 0 is True"):
+        layout.rank_at(grid, (True, 0))
+    assert layout.rank_at(grid, (np.int64(1), 1)) == 3

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from ndweave.mesh import ShutdownError, init_device_mesh, init_mesh_from_spec, shutdown
-from ndweave.mesh.lifecycle import DEFAULT_TIMEOUT, side_group
+from ndweave.mesh.lifecycle import DEFAULT_TIMEOUT, destroy_side_group, new_side_group, side_group
 from ndweave.mesh.mesh_args import check_device_type
 from ndweave.mesh.testing import distributed
-from ndweave.mesh.torch_compat import group_timeout
+from ndweave.mesh.torch_compat import group_timeout, live_groups
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 
@@ -107,3 +107,100 @@ def test_cuda_without_gpus_names_the_fix_with_or_without_a_process_group(how):
         messages = run_distributed(_cuda_mesh, 2, how, init_process_group=init_process_group, timeout=60)
         for message in messages:
             assert "this process sees no cuda device" in message and "Pass 'cpu'" in message
+
+
+# ---------------------------------------------------------------------- side groups
+@distributed(world_size=4)
+def test_every_side_group_gets_the_library_timeout_and_a_tag():
+    rank = dist.get_rank()
+    checks = new_side_group(range(4), desc="test-checks")
+    assert checks.group_desc == "ndweave:test-checks" and dist.get_backend(checks) == "gloo"
+    assert group_timeout(checks) == DEFAULT_TIMEOUT  # never torch's 30 minutes
+    tight = new_side_group([0, 1, 2, 3], desc="test-tight", timeout=7)
+    assert group_timeout(tight) == timedelta(seconds=7)
+    if rank in (1, 3):  # made by its ranks alone: 0 and 2 never call it
+        pair = new_side_group([3, 1], desc="test-pair", timeout=timedelta(seconds=5))
+        assert dist.get_process_group_ranks(pair) == [1, 3] and group_timeout(pair) == timedelta(seconds=5)
+        total = torch.ones(1)
+        dist.all_reduce(total, group=pair)
+        assert total.item() == 2
+    dist.barrier()
+
+
+@distributed(world_size=2)
+def test_a_destroyed_side_group_leaves_no_name_for_the_next_one_to_collide_with():
+    count = len(live_groups())
+    first = new_side_group([0, 1], desc="test-owned")
+    later = new_side_group([0, 1], desc="test-later")  # made after it, over the same ranks
+    destroy_side_group(first)
+    assert first not in live_groups() and len(live_groups()) == count + 2  # a one-rank group holds its place
+    again = new_side_group([0, 1], desc="test-again")  # would take `later`'s name without the placeholder
+    assert again.group_name not in (first.group_name, later.group_name)
+    for group in (later, again):
+        total = torch.ones(1)
+        dist.all_reduce(total, group=group)
+        assert total.item() == 2
+
+
+# ---------------------------------------------------------------------- shutdown(*closeables)
+class _Closeable:
+    def __init__(self, name: str, closed: list[str], error: Exception | None = None) -> None:
+        self.name, self.closed, self.error = name, closed, error
+
+    def close(self) -> None:
+        self.closed.append(self.name)
+        if self.error is not None:
+            raise self.error
+
+
+def test_shutdown_closes_what_it_is_given_in_order_even_without_a_process_group():
+    closed: list[str] = []
+    shutdown(_Closeable("manager", closed), _Closeable("model", closed))
+    assert closed == ["manager", "model"]
+    with pytest.raises(TypeError, match=r"needs a close\(\) method; got a str"):
+        shutdown("model")
+    closed.clear()
+    with pytest.raises(ShutdownError, match=r"shutdown\(\) on rank 0: _Closeable.close\(\) failed: OSError: disk full$") as raised:
+        shutdown(_Closeable("manager", closed, OSError("disk full")), _Closeable("model", closed))
+    assert closed == ["manager", "model"]  # a failed close does not stop the others
+    assert isinstance(raised.value.__cause__, OSError) and raised.value.failed == {0: "_Closeable.close() failed: OSError: disk full"}
+
+
+@distributed(world_size=2, init_process_group=False, timeout=60)
+def test_objects_are_closed_before_the_groups_go_and_a_failed_close_is_named_on_every_rank():
+    init_device_mesh("cpu", (2,), mesh_dim_names=("DP",), timeout=30)
+    closed: list[str] = []
+
+    class Pending:  # an async save that still needs its group when closed
+        def __init__(self) -> None:
+            self.group = new_side_group([0, 1], desc="test-pending")
+
+        def close(self) -> None:
+            total = torch.ones(1)
+            dist.all_reduce(total, group=self.group)
+            closed.append(f"pending:{int(total.item())}")
+
+    begin = time.monotonic()
+    if dist.get_rank() == 1:
+        with pytest.raises(ShutdownError, match=r"shutdown\(\) on rank 1: _Closeable.close\(\) failed: ValueError: bad"):
+            shutdown(Pending(), _Closeable("model", closed, ValueError("bad")))
+    else:
+        with pytest.raises(ShutdownError, match=r"rank 1 failed: _Closeable.close\(\) failed: ValueError: bad") as raised:
+            shutdown(Pending(), _Closeable("model", closed))
+        assert raised.value.failed == {1: "_Closeable.close() failed: ValueError: bad"}
+    assert closed == ["pending:2", "model"] and not dist.is_initialized()
+    assert time.monotonic() - begin < 10
+
+
+@distributed(world_size=2, init_process_group=False, timeout=60)
+def test_shutdown_with_abort_warns_of_a_failed_close_and_reports_the_error_in_flight():
+    init_device_mesh("cpu", (2,), mesh_dim_names=("DP",), timeout=30)
+    if dist.get_rank() == 1:
+        try:
+            raise ZeroDivisionError("loss scale underflow")
+        except ZeroDivisionError:
+            with pytest.warns(RuntimeWarning, match=r"shutdown\(abort=True\): _Closeable.close\(\) failed: OSError: gone"):
+                shutdown(_Closeable("model", [], OSError("gone")), abort=True)
+        return
+    with pytest.raises(ShutdownError, match="rank 1 failed: ZeroDivisionError: loss scale underflow"):
+        shutdown()

@@ -12,9 +12,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ndweave.mesh import DEVICE_MESH, ParallelMesh, init_device_mesh
-from ndweave.mesh.testing import distributed, fake_world
+from ndweave.mesh.testing import distributed
 
 
+from ndweave.mesh import fake_world
 def _ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group)
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ndweave.mesh import init_device_mesh
-from ndweave.mesh.testing import fake_world
+from ndweave.mesh import fake_world
 from ndweave.pipeline import PipelineParallelPlan, SharedParam, StagePlaceholder, construct_pipeline_stage
 from pipeline_any_models import AttrLM, TupleLM
 from pipeline_models import SEQ, VOCAB, WIDTH, Block, TinyLM
@@ -153,9 +153,43 @@ def test_forwards_that_cannot_be_cut_there_name_the_value_and_a_split_that_works
 
 
 def test_without_example_inputs_a_model_without_containers_is_told_to_trace():
-    with pytest.raises(ValueError, match="has no ModuleList.*pass example_inputs= to construct_pipeline_stage"):
+    """Told at construction, with what stopped the shape-free cut (here: fx meets the ``assert`` on a
+    traced size), never later inside a stage's forward."""
+    with pytest.raises(ValueError, match=r"has no ModuleList.*cannot be cut without shapes \(a symbolic trace stops "
+                                         r"at TraceError.*\); pass example_inputs= \(one micro-batch\) to "
+                                         r"construct_pipeline_stage"):
         _stages(AttrLM(), 2, example=None)
     assert _stages(TinyLM(num_layers=2), 2, example=None)[1].stage_io == [None, None]  # the skeleton path
+
+
+class Chained(nn.Module):
+    """Layers as plain attributes, chained (veScale's ``EightMLP``); ``skip`` feeds a layer two values."""
+
+    def __init__(self, skip: bool = False) -> None:
+        super().__init__()
+        self.first, self.second, self.third = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.skip = skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        h.retain_grad()  # a side effect between layers: it runs on the stage that computed h
+        h = self.second(h)
+        return self.third(h + x if self.skip else h)
+
+
+def test_without_example_inputs_a_chain_of_plain_attributes_is_cut_in_call_order():
+    """As veScale cuts it (a symbolic trace, no shapes): each stage runs from its first layer on, so a
+    chunk called alone computes only its layers; a forward that is not a chain is told to trace."""
+    torch.manual_seed(0)
+    model = Chained()
+    stages = _stages(model, 3, example=None)
+    assert [s.stage_layers for s in stages][0] == [["first"], ["second"], ["third"]]
+    x = torch.randn(2, WIDTH)
+    assert torch.equal(stages[1][0](x), model.second(x)) and torch.equal(stages[2][0](x), model.third(x))
+    assert torch.equal(stages[0][0](x), model.first(x))
+    with pytest.raises(ValueError, match=r"cannot be cut without shapes \('third' is not called on the previous "
+                                         r"layer's output alone\)"):
+        _stages(Chained(skip=True), 3, example=None)
 
 
 class SlowBlock(nn.Module):

@@ -69,18 +69,11 @@ def test_a_timed_split_needs_split_points():
 
 
 def _gpt(num_layers: int = 4):
-    """``examples/gpt/model.py``'s GPT (the job's model), small: ``num_layers`` blocks, width 32, vocabulary 256."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    """The job's GPT (``tests/gpt_model.py``, a copy of ``ndweave_gpt.models.nanogpt``), small: ``num_layers``
+    blocks, width 32, vocabulary 256."""
+    from gpt_model import GPT, GPTConfig
 
-    name = "ndweave_examples_gpt_model"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[2] / "examples/gpt/model.py")
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    gpt = sys.modules[name]
-    return gpt.GPT(gpt.GPTConfig(vocab_size=256, block_size=32, n_layer=num_layers, n_head=4, n_embd=32, dropout=0.0))
+    return GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=num_layers, n_head=4, n_embd=32, dropout=0.0))
 
 
 MICRO_BATCH, BLOCK = 2, 32
@@ -356,3 +349,26 @@ def test_a_stages_traced_peak_is_what_its_forward_and_backward_hold_beyond_its_p
         loss_fn(output, torch.zeros_like(x)).backward()
         measured = memory.peak_bytes() - before
     assert traced.peak_bytes == measured, (traced.peak_bytes, measured)
+
+
+@distributed(world_size=2, timeout=90)
+def test_receive_buffers_are_what_the_stages_allocate():
+    """``receive_buffer_bytes``: what torch's stages on each PP rank hold to receive into after a step
+    (a buffer per micro-batch for the activations from the stage before, and one for the grads of
+    what the stage sends on), byte for byte."""
+    from ndweave.pipeline.cost import receive_buffer_bytes
+
+    num_microbatches = 4
+    plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=num_microbatches)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("PP",))
+    module = construct_pipeline_stage(_gpt(), plan, mesh, example_inputs=torch.zeros(1, BLOCK, dtype=torch.long))
+    engine = _gpt_engine(module, mesh, plan)
+    _gpt_step(engine, num_microbatches)
+    hidden = MICRO_BATCH * BLOCK * 32 * 4  # (micro-batch, block, width 32) fp32 between the stages
+    predicted = receive_buffer_bytes(resolve_plan(plan, 2), torch.distributed.get_rank(), [0, hidden], [hidden, 0])
+    measured = 0
+    for stage in engine.stages:  # torch's stages keep their receive infos by micro-batch
+        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+            measured += sum(i.buffer.numel() * i.buffer.element_size() for i in infos
+                            if isinstance(getattr(i, "buffer", None), torch.Tensor))
+    assert predicted == measured == num_microbatches * hidden

@@ -167,7 +167,7 @@ def test_batch_faults_on_one_pp_rank_raise_on_every_rank():
 
 
 def test_engine_arguments_are_checked():
-    from ndweave.mesh.testing import fake_world
+    from ndweave.mesh import fake_world
 
     with fake_world(1):
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("PP",))
@@ -180,7 +180,8 @@ def test_engine_arguments_are_checked():
 
 def test_the_engines_stage_overrides_the_methods_torch_compat_pins():
     # torch's schedules call these PipelineStage methods with no documented contract: the ones the
-    # engine overrides are listed (and their signatures pinned against torch) in torch_compat
+    # engine overrides (itself, or through torch_compat's PipelineStageBase: the private ones) are
+    # listed (and their signatures pinned against torch) in torch_compat
     import inspect
 
     from torch.distributed.pipelining import PipelineStage
@@ -188,7 +189,8 @@ def test_the_engines_stage_overrides_the_methods_torch_compat_pins():
     from ndweave.mesh.torch_compat import PIPELINE_STAGE_OVERRIDES
     from ndweave.pipeline.engine import _Stage
 
-    overridden = {name for name, value in vars(_Stage).items()
+    ours = _Stage.__mro__[:_Stage.__mro__.index(PipelineStage)]  # _Stage, PipelineStageBase
+    overridden = {name for cls in ours for name, value in vars(cls).items()
                   if inspect.isfunction(value) and not name.startswith("__") and hasattr(PipelineStage, name)}
     assert overridden == set(PIPELINE_STAGE_OVERRIDES)
     for name, params in PIPELINE_STAGE_OVERRIDES.items():

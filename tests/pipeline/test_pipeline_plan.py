@@ -10,7 +10,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleavedZeroBu
 
 from ndweave.mesh import init_device_mesh
 from ndweave.mesh.contracts import removed_modules
-from ndweave.mesh.testing import fake_world
+from ndweave.mesh import fake_world
 from ndweave.pipeline import (
     PipelineParallelPlan,
     SharedParam,
@@ -112,3 +112,9 @@ def test_shared_modules_tie_weights_the_model_does_not():
     # the first stage's name comes first whatever the plan's order (checkpoints key the state by it)
     stage = _stage(model, PipelineParallelPlan(shared_modules=[["head", "wte"]]), 2, 0)
     assert stage.shared_params == [SharedParam(("wte.weight", "head.weight"), (0, 1))]
+
+
+def test_stage_input_name_is_deprecated_for_traced_stage_io():
+    """One way to say what crosses a cut: ``example_inputs=`` (traced, ``StageIO``); the keyword warns."""
+    with pytest.warns(DeprecationWarning, match=r"stage_input_name=\) is deprecated.*example_inputs="):
+        PipelineParallelPlan(split_points=["layers.1"], stage_input_name="inputs_embeds")

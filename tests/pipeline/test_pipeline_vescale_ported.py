@@ -1,7 +1,7 @@
 """veScale's own pipeline tests (``legacy/test/parallel/pipeline``), ported to ndweave as a user would
 port them: the same models, meshes, splits, schedules, data and checks, on CPU ranks and in float64
 (strict parity, where veScale compares float32 on CUDA). Each line that had to change says
-``# veScale:`` and why; the pipeline README's "Coming from veScale" section lists them all, and the
+``# veScale:`` and why; docs/from-vescale.md (Pipeline) lists them all, and the
 tests that were not ported (veScale's internals: its P2P layer, instruction schedules, parsers).
 
 From ``api/test_simple_api.py``, ``api/test_pipe_engine_api.py``, ``api/test_pipe_single_stage_ops.py``,
@@ -91,8 +91,8 @@ def _train_and_compare(model: nn.Module, plan: PipelineParallelPlan, what: str) 
     data = _data()
     expected_losses, expected_grads = _one_process(model, data)
     _init_mesh()
-    # veScale: no example inputs (fx traces without shapes); lr_scheduler=None, update_split_points=True
-    pipe_module = construct_pipeline_stage(model, plan, DEVICE_MESH, example_inputs=data[0])
+    # veScale: lr_scheduler=None, update_split_points=True
+    pipe_module = construct_pipeline_stage(model, plan, DEVICE_MESH)
     optimizer = torch.optim.SGD(pipe_module.parameters(), lr=0.01, momentum=0, dampening=0, weight_decay=0,
                                 nesterov=False, maximize=False, foreach=None, differentiable=False)
     # veScale: BasicOptimizer(optimizer, models=pipe_module) (ndweave.optim; nothing here uses it)
@@ -175,7 +175,7 @@ def test_stage_forward():
                                 schedule_type="interleaved_1f1b", num_microbatches=8)
     _init_mesh()
     batch = [torch.ones(16, 128, 32) for _ in range(8)]
-    module = construct_pipeline_stage(copy.deepcopy(model), plan, DEVICE_MESH, example_inputs=batch[0])  # veScale: none
+    module = construct_pipeline_stage(copy.deepcopy(model), plan, DEVICE_MESH)
     engine = PipeEngine(module, DEVICE_MESH, loss_fn, plan)
     rank = DEVICE_MESH["PP"].get_local_rank()
     if rank in (0, 2):  # rank r runs stages r (mlp{r+1}) and r + 4 (mlp{r+5})
@@ -212,7 +212,7 @@ def test_accuracy_alignment():
     plan = PipelineParallelPlan(num_stages=8, virtual_chunks=2, split_points=[f"mlp{i}" for i in range(2, 9)],
                                 schedule_type="interleaved_1f1b", num_microbatches=factor)
     _init_mesh()
-    pipe_module = construct_pipeline_stage(model, plan, DEVICE_MESH, example_inputs=batch[0])  # veScale: none
+    pipe_module = construct_pipeline_stage(model, plan, DEVICE_MESH)
     optimizer = torch.optim.SGD(pipe_module.parameters(), **sgd)
     engine = PipeEngine(pipe_module, DEVICE_MESH, mean_loss, plan)
     engine(torch.cat(batch))  # veScale: engine(batch), a list of micro-batches
@@ -243,6 +243,7 @@ def test_manual_split_various_boundary_level():
         num_microbatches=2,
     )
     x = torch.randn(4, 8)
+    # veScale: no example inputs; a split inside a layer (mlp4.gelu) needs the traced cut, which needs shapes
     pipe_module = construct_pipeline_stage(copy.deepcopy(model), plan, DEVICE_MESH, example_inputs=x[:2])
     sharding_plan_fc = {f"mlp{i}.fc1": ColwiseParallel() for i in range(1, 9)} | {
         f"mlp{i}.fc2": RowwiseParallel() for i in range(1, 9)}

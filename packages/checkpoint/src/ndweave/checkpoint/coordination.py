@@ -4,7 +4,8 @@ forever for the one that left. Without a process group (one process) they are lo
 
 Each takes the process group to run on (``None``: the default one). An asynchronous save passes a
 group of its own, so that its planning can run in a background thread without racing the training
-loop's collectives on the default group."""
+loop's collectives on the default group. The exchange is ``ndweave.mesh.agree.decide_on_first``;
+what is checkpoint's own is how a failure travels and which error every rank raises."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ndweave.checkpoint.errors import CheckpointError
+from ndweave.mesh.agree import decide_on_first
 
 __all__ = ["broadcast", "coordinate", "is_distributed", "rank", "world_size"]
 
@@ -76,24 +78,19 @@ def coordinate(what: str, local: Callable[[], Any], central: Callable[[list[Any]
     mismatch) when it raised one, else a ``CheckpointError`` naming each rank that raised, with its
     traceback. Two collectives; no rank receives the others' values."""
     mine, own_error = _attempt(local)
-    me, world = rank(group), world_size(group)
-    gathered: list[Any] = [mine]
-    if is_distributed():
-        gathered = [None] * world if me == 0 else None
-        dist.gather_object(mine, gathered, group=group, group_dst=0)
-    messages: list[Any] = [None] * world
-    if me == 0:
+
+    def decide(everyone: dict[int, Any]) -> dict[int, tuple[str, Any]]:  # on the first rank (rank 0)
+        nonlocal own_error
+        gathered = list(everyone.values())  # in group rank order
         if not any(isinstance(v, _Failed) for v in gathered):
             result, central_error = _attempt(lambda: central(gathered))
             own_error = own_error or central_error
             gathered = [result] + [None] * (len(gathered) - 1) if central_error is not None else gathered
-        failed = any(isinstance(v, _Failed) for v in gathered)
-        messages = [("failed", gathered)] * world if failed else [("ok", v) for v in result]
-    if is_distributed():
-        received: list[Any] = [None]
-        dist.scatter_object_list(received, messages if me == 0 else None, group=group, group_src=0)
-        messages = received
-    kind, payload = messages[0]
+        if any(isinstance(v, _Failed) for v in gathered):
+            return dict.fromkeys(everyone, ("failed", gathered))
+        return {r: ("ok", v) for r, v in zip(everyone, result)}
+
+    kind, payload = decide_on_first(group, what, mine, decide)
     if kind == "failed":
         _raise_failures(what, payload, own_error)
     return payload

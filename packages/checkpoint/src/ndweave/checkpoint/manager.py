@@ -16,6 +16,7 @@ from ndweave.checkpoint.commit import is_complete
 from ndweave.checkpoint.coordination import broadcast, is_distributed
 from ndweave.checkpoint.loader import LoadResult, load
 from ndweave.checkpoint.saver import DEFAULT_TIMEOUT_S, SaveHandle, start_save
+from ndweave.mesh.lifecycle import destroy_side_group, new_side_group
 
 __all__ = ["CheckpointManager"]
 
@@ -37,6 +38,10 @@ class CheckpointManager:
             train_step()
             if step % 100 == 0:
                 manager.save(step, state)
+        manager.close()                                     # the last async save committed, its group gone
+
+    ``with CheckpointManager(...) as manager:`` closes it on leaving the block, as does
+    ``ndweave.mesh.shutdown(manager)``.
 
     Args:
         root: the folder holding the step folders (created on the first save).
@@ -45,12 +50,14 @@ class CheckpointManager:
         reuse_buffers: asynchronous saves copy into host buffers kept for the next save
             (:class:`~ndweave.checkpoint.StagingBuffers`): faster copies, for this rank's share of
             the checkpoint held in host memory between saves.
-        timeout: seconds the ranks wait for each other while saving.
+        timeout: seconds the ranks wait for each other while saving (default: ndweave's collective
+            timeout, 300 s); the timeout of the group this manager makes, too.
         process_group: the group asynchronous saves plan on, so that their planning runs in the
             background thread (:func:`~ndweave.checkpoint.save`); default: a gloo group of every
             rank made by the first asynchronous save (on every rank, as saves are), used by this
-            manager only. Gloo because the planning exchanges small Python objects between host
-            threads; a group of the training loop's would race its collectives.
+            manager only (tagged ``ndweave:checkpoint-planning``) and destroyed by :meth:`close`.
+            Gloo because the planning exchanges small Python objects between host threads; a group
+            of the training loop's would race its collectives.
     """
 
     def __init__(self, root: str | os.PathLike, keep_last: int | None = 3, *, async_checkpoint: bool = False,
@@ -63,6 +70,9 @@ class CheckpointManager:
         self.buffers = StagingBuffers() if reuse_buffers else None
         """The host buffers asynchronous saves reuse (``reuse_buffers=True``), else ``None``."""
         self._process_group = process_group
+        self._own_group: dist.ProcessGroup | None = None  # the group made here (destroyed by close())
+        self._pending: SaveHandle | None = None  # the last save (saves run one at a time)
+        self._closed = False
         self.last_load: LoadResult | None = None
         """What the last :meth:`load_latest` left out (with ``strict=False``)."""
 
@@ -87,14 +97,43 @@ class CheckpointManager:
     def save(self, step: int, state: dict[str, Any], *, async_checkpoint: bool | None = None) -> SaveHandle:
         """Save ``state`` as step ``step`` (a collective, see :func:`~ndweave.checkpoint.save`); once it
         is committed rank 0 applies the retention and removes what crashed saves left."""
+        if self._closed:
+            raise RuntimeError(f"CheckpointManager({str(self.root)!r}) is closed: make a new one to save again")
         asynchronous = self.async_checkpoint if async_checkpoint is None else async_checkpoint
-        return start_save(self.path(step), state, async_checkpoint=asynchronous, timeout=self.timeout,
-                          on_commit=self._clean, buffers=self.buffers,
-                          group=self._planning_group() if asynchronous else None)
+        self._pending = start_save(self.path(step), state, async_checkpoint=asynchronous, timeout=self.timeout,
+                                   on_commit=self._clean, buffers=self.buffers,
+                                   group=self._planning_group() if asynchronous else None)
+        return self._pending
+
+    def close(self) -> None:
+        """Finish this manager's pending asynchronous save (committed on every rank, or its
+        :class:`~ndweave.checkpoint.CheckpointError` raised here unless ``wait()`` already raised it),
+        then destroy the process group the manager made for its saves (a group passed in is the
+        caller's). Call it on every rank, as saves are; a second call does nothing, a ``save()``
+        after it raises. ``ndweave.mesh.shutdown(manager)`` calls it before the groups go."""
+        if self._closed:
+            return
+        self._closed = True
+        pending, self._pending = self._pending, None
+        try:
+            if pending is not None and not pending._waited():
+                pending.wait()
+        finally:
+            group, self._own_group = self._own_group, None
+            if group is not None:
+                self._process_group = None
+                destroy_side_group(group)
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _planning_group(self) -> dist.ProcessGroup | None:
         if self._process_group is None and is_distributed() and dist.is_gloo_available():
-            self._process_group = dist.new_group(backend="gloo")
+            self._process_group = self._own_group = new_side_group(
+                range(dist.get_world_size()), desc="checkpoint-planning", timeout=self.timeout)
         return self._process_group
 
     def load_latest(self, state: dict[str, Any], *, strict: bool = True) -> int | None:

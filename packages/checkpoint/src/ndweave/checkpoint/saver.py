@@ -48,11 +48,13 @@ from ndweave.checkpoint.entries import entry_kind, saved_state
 from ndweave.checkpoint.errors import CheckpointError
 from ndweave.checkpoint.pieces import PieceSavePlanner, written_by_this_rank_alone
 from ndweave.checkpoint.staging import StagingGate, optimizers_of, remove_finished_gates, step_storages, storage_key
+from ndweave.mesh.lifecycle import DEFAULT_TIMEOUT
 
 __all__ = ["DEFAULT_TIMEOUT_S", "SaveHandle", "save", "start_save"]
 
-#: How long ranks wait for each other to finish writing before giving up (seconds).
-DEFAULT_TIMEOUT_S = 1800.0
+#: How long ranks wait for each other to finish writing before giving up (seconds): ndweave's
+#: collective timeout (``ndweave.mesh.lifecycle.DEFAULT_TIMEOUT``, 300 s), not torch's 30 minutes.
+DEFAULT_TIMEOUT_S = DEFAULT_TIMEOUT.total_seconds()
 
 
 class _SaveThread(threading.Thread):
@@ -106,6 +108,10 @@ class SaveHandle:
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
         return self._thread is None or not self._thread.is_alive()
+
+    def _waited(self) -> bool:
+        """Whether :meth:`wait` returned or raised already (a sync save: always)."""
+        return self._thread is None or self._thread.observed
 
     def wait(self) -> Path:
         if self._thread is not None:
@@ -168,13 +174,14 @@ def save(path: str | os.PathLike, state: dict[str, Any], *, async_checkpoint: bo
             optimizer. Changing saved parameters or optimizer state outside ``step()`` right after
             the save needs ``handle.wait_staged()`` first. The next ``save`` in this process waits
             for this one.
-        timeout: seconds the ranks wait for each other to finish writing.
+        timeout: seconds the ranks wait for each other to finish writing (default: ndweave's
+            collective timeout, 300 s; a slow file system may need more).
         buffers: host buffers an async save copies into and keeps for the next save given them
             (:class:`StagingBuffers`: faster copies, for this rank's share of host memory held
             between saves); default: fresh memory, freed once the files are written.
         process_group: the group the save's planning collectives run on (default: the default
-            group). With a group of its own (``dist.new_group(backend="gloo")``, created once on
-            every rank and passed to every save; :class:`CheckpointManager` does this), an async
+            group). With a group of its own (a gloo group of every rank, created once on every rank
+            and passed to every save; :class:`CheckpointManager` makes one), an async
             save plans in the background thread too and the call returns after this rank's local
             plan and the copy of its buffers: on the default group the planning (two collectives)
             must stay in the call, since a background collective would race the training loop's.

@@ -24,13 +24,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ndweave.mesh import ParallelMesh, resolve_mesh
+from ndweave.mesh import EXPERT_DIM, ParallelMesh, resolve_mesh
 from ndweave.mesh.torch_compat import flatten_mesh, is_shard_like
 
 __all__ = ["DataMesh", "EXPERT_DIM", "resolve_data_mesh"]
-
-#: The expert-parallel mesh dim: a data dim for every param but the experts sharded over it.
-EXPERT_DIM = "EP"
 
 
 class DataMesh:

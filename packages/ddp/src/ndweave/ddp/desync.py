@@ -6,12 +6,12 @@ collectives on the DP group no longer pair up: they wait for each other until th
 timeout, or pair up wrongly and average the wrong grads, silently.
 
 So before a grad sync waits on anything, the DP ranks compare a few counters (one ``all_gather`` of
-five ints). It runs on a gloo side group of the same ranks (``ndweave.mesh.lifecycle.side_group``,
-made once per DP group, with its timeout), so that it cannot queue behind the bucket reductions in
-flight on the DP group itself; every rank raises the same :class:`GradSyncDivergedError`, naming the
-ranks that differ and how. A rank whose peers never come to the check (they left the loop, or this
-rank stepped once more after they did) raises it too once the group's timeout has passed, naming the
-peers that had called ``shutdown()``. The counters:
+five ints, ``ndweave.mesh.agree.gather_ints``). It runs on a gloo side group of the same ranks
+(``ndweave.mesh.lifecycle.side_group``, made once per DP group, with its timeout), so that it cannot
+queue behind the bucket reductions in flight on the DP group itself; every rank raises the same
+:class:`GradSyncDivergedError`, naming the ranks that differ and how. A rank whose peers never come
+to the check (they left the loop, or this rank stepped once more after they did) raises it too once
+the group's timeout has passed, naming the peers that had called ``shutdown()``. The counters:
 
 * ``kind``: 1 when a grad sync finishes a backward's reductions; 2 when ``finish_grad_sync()`` is
   called again with no backward since (an optimizer's ``step()``). The first such call after a sync
@@ -26,13 +26,13 @@ peers that had called ``shutdown()``. The counters:
   chunks) never compare each other's counters.
 
 Before all that, at wrap time, :func:`check_same_wrap` makes sure the DP ranks wrap the same model
-with the same arguments: DDP's first collective broadcasts DP rank 0's parameters, and a rank with
-other shapes would receive them silently cut short, or be aborted by gloo.
+with the same arguments (``ndweave.mesh.agree.agree_or_raise``): DDP's first collective broadcasts DP
+rank 0's parameters, and a rank with other shapes would receive them silently cut short, or be
+aborted by gloo.
 """
 
 from __future__ import annotations
 
-import hashlib
 import zlib
 from collections import Counter
 from collections.abc import Sequence
@@ -40,6 +40,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ndweave.mesh.agree import agree_or_raise, gather_ints
 from ndweave.mesh.lifecycle import ranks_in_shutdown, side_group
 from ndweave.mesh.torch_compat import current_backward_id, group_timeout
 
@@ -107,16 +108,19 @@ class SyncCounters:
         if self._idle_finishes > 1 or self.syncs == 0:
             self._agree(_WITHOUT_BACKWARD, self.syncs)
 
+    def close(self) -> None:
+        """Compare nothing from now on (the wrapper is closed); the side group stays, shared by the
+        other wrappers on the same DP group."""
+        self._check_group, self._ranks = None, []
+
     def _agree(self, kind: int, syncs: int) -> None:
         if self._check_group is None:
             return
-        mine = torch.tensor([kind, syncs, self.backwards, self.forwards, self._model], dtype=torch.int64)
-        everyone = [torch.empty_like(mine) for _ in self._ranks]
         try:
-            dist.all_gather(everyone, mine, group=self._check_group)
+            table = gather_ints(self._check_group, [kind, syncs, self.backwards, self.forwards, self._model])
         except RuntimeError as error:  # gloo's timeout (or a closed connection): the others never came
             raise GradSyncDivergedError(_unanswered(kind, self._ranks, group_timeout(self._check_group))) from error
-        rows = [tuple(int(v) for v in t) for t in everyone]
+        rows = [table[rank] for rank in self._ranks]
         if len(set(rows)) > 1:
             raise GradSyncDivergedError(_explain(rows, self._ranks))
 
@@ -126,22 +130,24 @@ def check_same_wrap(group: dist.ProcessGroup | None, fingerprint: dict[str, str]
     all hold the same ``fingerprint`` (each parameter's and buffer's shape, dtype and whether it is
     synced, in order, and the arguments that shape the buckets), naming the first entry that differs.
 
-    One ``all_gather_object`` of a digest; the fingerprints themselves travel only when they differ."""
+    One small gather of a digest (``ndweave.mesh.agree.agree_or_raise``); the fingerprints themselves
+    travel only when they differ."""
     if group is None or dist.get_world_size(group) == 1:
         return
-    size, ranks = dist.get_world_size(group), dist.get_process_group_ranks(group)
-    digests: list = [None] * size
-    dist.all_gather_object(digests, hashlib.sha256(repr(list(fingerprint.items())).encode()).hexdigest(), group=group)
-    if len(set(digests)) == 1:
-        return
-    everyone: list = [None] * size
-    dist.all_gather_object(everyone, fingerprint, group=group)
-    odd = next(i for i, d in enumerate(digests) if d != digests[0])
-    first, other = everyone[0], everyone[odd]
+    ranks = dist.get_process_group_ranks(group)
+    # as a list: entries in another order are another model (the buckets would be laid out otherwise)
+    agree_or_raise(group, "DDP", lambda: (None, {"wrap": list(fingerprint.items())}),
+                   mismatch=lambda everyone: _another_wrap([everyone[rank]["wrap"] for rank in ranks], ranks))
+
+
+def _another_wrap(wraps: list[list[tuple[str, str]]], ranks: list[int]) -> ValueError:
+    """The error naming the first DP rank whose fingerprint differs from DP rank 0's, and the entry."""
+    odd = next(i for i, wrap in enumerate(wraps) if wrap != wraps[0])
+    first, other = dict(wraps[0]), dict(wraps[odd])
     key = next((k for k in [*first, *other] if first.get(k) != other.get(k)), None)
     what = ("the same entries in another order" if key is None else
             f"{key}: {other.get(key, '<absent>')} there, {first.get(key, '<absent>')} on rank {ranks[0]}")
-    raise ValueError(
+    return ValueError(
         f"DDP: rank {ranks[odd]} (DP rank {odd}) wraps another model, or passes other arguments, than rank "
         f"{ranks[0]} (DP rank 0): {what}. Every DP rank must build the same model (same config, same frozen "
         "params) and wrap it with the same arguments: DDP broadcasts DP rank 0's parameters and pairs the ranks' "

@@ -53,6 +53,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         model = DDP(model, DEVICE_MESH["DP"])
         loss = model(x).sum(); loss.backward()   # grads reduced when backward returns
         optimizer.step(); optimizer.zero_grad()
+        model.close()                            # hooks removed, grad buffers released (end of training)
 
     Expert parallel: given a mesh with an ``"EP"`` dim (``DDP(model, mesh)``, mesh ``("DP", "EP")``
     or ``("DP", "EP", "TP")``), EP splits the batch too, so dense grads are reduced over DP x EP and
@@ -185,6 +186,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         self._callback_queued = False
         self._counters = SyncCounters(self.data_parallel_group, [f"{n}:{tuple(p.shape)}" for n, p in synced],
                                       enabled=detect_desync)
+        self._closed = False
         self._hooks = []
         for slot in self._slots:
             self._hooks.append(slot.param.register_hook(self._make_pre_hook(slot)))
@@ -300,6 +302,42 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             slot.published, slot.local_view, slot.fresh, slot.ready, slot.unscaled = None, None, True, False, False
         self._reset_counts()
         self._step_open = False
+
+    # ------------------------------------------------------------------ the end
+    def close(self) -> None:
+        """Stop syncing: wait for the reductions in flight, remove the autograd hooks, and release the
+        grad buffers. A ``.grad`` (and ``main_grad``) DDP handed out becomes the parameter's own copy,
+        so the values stay and a later backward accumulates into them as without DDP; parameters
+        keep their values (with a distributed optimizer, in the buffer they were laid out in). The
+        module may be wrapped again. Call it on every DP rank; a second call does nothing.
+        ``with DDP(model, mesh["DP"]) as model:`` and ``ndweave.mesh.shutdown(model)`` call it too."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+        if self._grad_shards is not None:
+            self._grad_shards.reset()
+        for slot in self._slots:
+            _detach_from_buffers(slot)
+        self._buckets, self._slots, self._bucket_slots, self._grad_buffers = [], [], [], []
+        self._grad_shards, self._reduce_scatters = None, []
+        self._reset_counts()
+        self._step_open = self._callback_queued = self._micro_batch_open = False
+        self._counters.close()
+        mark = self.module.__dict__.get(_WRAPPED_MARK)
+        if mark is not None and mark() is self:
+            del self.module.__dict__[_WRAPPED_MARK]
+
+    def __enter__(self) -> DistributedDataParallel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ backward hooks
     def _make_pre_hook(self, slot: ParamSlot):
@@ -427,6 +465,18 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
 
 DDP = DistributedDataParallel
+
+
+def _detach_from_buffers(slot: ParamSlot) -> None:
+    """Make a ``.grad`` or ``main_grad`` of ``slot``'s parameter that lies in DDP's buffers its own copy."""
+    param, grad = slot.param, slot.param.grad
+    if grad is not None and (grad is slot.published or grad is slot.local_view):
+        param.grad = grad.clone()
+    main = getattr(param, "main_grad", None)
+    if main is not None and main is slot.published_main:  # one tensor with .grad where the dtypes match
+        param.main_grad = param.grad if grad is main else main.clone()
+    slot.published = slot.local_view = slot.local_main = slot.published_main = slot.partial_grad = None
+    slot.main_grad = slot.grad = None
 
 
 def _check_zero_stage(group: dist.ProcessGroup | None, use_distributed_optimizer: bool | None,

@@ -37,7 +37,8 @@ from ndweave.dmodule.sharded import sharded_global_shapes
 from ndweave.dmodule.spec import IO_LEAVES, PlacementSpec, Plan, normalize_plan, plan_specs, split_key
 from ndweave.mesh import DEVICE_MESH, ParallelMesh, resolve_mesh
 from ndweave.mesh.agree import agree_or_raise
-from ndweave.mesh.torch_compat import FakeTensor, StridedShard, custom_chunk, split_tensor
+from ndweave.mesh.torch_compat import (FakeTensor, StridedShard, custom_chunk, non_persistent_buffer_names, own_buffers,
+                                        own_parameters, split_tensor)
 
 __all__ = ["parallelize_module"]
 
@@ -219,7 +220,7 @@ def _choose_layouts(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str, Pla
     slots: dict[int, list[tuple[str, nn.Module, str]]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for fqn, m in root.named_modules(remove_duplicate=False):
-        for store in (m._parameters, m._buffers):
+        for store in (own_parameters(m), own_buffers(m)):
             for leaf, t in store.items():
                 if t is not None:
                     slots.setdefault(id(t), []).append((_join(fqn, leaf), m, leaf))
@@ -229,14 +230,14 @@ def _choose_layouts(root: nn.Module, mesh: DeviceMesh, param_plan: dict[str, Pla
     for key, spec in param_plan.items():
         regex, leaf = split_key(key)
         hits = [(fqn, m) for fqn, m in match_modules(root, regex, key)
-                if m._parameters.get(leaf) is not None or m._buffers.get(leaf) is not None]
+                if own_parameters(m).get(leaf) is not None or own_buffers(m).get(leaf) is not None]
         if not hits:
             if names_removed_module(root, regex):
                 continue  # the module is on another pipeline stage
             raise no_match_error("parameter", key, (name for s in slots.values() for name, _, _ in s))
         for fqn, m in hits:
-            t = m._parameters.get(leaf)
-            t = m._buffers[leaf] if t is None else t
+            t = own_parameters(m).get(leaf)
+            t = own_buffers(m)[leaf] if t is None else t
             prev = chosen.get(id(t))
             if prev is not None and prev[1].placements != spec.placements and prev[0] != key:
                 raise ValueError(
@@ -308,7 +309,7 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, layouts: list[_Layout
             if isinstance(x.tensor, nn.Parameter):
                 dt = nn.Parameter(dt, requires_grad=x.tensor.requires_grad)  # one object: ties stay tied
             for _, m, leaf in x.slots:
-                (m._parameters if leaf in m._parameters else m._buffers)[leaf] = dt
+                (own_parameters(m) if leaf in own_parameters(m) else own_buffers(m))[leaf] = dt
 
         if isinstance(t, FakeTensor):
             installer = _local_shard_installer(t, mesh, placements, install, plain)
@@ -330,7 +331,7 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, layouts: list[_Layout
 
 def _non_persistent_buffer(slots: list[tuple[str, nn.Module, str]]) -> bool:
     """Every module holding the tensor has it as a non-persistent buffer (not in its state_dict)."""
-    return all(leaf in m._buffers and leaf in m._non_persistent_buffers_set for _, m, leaf in slots)
+    return all(leaf in own_buffers(m) and leaf in non_persistent_buffer_names(m) for _, m, leaf in slots)
 
 
 def _local_shard_installer(fake: torch.Tensor, mesh: DeviceMesh, placements: tuple,
@@ -414,11 +415,12 @@ def _install_forward_plan(root: nn.Module, mesh: DeviceMesh, fwd_plan: dict[str,
         regex, leaf = split_key(key)
         hits = match_modules(root, regex, key)
         if leaf not in IO_LEAVES:
-            hits = [(f, m) for f, m in hits if m._parameters.get(leaf) is not None or m._buffers.get(leaf) is not None]
+            hits = [(f, m) for f, m in hits
+                    if own_parameters(m).get(leaf) is not None or own_buffers(m).get(leaf) is not None]
         if not hits:
             if names_removed_module(root, regex):
                 continue  # the module is on another pipeline stage
-            candidates = [_join(f, x) for f, m in root.named_modules() for x in (*IO_LEAVES, *m._parameters)]
+            candidates = [_join(f, x) for f, m in root.named_modules() for x in (*IO_LEAVES, *own_parameters(m))]
             raise no_match_error("forward", key, candidates)
         _check_forward_value(key, value, mesh)
         for fqn, m in hits:

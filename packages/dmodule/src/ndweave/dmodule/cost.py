@@ -10,7 +10,7 @@ makes them. ``tests/dmodule/test_dmodule_cost.py`` checks it against real ``para
 
 :func:`parallelize_on_meta` is ``parallelize_module`` itself on a model built on meta: its tensors
 become meta DTensors with this rank's local shapes, so one forward and backward on meta inputs (over
-a fake process group, ``ndweave.mesh.testing.fake_world``) shows the activations and collectives
+a fake process group, ``ndweave.mesh.fake_world``) shows the activations and collectives
 tensor parallelism makes, with nothing allocated.
 """
 
@@ -28,7 +28,7 @@ from ndweave.dmodule.api import _parallelize, _patch_targets
 from ndweave.dmodule.experts.parallel import EXPERT_DIM, expert_parallel
 from ndweave.dmodule.plan import check_placements, match_modules, names_removed_module, no_match_error
 from ndweave.dmodule.spec import PlacementSpec, normalize_plan, split_key
-from ndweave.mesh.torch_compat import local_shape_at
+from ndweave.mesh.torch_compat import local_shape_at, own_buffers, own_parameters
 
 __all__ = ["local_param_shapes", "parallelize_on_meta"]
 
@@ -124,11 +124,11 @@ def _planned_placements(root: nn.Module, param_plan: dict[str, PlacementSpec],
     chosen: dict[int, tuple[Placement, ...]] = {}
     for key, spec in param_plan.items():
         regex, leaf = split_key(key)
-        hits = [m for _, m in match_modules(root, regex, key) if leaf in m._parameters or leaf in m._buffers]
+        hits = [m for _, m in match_modules(root, regex, key) if leaf in own_parameters(m) or leaf in own_buffers(m)]
         if not hits and not names_removed_module(root, regex):
             raise no_match_error("parameter", key, (name for name, _ in root.named_parameters(remove_duplicate=False)))
         for m in hits:
-            p = m._parameters.get(leaf)
+            p = own_parameters(m).get(leaf)
             if p is not None:
                 chosen[id(p)] = check_placements(spec, p, mesh, f"parameter {key!r}")
     return chosen

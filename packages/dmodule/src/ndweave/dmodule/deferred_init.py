@@ -35,6 +35,8 @@ from ndweave.mesh.torch_compat import (
     FakeTensor,
     FakeTensorMode,
     TorchDispatchMode,
+    op_schema,
+    storage_id,
     tree_flatten,
     tree_map,
 )
@@ -103,7 +105,7 @@ def _covers_storage(t: torch.Tensor) -> bool:
 
 def storage_key(t: torch.Tensor) -> int:
     """The identity of ``t``'s storage (views share it), as recorded ops and ``replay`` targets key it."""
-    return t.untyped_storage()._cdata
+    return storage_id(t)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -126,7 +128,7 @@ class _Recorder(TorchDispatchMode):
         if not outs:
             return  # metadata queries (prim.device, sizes): nothing to replay
         ins = _tensors((args, kwargs))
-        schema = getattr(func, "_schema", None)
+        schema = op_schema(func)
         random = schema is None or any(a.name == "generator" for a in schema.arguments)
         name = getattr(func, "__name__", "")
         overwrites = None

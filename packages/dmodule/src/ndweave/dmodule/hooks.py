@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from ndweave.dmodule.spec import PlacementSpec, PlanKeyError, suggest
 from ndweave.dmodule.signature import InputSlot, apply_input_slots, bind_input_plan
 from ndweave.mesh.agree import agree_or_raise
-from ndweave.mesh.torch_compat import tree_map
+from ndweave.mesh.torch_compat import own_buffers, own_parameters, tree_map
 
 __all__ = ["install_forward_hooks", "install_local_output_hook", "local_outputs", "log_redistributions"]
 
@@ -158,9 +158,9 @@ class _ForwardPlan:
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for name, spec in self.weights.items():
-            param = module._parameters.get(name)
+            param = own_parameters(module).get(name)
             if param is None:
-                param = module._buffers[name]
+                param = own_buffers(module)[name]
             module.__dict__[name] = _layout(param, self.mesh, spec, f"{self.fqn}.{name}")
         if self.inputs is None:
             return args, kwargs

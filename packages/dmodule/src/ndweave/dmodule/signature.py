@@ -12,8 +12,11 @@ a keyword, or both), so ``m(x)`` and ``m(x=x)`` get the same layout, and an entr
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +24,29 @@ from torch import nn
 
 from ndweave.dmodule.spec import PlanKeyError, suggest
 
-__all__ = ["InputSlot", "apply_input_slots", "bind_input_plan"]
+__all__ = ["InputSlot", "apply_input_slots", "bind_input_plan", "loose_input_plans"]
+
+# veScale's entry point (``ndweave.dmodule.vescale``) binds input plans as veScale does: entries the
+# forward cannot take are dropped with a warning, not refused. Scoped to one call, never process-wide.
+_LOOSE: contextvars.ContextVar[bool] = contextvars.ContextVar("ndweave_loose_input_plans", default=False)
+
+
+@contextlib.contextmanager
+def loose_input_plans() -> Iterator[None]:
+    """Within it, an input plan entry the forward does not take warns (``UserWarning``) and is dropped,
+    as veScale does, instead of raising ``PlanKeyError``."""
+    token = _LOOSE.set(True)
+    try:
+        yield
+    finally:
+        _LOOSE.reset(token)
+
+
+def _refuse(message: str) -> None:
+    if not _LOOSE.get():
+        raise PlanKeyError(message)
+    warnings.warn(f"{message.split('; ')[0]}: ignored, as veScale ignores it (ndweave.dmodule.parallelize_module "
+                  "refuses it)", UserWarning, stacklevel=2)
 
 
 @dataclass(frozen=True)
@@ -57,10 +82,9 @@ def bind_input_plan(module: nn.Module, fqn: str, plan: list | dict) -> list[Inpu
     slots = []
     if isinstance(plan, list):
         if len(plan) > len(positional) and var_pos is None:
-            raise PlanKeyError(
-                f"{where} gives {len(plan)} inputs but {takes} takes {len(positional)} positional "
-                f"argument(s); drop the extra entries, or name keyword arguments in a dict plan"
-            )
+            _refuse(f"{where} gives {len(plan)} inputs but {takes} takes {len(positional)} positional "
+                    f"argument(s); drop the extra entries, or name keyword arguments in a dict plan")
+            plan = plan[:len(positional)]
         for i, tree in enumerate(plan):
             name = keyword(positional[i]) if i < len(positional) else None
             slots.append(InputSlot(str(i), i, name, tree))
@@ -70,10 +94,9 @@ def bind_input_plan(module: nn.Module, fqn: str, plan: list | dict) -> list[Inpu
         p = by_name.get(name)
         if p is None:
             if var_kw is None:
-                raise PlanKeyError(
-                    f"{where} names {name!r}, which {takes} does not take"
-                    f"{suggest(name, [q.name for q in params])}; rename or remove it"
-                )
+                _refuse(f"{where} names {name!r}, which {takes} does not take"
+                        f"{suggest(name, [q.name for q in params])}; rename or remove it")
+                continue
             slots.append(InputSlot(name, None, name, tree))  # one of **kwargs
         elif p.kind is p.VAR_POSITIONAL:
             _expect(isinstance(tree, list), where, name, "a list: one entry per element of *args")

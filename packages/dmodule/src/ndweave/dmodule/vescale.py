@@ -8,9 +8,10 @@
     out = dmlp(x)                  # a DTensor, as veScale returns it
     out.to_local()
 
-The one default that differs from ``ndweave.dmodule.parallelize_module`` is veScale's: the root's
-outputs stay DTensors (``use_local_output=False``), where ndweave, as torch's tensor parallel, hands
-replicated outputs back as plain tensors. Everything else is ndweave's ``parallelize_module`` (see
+Two things differ from ``ndweave.dmodule.parallelize_module``, both veScale's: the root's outputs
+stay DTensors (``use_local_output=False``), where ndweave, as torch's tensor parallel, hands
+replicated outputs back as plain tensors; and input plan entries the forward cannot take are dropped
+with a warning, where ndweave refuses them. Everything else is ndweave's ``parallelize_module`` (see
 the package README's "Coming from veScale" for the deliberate differences).
 """
 
@@ -26,6 +27,7 @@ from ndweave.dmodule.api import parallelize_module as _parallelize_module
 from ndweave.dmodule.deferred_init import deferred_init, is_deferred
 from ndweave.dmodule.dmodule import DModule
 from ndweave.dmodule.factory import FactoryArg
+from ndweave.dmodule.signature import loose_input_plans
 from ndweave.mesh import ParallelMesh
 
 __all__ = ["deferred_init", "is_deferred", "is_dmodule", "parallelize_module"]
@@ -51,6 +53,9 @@ def parallelize_module(
       ``finish_grad_sync()`` reduces every ``Partial`` gradient either way (what a selection that
       names every parameter with a ``Partial`` gradient does). ``False`` is refused: ndweave has no
       switch that leaves ``Partial`` gradients unreduced.
+    - An input plan entry the forward does not take (a name it has no argument for, more entries than
+      it has positional arguments) is dropped with a ``UserWarning``, as veScale drops it; ndweave's
+      own ``parallelize_module`` refuses it (``PlanKeyError``).
     - Other keywords (``param_sharding_plan=``, ``fwd_resharding_plan=``, ``patches=``) are ndweave's.
 
     Example (the seed's MLP, as veScale writes it)::
@@ -66,8 +71,9 @@ def parallelize_module(
             f"parallelize_module: grad_sync={grad_sync!r} is not supported: finish_grad_sync() reduces every "
             "Partial gradient, as veScale's grad_sync=True does; drop the argument"
         )
-    return _parallelize_module(module, device_mesh, sharding_plan, is_model_sharded=is_model_sharded,
-                               factory=factory, use_local_output=use_local_output, **kwargs)
+    with loose_input_plans():
+        return _parallelize_module(module, device_mesh, sharding_plan, is_model_sharded=is_model_sharded,
+                                   factory=factory, use_local_output=use_local_output, **kwargs)
 
 
 def is_dmodule(module: Any) -> bool:

@@ -18,18 +18,25 @@ Outside a process group they are local calls. Ranks are named by their global ra
 
     from ndweave.mesh.agree import agree_or_raise
     plan, _ = agree_or_raise(mesh, "parallelize_module", lambda: (plan, {"plan": repr(plan)}))
+
+The exchanges under them, for protocols of a package's own: :func:`gather` (every rank's value on
+every rank), :func:`gather_ints` (the same for a few ints, one tensor collective: per-step checks) and
+:func:`decide_on_first` (values gathered on the first rank, which decides each rank's answer:
+DCP's planning pattern, where no rank may receive every other's value).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, Union
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Over", "RankMismatchError", "agree_or_raise", "gather", "raise_on_every_rank"]
+__all__ = ["Over", "RankMismatchError", "agree_or_raise", "decide_on_first", "gather", "gather_ints",
+           "raise_on_every_rank"]
 
 T = TypeVar("T")
 
@@ -51,17 +58,71 @@ def gather(over: Over, value: Any) -> dict[int, Any]:
     table = {dist.get_rank(): value}
     if dist.get_backend() == "fake":  # one process pretending (``fake_world``): no other rank's value exists
         return table
-    groups = ([over.get_group(d) for d in range(over.ndim) if over.size(d) > 1] if isinstance(over, DeviceMesh)
-              else [over] if dist.get_world_size(over) > 1 else [])
-    for group in groups:
+    for group in _groups(over):
         parts: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, table, group=group)
         table = {rank: v for part in parts for rank, v in part.items()}
     return table
 
 
+def gather_ints(over: Over, values: Sequence[int], *,
+                device: torch.device | str = "cpu") -> dict[int, tuple[int, ...]]:
+    """Every rank's ``values`` (as many ints on every rank) by global rank, on every rank of ``over``:
+    :func:`gather` for checks that run every step, one ``all_gather`` of an int64 tensor on ``device``
+    (where ``over`` communicates: ``"cpu"`` for gloo) per group, nothing pickled::
+
+        counts = gather_ints(check_group, [syncs, backwards, forwards])   # {0: (3, 1, 1), 1: (3, 1, 1)}
+
+    Errors of the collective (a timeout: a peer that never came) propagate to the caller."""
+    if not dist.is_available() or not dist.is_initialized():
+        return {0: tuple(int(v) for v in values)}
+    if dist.get_backend() == "fake":
+        return {dist.get_rank(): tuple(int(v) for v in values)}
+    table = torch.tensor([[dist.get_rank(), *values]], dtype=torch.int64, device=device)  # a row per rank
+    for group in _groups(over):
+        parts = [torch.empty_like(table) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, table, group=group)
+        table = torch.cat(parts)
+    return {row[0]: tuple(row[1:]) for row in table.tolist()}
+
+
+def decide_on_first(over: dist.ProcessGroup | None, what: str, value: Any,
+                    decide: Callable[[dict[int, Any]], Mapping[int, Any]]) -> Any:
+    """Every rank's ``value`` gathered on the first rank of ``over`` (a process group, ``None``: the
+    default one), where ``decide(values by global rank)`` returns each rank's answer by global rank;
+    each rank gets its own answer back (a collective: call it on all). No rank but the first receives
+    the others' values (DCP's planning pattern: plans meet on the coordinator only). Two collectives;
+    a local call without a process group.
+
+    A rank whose part failed sends that instead of its value, and ``decide`` turns it into every
+    rank's answer (that is the caller's protocol); if ``decide`` itself raises, every rank raises its
+    error (rebuilt from its type and message, the first rank named)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_backend() == "fake":
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return decide({me: value})[me]
+    ranks = dist.get_process_group_ranks(over if over is not None else dist.group.WORLD)
+    first, me = ranks[0], dist.get_rank()
+    gathered: list[Any] | None = [None] * len(ranks) if me == first else None
+    dist.gather_object(value, gathered, group=over, group_dst=0)
+    own: Exception | None = None
+    replies: list[Any] | None = None
+    if me == first:
+        try:
+            answers = decide(dict(zip(ranks, gathered)))
+            replies = [("ok", answers[rank]) for rank in ranks]
+        except Exception as error:  # noqa: BLE001 - sent to every rank, raised there
+            own, replies = error, [("error", type(error), str(error))] * len(ranks)
+    received: list[Any] = [None]
+    dist.scatter_object_list(received, replies, group=over, group_src=0)
+    reply = received[0]
+    if reply[0] == "error":
+        raise _rebuild(reply[1], f"{what} failed on rank {first}: {reply[2]}") from own
+    return reply[1]
+
+
 def agree_or_raise(over: Over, what: str, check: Callable[[], tuple[T, Mapping[str, Any]]], *,
-                   hint: str = "") -> tuple[T, dict[int, Any]]:
+                   hint: str = "", mismatch: Callable[[dict[int, dict[str, Any]]], Exception] | None = None,
+                   ) -> tuple[T, dict[int, Any]]:
     """Run ``check()`` (local checks, no collectives) on every rank of ``over`` and agree on the outcome.
 
     ``check`` returns ``(result, fingerprint)``: a small dict of picklable values every rank must hold
@@ -70,8 +131,10 @@ def agree_or_raise(over: Over, what: str, check: Callable[[], tuple[T, Mapping[s
     rank. If any rank raised, every rank raises that error (rebuilt from its type and message, the rank
     named, chained to this rank's own error if it had one); if fingerprints differ, every rank raises
     :class:`RankMismatchError` naming the first entry that differs and the ranks on each side, then
-    ``hint`` (the fix; default: pass every rank the same). One small gather when all is well (a digest
-    travels, not the fingerprint); a second only when the fingerprints differ.
+    ``hint`` (the fix; default: pass every rank the same); or, given ``mismatch``, the error it builds
+    from every rank's fingerprint (by global rank; ``"local"`` left out) where a caller phrases it its
+    own way. One small gather when all is well (a digest travels, not the fingerprint); a second only
+    when the fingerprints differ.
     """
     if isinstance(over, DeviceMesh) and over.get_coordinate() is None:  # not in the mesh: no one to agree with
         return check()[0], {}
@@ -89,7 +152,10 @@ def agree_or_raise(over: Over, what: str, check: Callable[[], tuple[T, Mapping[s
         others = f" (and ranks {failed[1:]})" if len(failed) > 1 else ""
         raise _rebuild(cls, f"{what} failed on rank {failed[0]}{others}: {message}") from own
     if len({p[1] for p in everyone.values()}) > 1:  # every rank sees this, so every rank gathers again
-        _raise_first_difference(what, gather(over, shared), hint)
+        fingerprints = gather(over, shared)
+        if mismatch is not None:
+            raise mismatch(fingerprints)
+        _raise_first_difference(what, fingerprints, hint)
     return result, {rank: p[2] for rank, p in everyone.items()}
 
 
@@ -104,6 +170,13 @@ def raise_on_every_rank(over: Over, what: str, problems: list[str], error: type[
     if ranks_of:
         lines = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}" for p, r in ranks_of.items()]
         raise error(f"{what}:\n  " + "\n  ".join(lines) + (f"\n{fix}" if fix else ""))
+
+
+def _groups(over: Over) -> list[dist.ProcessGroup | None]:
+    """The groups an exchange over ``over`` runs on, one after the other (those of more than one rank)."""
+    if isinstance(over, DeviceMesh):
+        return [over.get_group(d) for d in range(over.ndim) if over.size(d) > 1]
+    return [over] if dist.get_world_size(over) > 1 else []
 
 
 def _raise_first_difference(what: str, fingerprints: dict[int, dict[str, Any]], hint: str) -> None:

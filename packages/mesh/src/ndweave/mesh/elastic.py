@@ -47,6 +47,11 @@ def init_process_group(backend: str, timeout: timedelta | float | None = None) -
     Under torchrun with a shared agent store the group is built on a fresh namespace of that store;
     anywhere else it is torch's ``env://`` initialization unchanged."""
     timeout = collective_timeout(timeout)
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:  # torch's env:// says only "environment variable RANK expected", not what to do
+        raise RuntimeError(f"no process group and no launcher: {', '.join(missing)} not set. Start the script "
+                           "with torchrun (torchrun --nproc-per-node N script.py, or python -m torch.distributed.run "
+                           "...), or call torch.distributed.init_process_group yourself before building the mesh")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend=backend, timeout=timeout)
         return

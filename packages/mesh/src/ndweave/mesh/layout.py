@@ -33,6 +33,11 @@ def rank_at(grid: np.ndarray, coordinate: Sequence[int]) -> int:
     """The global rank at ``coordinate``, with a bounds check that names the offending dim."""
     if len(coordinate) != grid.ndim:
         raise ValueError(f"coordinate {tuple(coordinate)} has {len(coordinate)} entries but the mesh has {grid.ndim} dims")
+    for axis, c in enumerate(coordinate):
+        # numpy would take a float (IndexError) or a bool (a mask) and answer something unreadable or wrong
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
+            raise TypeError(f"coordinate {tuple(coordinate)}: the index on mesh dim {axis} is {c!r} "
+                            f"({type(c).__name__}); mesh coordinates are ints")
     for axis, (c, n) in enumerate(zip(coordinate, grid.shape)):
         if not 0 <= c < n:
             raise ValueError(f"coordinate {tuple(coordinate)} is out of range on mesh dim {axis} (size {n})")

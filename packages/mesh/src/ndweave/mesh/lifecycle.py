@@ -9,10 +9,19 @@ first step, which is the longest legitimate wait between ranks in a training job
 writing a checkpoint synchronously, the first step's compilation, a slow data loader); steps after
 that wait far less, so a job that needs a tighter bound passes its own (the GPT job uses 30 s).
 
-**Side groups** (:func:`side_group`). A check that must not queue behind the work in flight on a
-group (ddp's per-step agreement) runs on a gloo group of the same ranks, made once per purpose and
-group, tagged ``group_desc="ndweave:<purpose>:<group name>"`` so it is found again in torch's own
-registry, with the group's timeout.
+**Side groups** (:func:`new_side_group`). Every group an ndweave package makes for itself (ddp's
+per-step check, a checkpoint manager's planning group, a pipeline engine's own group) is made by
+:func:`new_side_group`: a bounded timeout (:data:`DEFAULT_TIMEOUT` unless given one), a
+``group_desc="ndweave:<what>"`` tag that names it in torch's registry and its error messages, and
+only its own ranks taking part. :func:`side_group` is the one made once per purpose and group: a
+check that must not queue behind the work in flight on a group runs on a gloo group of the same
+ranks, tagged ``"ndweave:<purpose>:<group name>"`` so it is found again, with the group's timeout.
+Whoever owns such a group ends it with :func:`destroy_side_group` (its ``close()``).
+
+**Closing** (``shutdown(*closeables)``). What holds groups, hooks or background work (a ``DDP``
+wrapper, a ``CheckpointManager``, a ``PipeEngine``) has a ``close()``; :func:`shutdown` closes those
+it is given, in that order, before it waits for the others, so a pending asynchronous save is
+committed before any group goes.
 
 **Shutdown** (:func:`shutdown`). Ending a job with ``destroy_process_group()`` alone has two faults:
 
@@ -41,15 +50,18 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ndweave.mesh.torch_compat import default_store, find_group, group_device_types, group_timeout, live_groups
 
-__all__ = ["DEFAULT_TIMEOUT", "ShutdownError", "as_timedelta", "collective_timeout", "ranks_in_shutdown",
-           "shutdown", "side_group"]
+__all__ = ["DEFAULT_TIMEOUT", "ShutdownError", "as_timedelta", "collective_timeout", "destroy_side_group",
+           "new_side_group", "ranks_in_shutdown", "shutdown", "side_group"]
 
 #: The collective timeout of every group ndweave creates when none is given (see the module docstring).
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -88,18 +100,43 @@ def collective_timeout(timeout: timedelta | float | None) -> timedelta:
     return as_timedelta(timeout) or DEFAULT_TIMEOUT
 
 
+def new_side_group(ranks: Sequence[int], *, desc: str, timeout: timedelta | float | None = None,
+                   backend: str | None = "gloo") -> dist.ProcessGroup:
+    """A new process group over ``ranks`` (global ranks) for one purpose of ndweave's, the way every
+    package makes one: ``timeout`` (seconds or a ``timedelta``; ``None``: :data:`DEFAULT_TIMEOUT`,
+    never torch's 30 minutes), tagged ``group_desc="ndweave:<desc>"``, made by ``ranks`` alone (the
+    other ranks need not call it). ``backend``: gloo by default (small CPU exchanges), or the one a
+    purpose needs (``None``: the default group's)::
+
+        group = new_side_group(range(dist.get_world_size()), desc="checkpoint-planning", timeout=300)
+        ...
+        destroy_side_group(group)    # the owner's close()
+    """
+    return dist.new_group(sorted(ranks), timeout=collective_timeout(timeout), backend=backend,
+                          use_local_synchronization=True, group_desc=f"ndweave:{desc}")
+
+
+def destroy_side_group(group: dist.ProcessGroup) -> None:
+    """Destroy a group :func:`new_side_group` made, on this rank, and keep torch's count of live groups
+    where it was with a group of this rank alone: torch names a group its ranks make alone after those
+    ranks and that count, so the next group over the same ranks would take the destroyed one's name
+    (and its stale rendezvous keys in the store), or a live one's. Local: no collective."""
+    dist.destroy_process_group(group)
+    new_side_group([dist.get_rank()], desc="destroyed-group-placeholder")
+
+
 def side_group(group: dist.ProcessGroup, purpose: str) -> dist.ProcessGroup:
     """A gloo group of ``group``'s ranks for ``purpose``, with ``group``'s timeout: made by those ranks
-    alone the first time, found again after (``group_desc="ndweave:<purpose>:<group name>"``)::
+    alone the first time (:func:`new_side_group`), found again after
+    (``group_desc="ndweave:<purpose>:<group name>"``)::
 
         checks = side_group(mesh["DP"].get_group(), "ddp-sync-check")   # small CPU gathers apart from the buckets
     """
-    description = f"ndweave:{purpose}:{group.group_name}"
-    found = find_group(description)
+    desc = f"{purpose}:{group.group_name}"
+    found = find_group(f"ndweave:{desc}")
     if found is not None:
         return found
-    return dist.new_group(dist.get_process_group_ranks(group), timeout=group_timeout(group), backend="gloo",
-                          use_local_synchronization=True, group_desc=description)
+    return new_side_group(dist.get_process_group_ranks(group), desc=desc, timeout=group_timeout(group))
 
 
 def ranks_in_shutdown(ranks: list[int]) -> list[int]:
@@ -112,15 +149,23 @@ def ranks_in_shutdown(ranks: list[int]) -> list[int]:
         return []
 
 
-def shutdown(*, timeout: timedelta | float | None = None, abort: bool = False) -> None:
-    """End this rank's part of the job: wait until every rank is here, let the work in flight finish,
-    destroy every process group, and return once gloo's threads are idle, so the process exits 0.
+def shutdown(*closeables: Any, timeout: timedelta | float | None = None, abort: bool = False) -> None:
+    """End this rank's part of the job: close ``closeables``, wait until every rank is here, let the work
+    in flight finish, destroy every process group, and return once gloo's threads are idle, so the
+    process exits 0.
+
+    ``closeables`` (a ``DDP`` wrapper, a ``CheckpointManager``, a ``PipeEngine``: anything with a
+    ``close()``) are closed first, in the order given, with or without a process group: a pending
+    asynchronous save is committed before the groups go. A ``close()`` that raises does not stop the
+    others; this rank then fails as with ``abort=True`` (the others told which close failed, and why)
+    and raises :class:`ShutdownError` naming it. With ``abort=True`` the error in flight is the one
+    reported, and a failed ``close()`` is warned about.
 
     A rank missing after ``timeout`` (default: twice the default group's collective timeout, so a
     peer stuck in a collective has time to fail and say why) is named by :class:`ShutdownError` on
     every rank that came, as is a rank that called ``shutdown(abort=True)`` (with its error). Either
     way the groups are torn down first. ``abort=True`` (in an error handler) tells the others this
-    rank failed, and why, and tears down without waiting. A no-op without a process group::
+    rank failed, and why, and tears down without waiting. Without a process group it only closes::
 
         try:
             train(mesh, model, optimizer)
@@ -128,11 +173,29 @@ def shutdown(*, timeout: timedelta | float | None = None, abort: bool = False) -
             shutdown(abort=True)          # the others learn why at their own shutdown()
             raise
         shutdown()
+
+        shutdown(manager, model)          # waits for the manager's last async save, unhooks the model
     """
+    in_flight = sys.exc_info()[1]
+    for closeable in closeables:
+        if not callable(getattr(closeable, "close", None)):
+            raise TypeError(f"shutdown() closes what it is given, which needs a close() method; got a "
+                            f"{type(closeable).__name__}")
+    failures = _close_all(closeables)
+    if abort:
+        for _, message in failures:
+            warnings.warn(f"shutdown(abort=True): {message}", RuntimeWarning, stacklevel=2)
+    elif failures:
+        message, me, torn = "; ".join(text for _, text in failures), 0, ""
+        if dist.is_initialized():  # the others learn why at their own shutdown()
+            me, torn = dist.get_rank(), ". This rank's process groups are torn down; exit with an error"
+            _announce(_ABORT + message)
+            _tear_down(abort=True)
+        raise ShutdownError(f"shutdown() on rank {me}: {message}{torn}", [], {me: message}) from failures[0][0]
     if not dist.is_initialized():
         return
     if abort:
-        error = sys.exc_info()[1]
+        error = in_flight
         _announce(_ABORT + (f"{type(error).__name__}: {error}" if error is not None else "shutdown(abort=True)"))
         _tear_down(abort=True)
         return
@@ -150,6 +213,17 @@ def shutdown(*, timeout: timedelta | float | None = None, abort: bool = False) -
         _tear_down(abort=True)
         raise ShutdownError(message, [], {}) from error
     _tear_down(abort=False)
+
+
+def _close_all(closeables: Sequence[Any]) -> list[tuple[BaseException, str]]:
+    """Close each in order, going on past a failure: each failure's error, and a line naming it."""
+    failures = []
+    for closeable in closeables:
+        try:
+            closeable.close()
+        except Exception as error:  # noqa: BLE001 - reported by shutdown, after the others are closed
+            failures.append((error, f"{type(closeable).__name__}.close() failed: {type(error).__name__}: {error}"))
+    return failures
 
 
 def _announce(state: str) -> None:

@@ -28,7 +28,7 @@ from ndweave.mesh.mesh_args import check_device_type, check_mesh_dim_names, chec
 from ndweave.mesh.torch_compat import adopt_mesh_state, drop_mesh_state, flatten_mesh, set_group_timeout
 from ndweave.mesh.vescale import VeScaleAliases
 
-__all__ = ["ParallelMesh", "DEVICE_MESH", "init_device_mesh", "DEFAULT_DIM_NAMES", "Dim"]
+__all__ = ["ParallelMesh", "DEVICE_MESH", "init_device_mesh", "DEFAULT_DIM_NAMES", "Dim", "ROLE_DIMS", "EXPERT_DIM"]
 
 #: Default names for a mesh of n <= 3 dims are the last n of these (outermost first): a 2-D mesh is
 #: ("DP", "TP"), so TP, the most communication-hungry dim, gets neighbouring ranks (same node).
@@ -37,7 +37,12 @@ DEFAULT_DIM_NAMES = ("PP", "DP", "TP")
 #: A mesh dim given by name ("TP", or a flattened name) or by position.
 Dim = Union[str, int]
 
-_ROLE_DIMS = {"pipeline": "PP", "data": "DP", "tensor": "TP"}
+#: The dim each role's getters read (``get_<role>_parallel_rank/mesh/group``): a role whose dim the
+#: mesh lacks has size 1. Expert-parallel ranks split the batch like DP ranks and divide the experts.
+ROLE_DIMS = {"pipeline": "PP", "data": "DP", "expert": "EP", "tensor": "TP"}
+
+#: The dim experts are divided over (dmodule's ``expert_parallel`` patch; DDP's data dims with DP).
+EXPERT_DIM = ROLE_DIMS["expert"]
 
 
 def _default_backend(device_type: str) -> str:
@@ -319,6 +324,15 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
     def get_data_parallel_group(self) -> dist.ProcessGroup | None:
         return self._role_group("data")
 
+    def get_expert_parallel_rank(self) -> int:
+        return self._role_rank("expert")
+
+    def get_expert_parallel_mesh(self) -> DeviceMesh | None:
+        return self._role_mesh("expert")
+
+    def get_expert_parallel_group(self) -> dist.ProcessGroup | None:
+        return self._role_group("expert")
+
     def get_tensor_parallel_rank(self) -> int:
         return self._role_rank("tensor")
 
@@ -330,19 +344,19 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
 
     # A role whose dim the mesh lacks has size 1: rank 0, and no mesh or group to talk over.
     def _role_rank(self, role: str) -> int:
-        dim = _ROLE_DIMS[role]
+        dim = ROLE_DIMS[role]
         return self.lookup_rank(dim) if self.has_dim(dim) else 0
 
     def _role_size(self, role: str) -> int:
-        dim = _ROLE_DIMS[role]
+        dim = ROLE_DIMS[role]
         return self.get_strategy_size(dim) if self.has_dim(dim) else 1
 
     def _role_mesh(self, role: str) -> DeviceMesh | None:
-        dim = _ROLE_DIMS[role]
+        dim = ROLE_DIMS[role]
         return self[dim] if self.has_dim(dim) else None
 
     def _role_group(self, role: str) -> dist.ProcessGroup | None:
-        dim = _ROLE_DIMS[role]
+        dim = ROLE_DIMS[role]
         return self.get_group(dim) if self.has_dim(dim) else None
 
     # ------------------------------------------------------------------ display

@@ -3,9 +3,13 @@
 torch keeps some things we need behind underscores: a DTensor's local shard without an autograd
 node, ``_StridedShard``, the chunking DTensor itself uses, the local shape/offset of a shard, mesh
 flattening, the fake process group's store, the autograd engine's end-of-backward callback, fake
-tensors and pytrees, whether a tensor is a view, the tracker of live tensor bytes. Packages import them from here, never from torch
+tensors and pytrees, whether a tensor is a view, the tracker of live tensor bytes, a module's own
+parameter and buffer dicts, an optimizer's state-dict hooks, the buffers torch's pipeline stage infers
+shapes on, CPU's flash attention. Packages and the job reach them from here, never from torch
 directly, so a torch release that moves one breaks one file, and ``tests/mesh/test_mesh_torch_compat.py``
-says which.
+says which. ``PRIVATE_TORCH`` names each one this module uses, and why;
+``tests/mesh/test_mesh_private_torch.py`` reads every package and the job and fails on a private torch
+name used anywhere else, or used here and not in ``PRIVATE_TORCH`` (or listed and no longer used).
 
 The tests pin each against the installed torch (2.13 in CI); the floor in the packages'
 ``pyproject.toml`` (2.11) is the oldest release ndweave has run on (the CUDA machine).
@@ -32,13 +36,23 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset, compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: F401  (re-exported)
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401  (re-exported)
 
 __all__ = [
     "DataDependentOutputException",
     "DynamicOutputShapeException",
     "adopt_mesh_state",
     "all_to_all_single",
+    "flash_attention_cpu",
+    "flash_attention_cpu_ops",
+    "non_persistent_buffer_names",
+    "op_schema",
+    "optimizer_load_state_dict_hooks",
+    "optimizer_state_dict_hooks",
+    "own_buffers",
+    "own_parameters",
+    "own_submodules",
+    "takes_flash_attention",
     "FakeTensor",
     "FakeTensorMode",
     "MemTracker",
@@ -73,10 +87,86 @@ __all__ = [
     "storage_id",
     "torch_function_disabled",
     "tree_flatten",
+    "tree_leaves",
     "tree_map",
     "tree_unflatten",
     "unflatten_dense_tensors",
 ]
+
+#: Every private torch API this module uses, each with what it is for here, under the name
+#: ``tests/mesh/test_mesh_private_torch.py`` gives it: a dotted path (``DeviceMesh(_init_backend=)``: a
+#: private keyword) or ``Class.member`` for a member of a torch object. The test keeps it exact.
+PRIVATE_TORCH: dict[str, str] = {
+    # re-exported: torch has no public home for fake tensors, pytrees and dispatch modes
+    "torch._subclasses.fake_tensor.FakeTensor": "FakeTensor: shapes without memory (deferred init, estimates)",
+    "torch._subclasses.fake_tensor.FakeTensorMode": "FakeTensorMode: the mode that makes them",
+    "torch._subclasses.fake_tensor.DataDependentOutputException": "DataDependentOutputException: an op whose "
+                                                                  "output needs values fake tensors lack",
+    "torch._subclasses.fake_tensor.DynamicOutputShapeException": "DynamicOutputShapeException: likewise, its shape",
+    "torch.utils._pytree.tree_flatten": "tree_flatten: the leaves of nested args and their structure",
+    "torch.utils._pytree.tree_unflatten": "tree_unflatten: the structure rebuilt around new leaves",
+    "torch.utils._pytree.tree_map": "tree_map: a function applied to every leaf",
+    "torch.utils._pytree.tree_leaves": "tree_leaves: the leaves of nested values",
+    "torch.utils._python_dispatch.TorchDispatchMode": "TorchDispatchMode: the base of dispatch modes that "
+                                                      "record or count ops",
+    # tensors, DTensors and placements
+    "torch._utils._flatten_dense_tensors": "flatten_dense_tensors: tensors copied into one flat tensor",
+    "torch._utils._unflatten_dense_tensors": "unflatten_dense_tensors: its inverse, as views",
+    "Tensor._is_view": "is_view: pipelining detach_()es stage outputs, which autograd refuses for a view",
+    "Tensor/UntypedStorage._cdata": "storage_id: a storage's address, which tells meta storages apart",
+    "DTensor._local_tensor": "local_tensor, dtensor_over: the local shard with no autograd node",
+    "torch.distributed.tensor.placement_types._StridedShard": "StridedShard: a fused weight's pieces, each sharded",
+    "torch.distributed.tensor.Shard._custom_chunk": "custom_chunk: a dim cut as Shard cuts it",
+    "Shard/_StridedShard._split_tensor": "split_tensor: every rank's piece under one placement",
+    "torch.distributed.tensor._utils.compute_local_shape_and_global_offset": "local_shape_and_offset (a public "
+                                                                             "name in a private module)",
+    "torch.distributed.tensor._utils._compute_local_shape_and_global_offset": "local_shape_at: the same with no mesh",
+    "torch.distributed.checkpoint._nested_dict.flatten_state_dict": "flatten_state_dict: DCP's keys for a state dict",
+    # meshes and process groups
+    "DeviceMesh._flatten": "flatten_mesh: one 1-D mesh over every rank of a mesh",
+    "DeviceMesh._get_root_mesh": "root_mesh: the mesh a sub-mesh was sliced from",
+    "torch.distributed.device_mesh.DeviceMesh(_init_backend=)": "mesh_without_groups: a mesh a rank outside it "
+                                                                "can hold",
+    "torch.distributed._functional_collectives.all_to_all_single_autograd": "all_to_all_single: uneven rows "
+                                                                            "moved, with autograd, traceable",
+    "torch.distributed.distributed_c10d._get_default_store": "default_store: the default group's store",
+    "torch.distributed.distributed_c10d._set_pg_timeout": "set_group_timeout: a mesh group's timeout",
+    "ProcessGroup._get_backend": "group_timeout: the group's backend for a device",
+    "Backend.Options._timeout": "group_timeout: that backend's collective timeout",
+    "ProcessGroup._device_types": "group_device_types: the devices a group has a backend for",
+    "torch.distributed.distributed_c10d._world": "live_groups, find_group: torch's registry of live groups",
+    "torch.distributed.distributed_c10d._abort_process_group": "abort_group: a group aborted and unregistered",
+    "torch.testing._internal.distributed.fake_pg.FakeStore": "fake_store: the store of the fake process group",
+    # autograd and dispatch
+    "torch._C._current_graph_task_id": "current_backward_id: one backward pass told from the next",
+    "torch.autograd.Variable._execution_engine.queue_callback": "queue_backward_callback: a callback at the "
+                                                                "end of backward",
+    "torch._C.DisableTorchFunction": "torch_function_disabled: an analysis's own calls hidden from a trace",
+    "OpOverload._schema": "op_schema: an op's arguments (which ops take a generator)",
+    # modules, optimizers and pipelining
+    "Module._parameters": "own_parameters: a module's parameter slots, set without __setattr__'s checks",
+    "Module._buffers": "own_buffers: likewise its buffers",
+    "Module._modules": "own_submodules: likewise its children",
+    "Module._non_persistent_buffers_set": "non_persistent_buffer_names: buffers left out of state_dict()",
+    "Optimizer._optimizer_state_dict_pre_hooks": "optimizer_state_dict_hooks: a wrapper's state_dict() runs them",
+    "Optimizer._optimizer_state_dict_post_hooks": "optimizer_state_dict_hooks: likewise",
+    "Optimizer._optimizer_load_state_dict_pre_hooks": "optimizer_load_state_dict_hooks: a wrapper's "
+                                                      "load_state_dict() runs them",
+    "Optimizer._optimizer_load_state_dict_post_hooks": "optimizer_load_state_dict_hooks: likewise",
+    "PipelineStage._to_tensor": "PipelineStageBase.shape_inference_buffer: the buffers shape inference runs on",
+    "torch.distributed._tools.mem_tracker.MemTracker": "MemTracker, TensorMemory: live tensor bytes per device",
+    "MemTracker._fake_mode_on_entry": "TensorMemory: MemTracker's __enter__ without its module tracker",
+    "MemTracker._track_resize": "TensorMemory: likewise",
+    "MemTracker._restore_resize": "TensorMemory: likewise",
+    "MemTracker._peak_mem": "TensorMemory.reset_peak",
+    "MemTracker._peak_mem_snap": "TensorMemory.reset_peak",
+    # attention: what a kernel saves, for estimates and FLOP counts
+    "torch._fused_sdp_choice": "takes_flash_attention: the kernel sdpa picks for given inputs",
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": "flash_attention_cpu(_ops): CPU's flash kernel",
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward": "flash_attention_cpu_ops: its backward",
+    "torch.ops.aten._scaled_dot_product_flash_attention": "flash_attention_cpu_ops: CUDA's twin of the same math",
+    "torch.ops.aten._scaled_dot_product_flash_attention_backward": "flash_attention_cpu_ops: its backward",
+}
 
 #: ``all_to_all_single(rows, output_splits, input_splits, group)``: the rows moved (uneven splits),
 #: with autograd (its backward is the reverse move) and as a functional collective, so a trace on
@@ -292,11 +382,87 @@ def dtensor_over(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Pla
     return out
 
 
+def own_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """The parameters registered on ``module`` itself by name (not its children's; ``None`` where one
+    was registered as ``None``): torch's own dict (``Module._parameters``), so what is set in it takes
+    the parameter's place without ``nn.Module.__setattr__``'s checks (a DTensor parameter, or a plain
+    tensor for the length of a forward)."""
+    return module._parameters
+
+
+def own_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """The buffers registered on ``module`` itself by name: torch's own dict (``Module._buffers``), as
+    :func:`own_parameters`."""
+    return module._buffers
+
+
+def own_submodules(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
+    """The children of ``module`` by name: torch's own dict (``Module._modules``), so a child set in it
+    is replaced without ``nn.Module.__setattr__``'s checks."""
+    return module._modules
+
+
+def non_persistent_buffer_names(module: torch.nn.Module) -> set[str]:
+    """The names of ``module``'s own buffers left out of its ``state_dict()`` (``persistent=False``;
+    ``Module._non_persistent_buffers_set``, torch's own set)."""
+    return module._non_persistent_buffers_set
+
+
+def op_schema(func: Callable) -> torch.FunctionSchema | None:
+    """The schema of the op a dispatch mode is handed (``OpOverload._schema``: its arguments), ``None``
+    for what has none (a higher-order operator)."""
+    return getattr(func, "_schema", None)
+
+
+def optimizer_state_dict_hooks(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """``(pre, post)``: the hooks registered with ``optimizer.register_state_dict_pre_hook`` and
+    ``register_state_dict_post_hook``, by handle id (torch's own dicts, ``_optimizer_state_dict_*_hooks``):
+    what an optimizer with its own ``state_dict()`` runs around it, as torch's does."""
+    return optimizer._optimizer_state_dict_pre_hooks, optimizer._optimizer_state_dict_post_hooks
+
+
+def optimizer_load_state_dict_hooks(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """``(pre, post)``: the hooks registered with ``optimizer.register_load_state_dict_pre_hook`` and
+    ``register_load_state_dict_post_hook`` (``_optimizer_load_state_dict_*_hooks``), as
+    :func:`optimizer_state_dict_hooks`."""
+    return optimizer._optimizer_load_state_dict_pre_hooks, optimizer._optimizer_load_state_dict_post_hooks
+
+
+def takes_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                          attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
+                          enable_gqa: bool = False) -> bool:
+    """Whether ``F.scaled_dot_product_attention`` picks the flash kernel for these inputs on their
+    device (``torch._fused_sdp_choice``, which asks the kernels' own checks)."""
+    from torch.nn.attention import SDPBackend
+
+    choice = torch._fused_sdp_choice(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                     enable_gqa=enable_gqa)
+    return choice == SDPBackend.FLASH_ATTENTION.value
+
+
+def flash_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
+                        is_causal: bool = False, *, attn_mask: torch.Tensor | None = None,
+                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output, logsumexp)`` of CPU's flash attention kernel
+    (``aten._scaled_dot_product_flash_attention_for_cpu``): it has a meta kernel and a backward, saves
+    the output and its log-sum-exp (not the T x T weights), and takes grouped keys as they are."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def flash_attention_cpu_ops() -> dict[Callable, Callable]:
+    """CPU's flash attention ops, forward and backward, each mapped to CUDA's flash attention op of the
+    same math (torch's FLOP counter has formulas for the CUDA ones only)."""
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward}
+
+
 # ---------------------------------------------------------------------------------------------------
 # For ndweave.pipeline: torch's pipelining stage, and aborting a process group. One block, named in
 # ``__all__`` here, apart from the rest of the module.
 # ---------------------------------------------------------------------------------------------------
-__all__ += ["PIPELINE_STAGE_OVERRIDES", "abort_group", "pipeline_stage_kwargs"]
+__all__ += ["PIPELINE_STAGE_OVERRIDES", "PipelineStageBase", "abort_group", "pipeline_stage_kwargs"]
 
 #: The ``PipelineStage`` methods ``ndweave.pipeline``'s stage overrides, with the parameters it takes
 #: and passes on, in order. Names without a documented contract (torch's schedules call them; one is
@@ -306,8 +472,15 @@ PIPELINE_STAGE_OVERRIDES: dict[str, tuple[str, ...]] = {
     "backward_one_chunk": ("bwd_chunk_id", "loss", "full_backward", "last_backward"),
     "backward_weight_one_chunk": ("bwd_chunk_id", "last_backward"),
     "backward_maybe_with_nosync": ("backward_type", "bwd_kwargs", "last_backward"),
-    "_to_tensor": ("arg",),  # private: the shape inference's buffers (int ones zeroed by the engine)
+    "_to_tensor": ("arg",),  # private, overridden by PipelineStageBase: the shape inference's buffers
 }
+
+#: torch's ``PipelineStage`` whose shape inference's buffers pass through a public method,
+#: ``shape_inference_buffer(arg, tensor)``: torch makes one (``_to_tensor``) for each input the stage
+#: receives from another (``arg``: the input, or its metadata), in uninitialized memory; a subclass may
+#: fill it, and returns the buffer (by default as it is). Built on first use (see ``__getattr__``):
+#: torch.distributed.pipelining takes seconds to import.
+PipelineStageBase: type
 
 
 def pipeline_stage_kwargs(get_mesh: Callable) -> dict[str, Callable]:
@@ -341,11 +514,34 @@ def abort_group(group: torch.distributed.ProcessGroup) -> None:
 def __getattr__(name: str):
     # torch's memory tracker loads on first use: its package (torch.distributed._tools) imports FSDP,
     # the activation-checkpointing and runtime estimators and more, which a rank that never measures
-    # memory should not carry
+    # memory should not carry; the pipeline stage base too (torch.distributed.pipelining: seconds)
     if name in ("MemTracker", "TensorMemory"):
         globals().update(_memory_tracker())
         return globals()[name]
+    if name == "PipelineStageBase":
+        globals()[name] = _pipeline_stage_base()
+        return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _pipeline_stage_base() -> type:
+    """``PipelineStageBase``, built on first use (see ``__getattr__``)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class PipelineStageBase(PipelineStage):
+        """torch's ``PipelineStage``, its shape inference's buffers passed through
+        :meth:`shape_inference_buffer`."""
+
+        def _to_tensor(self, arg):
+            return self.shape_inference_buffer(arg, super()._to_tensor(arg))
+
+        def shape_inference_buffer(self, arg, tensor: torch.Tensor) -> torch.Tensor:
+            """The buffer shape inference runs the stage on for ``arg`` (a received input, or its
+            metadata): ``tensor``, uninitialized, to be filled or returned as it is."""
+            return tensor
+
+    PipelineStageBase.__qualname__ = "PipelineStageBase"
+    return PipelineStageBase
 
 
 def _memory_tracker() -> dict[str, type]:

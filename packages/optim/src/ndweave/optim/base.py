@@ -10,6 +10,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from ndweave.mesh.torch_compat import optimizer_load_state_dict_hooks, optimizer_state_dict_hooks
 from ndweave.optim.grad_norm import clip_by_norm, global_norm
 from ndweave.optim.loss_scale import unscale_and_check
 
@@ -94,10 +95,11 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def state_dict(self, **options: Any) -> dict[str, Any]:  # type: ignore[override]
         """This optimizer's state (see the subclass, and its ``options``), with torch's state-dict hooks
         run around it."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
+        pre_hooks, post_hooks = optimizer_state_dict_hooks(self)
+        for hook in pre_hooks.values():
             hook(self)
         state_dict = self._state_dict(**options)
-        for hook in self._optimizer_state_dict_post_hooks.values():
+        for hook in post_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
@@ -106,12 +108,13 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Any, **options: Any) -> None:  # type: ignore[override]
         """Load ``state_dict`` (see the subclass, and its ``options``), with torch's load-state-dict
         hooks run around it."""
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+        pre_hooks, post_hooks = optimizer_load_state_dict_hooks(self)
+        for hook in pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
         self._load_state_dict(state_dict, **options)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
+        for hook in post_hooks.values():
             hook(self)
 
     # to be provided by subclasses

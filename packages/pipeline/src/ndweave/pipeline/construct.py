@@ -26,11 +26,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import finish_grad_sync, mark_removed_modules
-from ndweave.mesh.torch_compat import local_tensor
+from ndweave.mesh.torch_compat import local_tensor, own_parameters, own_submodules
+from ndweave.pipeline.chain import Chain, chained_children, run_chain_stage
 from ndweave.pipeline.cut import TracedCut
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
 from ndweave.pipeline.program import run_as_stage, stage_program
-from ndweave.pipeline.split import assign_stages, model_layers
+from ndweave.pipeline.split import assign_stages, holds_layer_container, model_layers
 from ndweave.pipeline.stage_io import StageIO
 from ndweave.pipeline.ties import SharedParam, find_shared_params
 
@@ -194,11 +195,16 @@ class ModelCut(NamedTuple):
     stage_io: list[StageIO | None]
     seconds: list[float] | None
     traced: TracedCut | None
+    chain: Chain | None = None
+    """A model cut without shapes whose forward chains its children: each chunk runs from its first."""
 
     def chunk(self, model: nn.Module, stage: int) -> nn.Module:
         """Stage ``stage``'s chunk of ``model`` (a skeleton copy sharing its tensors)."""
         if self.traced is None:
-            return _build_chunk(model, self.layers, self.stage_layers, stage)
+            chunk = _build_chunk(model, self.layers, self.stage_layers, stage)
+            if self.chain is None or stage == 0:
+                return chunk
+            return run_chain_stage(chunk, self.chain, self.stage_layers[stage][0])
         return run_as_stage(_build_chunk(model, self.layers, self.stage_layers, stage, self.traced.unread_params(stage)),
                             self.traced.programs[stage])
 
@@ -212,7 +218,8 @@ def cut_model(model: nn.Module, plan: PipelineParallelPlan, resolved: ResolvedPl
             raise ValueError("split_method='time' times the layers of the traced forward: pass example_inputs= "
                              "to construct_pipeline_stage")
         stage_layers = assign_stages(model, resolved.num_stages, plan.split_points)
-        return ModelCut(model_layers(model), stage_layers, [None] * resolved.num_stages, None, None)
+        chain = None if holds_layer_container(model) else chained_children(model)[0]
+        return ModelCut(model_layers(model), stage_layers, [None] * resolved.num_stages, None, None, chain)
     traced = TracedCut(model, resolved.num_stages, plan, example_inputs, device_type)
     return ModelCut(traced.layers, traced.stage_layers, traced.stage_io, traced.stage_seconds, traced)
 
@@ -229,10 +236,10 @@ def _build_chunk(model: nn.Module, layers: list[str], stage_layers: list[list[st
     for fqn in removed:
         for path in aliases[id(model.get_submodule(fqn))]:
             parent_fqn, _, name = path.rpartition(".")
-            _copied_path(copies, parent_fqn)._modules[name] = StagePlaceholder(fqn, stage_of[fqn])
+            own_submodules(_copied_path(copies, parent_fqn))[name] = StagePlaceholder(fqn, stage_of[fqn])
     for fqn in unread_params:
         parent_fqn, _, name = fqn.rpartition(".")
-        del _copied_path(copies, parent_fqn)._parameters[name]
+        del own_parameters(_copied_path(copies, parent_fqn))[name]
     gone: dict[str, str] = {}
     for fqn in removed:
         for sub, module in model.get_submodule(fqn).named_modules(prefix=fqn):
@@ -250,7 +257,7 @@ def _copied_path(copies: dict[str, nn.Module], fqn: str) -> nn.Module:
         return copies[fqn]
     parent_fqn, _, name = fqn.rpartition(".")
     parent = _copied_path(copies, parent_fqn)
-    copies[fqn] = parent._modules[name] = _skeleton(parent._modules[name])
+    copies[fqn] = own_submodules(parent)[name] = _skeleton(own_submodules(parent)[name])
     return copies[fqn]
 
 

@@ -28,8 +28,8 @@ from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_pl
 from ndweave.pipeline.program import stage_program
 from ndweave.pipeline.report import count_saved_bytes
 
-__all__ = ["StageActivations", "held_saved_bytes", "microbatches_in_flight", "saved_bytes_by_stage", "stage_activations",
-           "stage_param_names", "torch_action_order"]
+__all__ = ["StageActivations", "held_saved_bytes", "microbatches_in_flight", "receive_buffer_bytes", "saved_bytes_by_stage",
+           "stage_activations", "stage_param_names", "torch_action_order"]
 
 
 def stage_param_names(model: nn.Module, plan: PipelineParallelPlan, pp_size: int, *,
@@ -271,3 +271,12 @@ def held_saved_bytes(resolved: ResolvedPlan, pp_rank: int, saved_bytes: Sequence
         elif kind in ("B", "W"):  # "I" frees nothing: see microbatches_in_flight
             held -= saved_bytes[stage]
     return peak
+
+
+def receive_buffer_bytes(resolved: ResolvedPlan, pp_rank: int, received: Sequence[int], sent: Sequence[int]) -> int:
+    """Bytes of the buffers torch's pipeline stages on PP rank ``pp_rank`` receive into: a buffer per
+    micro-batch, allocated at the first step and kept for the run, for the activations from the stage
+    before (``received[s]``: one micro-batch's inputs of stage ``s``, 0 on the first stage) and for the
+    grads of the activations it sends the stage after (``sent[s]``: its outputs; none on the last)."""
+    last, m = resolved.num_stages - 1, resolved.num_microbatches
+    return sum(m * (received[s] + (sent[s] if s < last else 0)) for s in resolved.stages_of(pp_rank))

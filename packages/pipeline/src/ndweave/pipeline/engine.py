@@ -31,13 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import DataParallelWrapper, finish_grad_sync
-from ndweave.mesh.torch_compat import abort_group, group_timeout, is_view, pipeline_stage_kwargs
+from ndweave.mesh.lifecycle import destroy_side_group, new_side_group
+from ndweave.mesh.torch_compat import PipelineStageBase, abort_group, group_timeout, is_view, pipeline_stage_kwargs
 from ndweave.pipeline.agree import BatchShapes, agree_on_batch, agree_on_plan
 from ndweave.pipeline.construct import PipeModule, chunk_device
 from ndweave.pipeline.evaluate import evaluate_batch
@@ -62,6 +62,7 @@ class PipeEngine:
             optimizer.zero_grad()
             loss = engine(x, y)                 # the same value on every PP rank
             optimizer.step()
+        engine.close()                          # its process group and buffers released
 
     Build it after wrapping / parallelizing the chunks (``module[i] = DDP(module[i], ...)``): it reads
     the chunks and the shared weights' parameters once. When a call returns, every chunk's grads are
@@ -110,6 +111,7 @@ class PipeEngine:
         self._meter = ActivationMeter(self.recorder)
         self._first_batch: BatchShapes | None = None
         self._failure: Failure | None = None
+        self._closed = False
         self._record = FailureRecord(engine_id, pp_mesh.get_local_rank(), pp_mesh.size())
         self._blame = Blame()
         self._gate = HookGate()
@@ -199,9 +201,31 @@ class PipeEngine:
         self.recorder.extend(stage.stage_index, "F", stage.submod.micro_batch)  # the loss is the forward's work
         return loss
 
+    def close(self) -> None:
+        """Release what the engine holds: the schedule and its stages (their activation and receive
+        buffers), the shared weights' sync, and its own process group over the PP ranks (destroyed;
+        the mesh's groups and the chunks are left as they are). Call it on every PP rank after the
+        last step; a second call does nothing, a step after it raises. ``with PipeEngine(...) as
+        engine:`` and ``ndweave.mesh.shutdown(engine)`` call it too."""
+        if self._closed:
+            return
+        self._closed = True
+        group, self._group = self._group, None  # None already after a failed step (aborted then)
+        self.schedule = self.stages = self._ties = None
+        if group is not None and self.pp_mesh.size() > 1:
+            destroy_side_group(group)
+
+    def __enter__(self) -> PipeEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def _check_usable(self) -> None:
         if self._failure is not None:
             raise PipelineStageError(self._failure, again=True)
+        if self._closed:
+            raise RuntimeError("this PipeEngine is closed (close()): build a new one to run more steps")
 
     def _fail(self, error: Exception) -> NoReturn:
         """Raise ``error`` as this step's failure on every PP rank: publish it (or read the failure a
@@ -363,9 +387,8 @@ def _engine_group(pp_mesh: DeviceMesh) -> dist.ProcessGroup:
     mesh_group = pp_mesh.get_group()
     if pp_mesh.size() == 1:
         return mesh_group
-    return dist.new_group(dist.get_process_group_ranks(mesh_group), timeout=group_timeout(mesh_group, pp_mesh.device_type),
-                          backend=dist.get_backend(mesh_group), use_local_synchronization=True,
-                          group_desc="ndweave:pipeline")
+    return new_side_group(dist.get_process_group_ranks(mesh_group), desc="pipeline",
+                          timeout=group_timeout(mesh_group, pp_mesh.device_type), backend=dist.get_backend(mesh_group))
 
 
 def _mesh_lookup(chunk: nn.Module):
@@ -383,7 +406,7 @@ def _mesh_lookup(chunk: nn.Module):
     return get_mesh
 
 
-class _Stage(PipelineStage):
+class _Stage(PipelineStageBase):
     """torch's ``PipelineStage`` plus data-parallel micro-batch control, hook-visible weight grads, the
     schedule picture and, when an action raises, which one (the methods overridden are pinned in
     ``ndweave.mesh.torch_compat.PIPELINE_STAGE_OVERRIDES``)."""
@@ -397,10 +420,9 @@ class _Stage(PipelineStage):
         self._meter = meter
         self._blame = blame
 
-    def _to_tensor(self, arg):
+    def shape_inference_buffer(self, arg, tensor):
         # torch's shape inference runs a stage on uninitialized buffers: an int tensor crossing a cut
         # (position ids) may index an embedding there, so it gets zeros instead of whatever was in memory
-        tensor = super()._to_tensor(arg)
         if not isinstance(arg, torch.Tensor) and not tensor.is_floating_point():
             tensor.zero_()
         return tensor

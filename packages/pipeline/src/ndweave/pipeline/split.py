@@ -25,21 +25,27 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from ndweave.pipeline.chain import chained_children
 from ndweave.pipeline.order import ExecutionOrder
 
-__all__ = ["model_layers", "assign_stages", "traced_layers", "cut_traced"]
+__all__ = ["model_layers", "assign_stages", "holds_layer_container", "traced_layers", "cut_traced"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 _LISTS = (nn.ModuleList, nn.Sequential)
 
 
 def model_layers(model: nn.Module) -> list[str]:
-    """FQNs of ``model``'s layers in registration order (see the module docstring)."""
-    if not (isinstance(model, _LISTS) or _holds_container(model)):
-        raise ValueError(
-            f"{type(model).__name__} has no ModuleList / ModuleDict / Sequential of layers to split into stages; "
-            "pass example_inputs= to construct_pipeline_stage to cut any model where its forward runs the layers"
-        )
+    """FQNs of ``model``'s layers in registration order (see the module docstring); a model without a
+    layer container whose forward chains its children, in call order (:mod:`ndweave.pipeline.chain`)."""
+    if not holds_layer_container(model):
+        chain, why = chained_children(model)
+        if chain is None:
+            raise ValueError(
+                f"{type(model).__name__} has no ModuleList / ModuleDict / Sequential of layers, and its forward "
+                f"cannot be cut without shapes ({why}); pass example_inputs= (one micro-batch) to "
+                "construct_pipeline_stage to cut it where its forward runs the layers"
+            )
+        return chain.layers
     layers: list[str] = []
     _walk(model, "", layers, refuse_params=True)
     return layers
@@ -148,6 +154,11 @@ def _check_names(model: nn.Module, point: str) -> None:
     if point not in names:
         near = difflib.get_close_matches(point, names, n=5, cutoff=0.3)
         raise ValueError(f"split point {point!r} names no module of {type(model).__name__}; nearest FQNs: {near or names[:8]}")
+
+
+def holds_layer_container(model: nn.Module) -> bool:
+    """Whether ``model`` is or holds a ``ModuleList`` / ``ModuleDict`` / ``Sequential`` of layers."""
+    return isinstance(model, _LISTS) or _holds_container(model)
 
 
 def _holds_container(module: nn.Module) -> bool:

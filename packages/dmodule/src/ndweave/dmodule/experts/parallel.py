@@ -34,12 +34,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ndweave.dmodule.experts.dispatch import combine, dispatch
 from ndweave.dmodule.patches import register_patch
-from ndweave.mesh.torch_compat import local_tensor, root_mesh, split_tensor
+from ndweave.mesh import EXPERT_DIM
+from ndweave.mesh.torch_compat import local_tensor, own_parameters, root_mesh, split_tensor
 
 __all__ = ["EXPERT_DIM", "EXPERT_PATCH", "expert_mesh", "expert_parallel", "parallelize_experts"]
 
-#: The mesh dim experts are divided over.
-EXPERT_DIM = "EP"
 #: The registered name of :func:`expert_parallel`.
 EXPERT_PATCH = "expert_parallel"
 
@@ -63,7 +62,7 @@ def parallelize_experts(module: nn.Module, ep_mesh: DeviceMesh, *, fqn: str = ""
         # a meta model (cost.parallelize_on_meta) stays on meta: shapes only
         local = split_tensor(Shard(0), full, ep)[coordinate].detach().clone().to("meta" if full.is_meta else ep_mesh.device_type)
         dt = DTensor.from_local(local, ep_mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
-        module._parameters[name] = nn.Parameter(dt, requires_grad=param.requires_grad)
+        own_parameters(module)[name] = nn.Parameter(dt, requires_grad=param.requires_grad)
     num_experts = next(iter(stacked.values())).shape[0]
     # the forward keeps the names only: holding ``stacked`` would keep every expert's whole weights alive
     names = list(stacked)
@@ -147,15 +146,15 @@ def _local_experts(module: nn.Module, names: list[str], num_local: int) -> Itera
     """While the module's own forward runs: its stacked weights are this rank's experts as plain
     tensors (``to_local``, so their grads flow back to the DTensor parameters), and ``num_experts``
     (if it has one) counts them, as every implementation of transformers' experts reads it."""
-    saved = {name: module._parameters[name] for name in names}
+    saved = {name: own_parameters(module)[name] for name in names}
     count = module.__dict__.get("num_experts")
     try:
         for name, param in saved.items():
-            module._parameters[name] = param.to_local()
+            own_parameters(module)[name] = param.to_local()
         if count is not None:
             module.num_experts = num_local
         yield
     finally:
-        module._parameters.update(saved)
+        own_parameters(module).update(saved)
         if count is not None:
             module.num_experts = count

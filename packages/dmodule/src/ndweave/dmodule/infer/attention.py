@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ndweave.dmodule.infer.entries import Entries
 from ndweave.dmodule.patches import register_patch
 from ndweave.mesh.torch_compat import StridedShard
-from ndweave.mesh.trace import Op, Ref, Trace
+from ndweave.dmodule.infer.trace import Op, Ref, Trace
 
 __all__ = ["TorchAttention", "emit_torch_attention", "find_torch_attention", "multihead_attention_local"]
 

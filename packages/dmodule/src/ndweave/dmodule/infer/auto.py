@@ -5,7 +5,7 @@
 
     model = parallelize_module(model, tp_mesh, get_plan("auto", model, sequence_parallel=True))
 
-Steps, each its own module: trace one forward of a meta copy (``ndweave.mesh.trace``: no weights
+Steps, each its own module: trace one forward of a meta copy (``ndweave.dmodule.infer.trace``: no weights
 copied, nothing computed) -> find the linears and embeddings (``linears``) -> find the Megatron
 blocks in the dataflow (``patterns``) -> check each block on the shapes every rank would see, and
 find the head-count attributes its forward reshapes with (``verify``) -> write the zoo's layout for
@@ -32,7 +32,7 @@ from ndweave.dmodule.infer.modules import Boundaries
 from ndweave.dmodule.infer.partials import partial_outputs
 from ndweave.dmodule.infer.patterns import Block, Failure, find_blocks
 from ndweave.dmodule.infer.verify import Verdict, verify_block
-from ndweave.mesh.trace import Trace, meta_copy, trace
+from ndweave.dmodule.infer.trace import Trace, meta_copy, trace
 
 __all__ = ["Derivation", "auto_plan", "derive", "guess_inputs"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ndweave.mesh.trace import Op, Ref
+from ndweave.dmodule.infer.trace import Op, Ref
 
 __all__ = ["Cut", "Cuts", "Pieces", "Shapes", "Unsupported", "arg", "base_name", "norm_dim", "one_output",
            "single_input", "sizes"]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ndweave.dmodule.infer.modules import Boundaries
-from ndweave.mesh.trace import Ref
+from ndweave.dmodule.infer.trace import Ref
 
 __all__ = ["Experts", "expert_lists", "find_experts"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ndweave.dmodule.infer.cuts import base_name
-from ndweave.mesh.trace import Op, Ref, Trace
+from ndweave.dmodule.infer.trace import Op, Ref, Trace
 
 __all__ = ["Embedding", "Linear", "find_embeddings", "find_linears"]
 

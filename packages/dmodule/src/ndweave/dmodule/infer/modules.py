@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ndweave.dmodule.infer.cuts import base_name
-from ndweave.mesh.trace import ModuleCall, Ref, Trace
+from ndweave.dmodule.infer.trace import ModuleCall, Ref, Trace
 
 __all__ = ["Argument", "Boundaries", "common_ancestor", "is_within"]
 

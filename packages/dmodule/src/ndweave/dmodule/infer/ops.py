@@ -29,7 +29,7 @@ from typing import Callable
 from ndweave.dmodule.infer.cuts import (Cut, Cuts, Pieces, Shapes, Unsupported, arg, base_name, norm_dim, one_output,
                                         single_input)
 from ndweave.dmodule.infer.reshapes import SHAPE_RULES
-from ndweave.mesh.trace import Op, Ref
+from ndweave.dmodule.infer.trace import Op, Ref
 
 __all__ = ["ELEMENTWISE", "follow"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ndweave.dmodule.infer.cuts import base_name
 from ndweave.dmodule.infer.patterns import Block
-from ndweave.mesh.trace import ModuleCall, Trace
+from ndweave.dmodule.infer.trace import ModuleCall, Trace
 
 __all__ = ["follow_partials", "partial_outputs"]
 

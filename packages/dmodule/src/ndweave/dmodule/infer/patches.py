@@ -6,7 +6,9 @@
   local ``[piece_0,r | ... | piece_k-1,r]``, so the model's own split gives this rank's pieces.
   Works for any module type (``nn.Linear``, GPT-2's ``Conv1D``, ...): it swaps the parameters.
 - ``tp_divides(sizes=[...])``: refuses a tensor-parallel size that does not divide every sharded
-  size of a block (its heads), naming the module; an uneven cut would split a head.
+  size of a block (its heads), naming the module; an uneven cut would split a head. The zoo names
+  its sizes (``sizes={"n_head": 12}``) or reads them off the module when the patch runs
+  (``attributes=["config.num_key_value_heads"]``), so the error names the config field.
 - ``replicated_local()``: a module whose parameters are all replicated (attention the plan could not
   shard, an MoE router and its experts) runs its forward on plain local tensors: its DTensor
   arguments, parameters and buffers are handed in as local tensors and its tensor outputs come back
@@ -35,6 +37,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -45,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ndweave.dmodule.patches import register_patch
-from ndweave.mesh.torch_compat import StridedShard, tree_flatten, tree_map, tree_unflatten
+from ndweave.mesh.torch_compat import StridedShard, own_buffers, own_parameters, tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["divide_attributes", "fused_colwise", "local_block", "partial_grad_params", "replicated_local",
            "tp_divides", "vocab_parallel_forward"]
@@ -58,14 +61,36 @@ def _tp_size(device_mesh: DeviceMesh, fqn: str, what: str) -> int:
 
 
 @register_patch("tp_divides")
-def tp_divides(module: nn.Module, device_mesh: DeviceMesh, fqn: str, *, sizes: list[int]) -> None:
-    """Refuse a mesh whose size does not divide every one of ``sizes``."""
+def tp_divides(module: nn.Module, device_mesh: DeviceMesh, fqn: str, *, sizes: list[int] | dict[str, int] = (),
+               attributes: list[str] = ()) -> None:
+    """Refuse a mesh whose size does not divide every one of ``sizes`` (a list, or a dict naming
+    each size for the error: ``{"n_head": 12}``) and every int attribute of ``module`` named in
+    ``attributes`` (dotted paths read when the patch runs, for a plan written without the model at
+    hand: ``["config.num_attention_heads", "config.num_key_value_heads"]``; one set to ``None``, an
+    unset optional count, is skipped)."""
     tp = _tp_size(device_mesh, fqn, "tp_divides")
-    bad = [s for s in sizes if s % tp]
+    named = dict(sizes) if isinstance(sizes, dict) else {}
+    for path in attributes:
+        value = functools.reduce(getattr, path.split("."), module)
+        if value is None:
+            continue
+        if not isinstance(value, int):
+            raise ValueError(f"{fqn}.{path} = {value!r}: tp_divides checks int counts (heads, features)")
+        named[path] = value
+    unnamed = [] if isinstance(sizes, dict) else list(sizes)
+    bad = [s for s in unnamed if s % tp]
     if bad:
-        raise ValueError(f"{fqn}: the plan splits its heads / features in pieces of sizes {sizes}; the {tp} ranks of "
+        raise ValueError(f"{fqn}: the plan splits its heads / features in pieces of sizes {unnamed}; the {tp} ranks of "
                          f"{device_mesh} do not divide {bad} (a head would be cut): use a tensor-parallel size "
-                         f"dividing {math.gcd(*sizes)}")
+                         f"dividing {math.gcd(*unnamed)}")
+    bad_named = [f"{name}={value}" for name, value in named.items() if value % tp]
+    if bad_named:
+        listed = [f"{name}={value}" for name, value in named.items()]
+        must = {1: "must", 2: "must both"}.get(len(listed), "must all")
+        raise ValueError(f"{fqn}: {' and '.join(listed)} {must} be divisible by the tensor-parallel size {tp} "
+                         f"({device_mesh}); {' and '.join(bad_named)} {'does' if len(bad_named) == 1 else 'do'} not "
+                         f"split over the {tp} ranks (a head would be cut): use a tensor-parallel size dividing "
+                         f"{math.gcd(*named.values())}")
 
 
 @register_patch("divide_attributes")
@@ -110,7 +135,7 @@ def fused_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str, *, piece
             x = x.redistribute(mesh, [Replicate()])
         # each rank's input gradient covers only its own pieces: a partial sum, reduced on the way back
         x = x.to_local(grad_placements=[Partial()])
-        with _as_local([(module._parameters, name) for name in params]):
+        with _as_local([(own_parameters(module), name) for name in params]):
             return forward(module, x, *args, **kwargs)
 
     module.forward = local_forward
@@ -138,14 +163,14 @@ def local_block(module: nn.Module, device_mesh: DeviceMesh, fqn: str, *, partial
 def partial_grad_params(module: nn.Module, device_mesh: DeviceMesh, fqn: str, *, names: list[str]) -> None:
     """Hand ``module``'s parameters ``names`` to its forward as local tensors with partial gradients."""
     for name in names:
-        p = module._parameters.get(name)
+        p = own_parameters(module).get(name)
         if not isinstance(p, DTensor) or any(not isinstance(q, Replicate) for q in p.placements):
             raise ValueError(f"partial_grad_params on {fqn!r}: {name} must be a replicated DTensor parameter, "
                              f"not {getattr(p, 'placements', p)!r}")
     forward = type(module).forward
 
     def local_forward(*args: Any, **kwargs: Any) -> Any:
-        with _as_local([(module._parameters, name) for name in names], grad=[Partial()] * device_mesh.ndim):
+        with _as_local([(own_parameters(module), name) for name in names], grad=[Partial()] * device_mesh.ndim):
             return forward(module, *args, **kwargs)
 
     module.forward = local_forward
@@ -170,7 +195,7 @@ def vocab_parallel_forward(module: nn.Module, device_mesh: DeviceMesh, fqn: str)
         extended = torch.cat([weight, weight.new_zeros(1, weight.shape[1])])
         module.padding_idx = padding - start if padding is not None and start <= padding < stop else None
         try:
-            with _replaced(module._parameters, "weight", extended):
+            with _replaced(own_parameters(module), "weight", extended):
                 out = forward(module, local_ids, *args, **kwargs)
         finally:
             module.padding_idx = padding
@@ -191,7 +216,7 @@ def _replaced(table: dict, name: str, value: torch.Tensor) -> Iterator[None]:
 
 def _dtensors(module: nn.Module) -> list[tuple[dict, str]]:
     """(table, name) of every DTensor parameter and buffer in ``module``'s subtree."""
-    return [(table, name) for m in module.modules() for table in (m._parameters, m._buffers)
+    return [(table, name) for m in module.modules() for table in (own_parameters(m), own_buffers(m))
             for name, t in table.items() if isinstance(t, DTensor)]
 
 

@@ -29,7 +29,7 @@ from ndweave.dmodule.infer.cuts import Cut, Pieces, Unsupported, base_name
 from ndweave.dmodule.infer.linears import Linear, find_linears
 from ndweave.dmodule.infer.modules import is_within
 from ndweave.dmodule.infer.ops import ELEMENTWISE, follow
-from ndweave.mesh.trace import Trace
+from ndweave.dmodule.infer.trace import Trace
 
 __all__ = ["Block", "Failure", "find_blocks"]
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from ndweave.dmodule.infer.cuts import (Cut, Cuts, Pieces, Shapes, Unsupported, arg, base_name, norm_dim, one_output,
                                         single_input, sizes)
-from ndweave.mesh.trace import Op, Ref
+from ndweave.dmodule.infer.trace import Op, Ref
 
 __all__ = ["SHAPE_RULES", "reshape_cut"]
 

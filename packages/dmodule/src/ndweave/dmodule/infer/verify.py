@@ -28,7 +28,7 @@ from ndweave.dmodule.infer.emit import block_module
 from ndweave.dmodule.infer.modules import Boundaries, is_within
 from ndweave.dmodule.infer.patches import divide_attributes
 from ndweave.dmodule.infer.patterns import Block
-from ndweave.mesh.trace import Ref, Trace, meta_copy, record
+from ndweave.dmodule.infer.trace import Ref, Trace, meta_copy, record
 from ndweave.mesh.torch_compat import torch_function_disabled
 
 __all__ = ["Verdict", "verify_block"]

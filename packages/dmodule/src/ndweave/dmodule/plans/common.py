@@ -1,14 +1,16 @@
-"""Small helpers the zoo's plan modules share: placement shorthands and config checks."""
+"""Small helpers the zoo's plan modules share: placement shorthands, config checks, and the
+warning of a deprecated patch name."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch.distributed.tensor import Replicate, Shard
 
 from ndweave.dmodule.spec import PlacementSpec
 
-__all__ = ["local", "logits_output", "seq_or_replicate", "config_of", "require"]
+__all__ = ["local", "logits_output", "seq_or_replicate", "config_of", "require", "warn_deprecated_patch"]
 
 
 def local(placements: list) -> PlacementSpec:
@@ -42,3 +44,11 @@ def config_of(model: Any, plan_name: str) -> Any:
 def require(condition: bool, plan_name: str, message: str) -> None:
     if not condition:
         raise ValueError(f'plan "{plan_name}": {message}')
+
+
+def warn_deprecated_patch(name: str, replacement: str) -> None:
+    """Warn that a plan names the zoo's per-model patch ``name``, kept registered for one release so
+    saved plans still load, and which generic patches replace it (``replacement``, as JSON)."""
+    warnings.warn(f"patch {name!r} is deprecated and will be removed in the next release; the zoo's plans now "
+                  f"use the generic patches {replacement}: name those in your plan (get_plan() emits them)",
+                  DeprecationWarning, stacklevel=3)

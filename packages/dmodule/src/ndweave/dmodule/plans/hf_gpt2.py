@@ -7,16 +7,20 @@ The fused ``c_attn`` (weight (E, 3E) = [q | k | v]) is the catch: ``Shard(1)`` w
 of q and half of k. The parameter stays the original (E, 3E) tensor, laid out
 ``_StridedShard(1, split_factor=3)``: rank r holds columns [q_r | k_r | v_r], its own heads of each.
 ``full_tensor()``, checkpoints and gradients see the unchanged HF layout; only the local shards are
-strided. The plan and two patches make the module use it:
+strided. The plan and the generic patches ``get_plan("auto")`` also emits make the module use it:
 
 - the parameter section lays weight and bias out ``_StridedShard(1 / 0, split_factor=3)``, so even
   under ``deferred_init`` a rank only ever keeps its own columns;
-- ``hf_gpt2_fused_qkv`` (on each ``c_attn``): checks that layout, then computes ``x @ w_local +
-  b_local`` on local tensors and returns the plain local [q_r | k_r | v_r] (all-gathering a
-  sequence-sharded input first);
-- ``hf_gpt2_attention_local_heads`` (on each ``GPT2Attention``): sets ``split_size`` to E / tp so the
-  local output splits into local q, k, v; heads are reshaped with ``-1`` already. Checks that
-  ``n_head`` divides by the mesh size.
+- ``fused_colwise(pieces=3)`` (on each ``c_attn``): checks that layout, then runs ``Conv1D``'s own
+  ``x @ w_local + b_local`` on local tensors and returns the plain local [q_r | k_r | v_r]
+  (all-gathering a sequence-sharded input first);
+- on each ``attn``: ``tp_divides(attributes=["num_heads"])`` checks that ``n_head`` divides by the
+  mesh size, then ``divide_attributes(names=["c_attn.nf", "split_size"])`` sets the local output
+  width (3E / tp) and ``split_size`` to E / tp, so the local output splits into local q, k, v;
+  heads are reshaped with ``-1`` already.
+
+(``hf_gpt2_fused_qkv`` and ``hf_gpt2_attention_local_heads``, the patches the plan named before,
+stay registered for one release so saved plans load; they warn ``DeprecationWarning``.)
 
 Then ``attn.c_proj`` takes its plain input back as ``Shard(-1)`` and reduces its ``Partial`` output.
 ``wte`` is vocab-parallel (50257 rows over 2 ranks: 25129 + 25128); ``lm_head`` shares the very same
@@ -25,11 +29,13 @@ a plain tensor so HF's loss runs unchanged (``loss_parallel=True``: left ``Shard
 takes the model's plain ``position_ids`` as ``Replicate`` (no factory mode needed).
 ``sequence_parallel=True``: as for Llama — residual stream, LayerNorms and dropout ``Shard(1)``;
 LayerNorm outputs all-gathered; row-wise outputs reduce-scattered.
-Eager and SDPA attention both work; cross-attention (``add_cross_attention``) is not supported.
+Eager and SDPA attention both work; cross-attention (``add_cross_attention``) is not supported
+(``hf_gpt2_plan(model)`` refuses it; the patches above touch only each block's self-attention ``attn``).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -37,7 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ndweave.dmodule.patches import register_patch
-from ndweave.dmodule.plans.common import config_of, logits_output, require, seq_or_replicate
+from ndweave.dmodule.plans.common import config_of, logits_output, require, seq_or_replicate, warn_deprecated_patch
 from ndweave.mesh.torch_compat import StridedShard
 
 __all__ = ["hf_gpt2_plan", "attention_local_heads", "fused_qkv_colwise"]
@@ -84,15 +90,26 @@ def hf_gpt2_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
         })
     patch = {
         "transformer.wte": ["vocab_parallel_embedding"],
-        rf"{_H}.attn.c_attn": ["hf_gpt2_fused_qkv"],
-        "class:GPT2Attention": ["hf_gpt2_attention_local_heads"],
+        rf"{_H}.attn.c_attn": [_fused_qkv()],
+        rf"{_H}.attn": _attention_local_heads(),
     }
     return {"parameter": parameter, "forward": forward, "patch": patch}
 
 
+def _fused_qkv() -> dict[str, Any]:
+    return {"name": "fused_colwise", "args": {"pieces": 3}}
+
+
+def _attention_local_heads() -> list[dict[str, Any]]:
+    return [{"name": "tp_divides", "args": {"attributes": ["num_heads"]}},
+            {"name": "divide_attributes", "args": {"names": ["c_attn.nf", "split_size"]}}]
+
+
 @register_patch("hf_gpt2_attention_local_heads")
 def attention_local_heads(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
-    """Patch for ``GPT2Attention``: split the local fused output into local q, k, v."""
+    """Deprecated patch for ``GPT2Attention`` (plans saved before the zoo used the generic patches;
+    removed next release): split the local fused output into local q, k, v. Warns, then does it."""
+    warn_deprecated_patch("hf_gpt2_attention_local_heads", json.dumps(_attention_local_heads()))
     _require_1d(device_mesh, fqn)
     tp = device_mesh.size()
     if getattr(module, "is_cross_attention", False):
@@ -112,13 +129,16 @@ def _require_1d(device_mesh: DeviceMesh, fqn: str) -> None:
 
 @register_patch("hf_gpt2_fused_qkv")
 def fused_qkv_colwise(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
-    """Patch for a fused-qkv ``Conv1D``: per-rank [q_r | k_r | v_r] columns, computed locally.
+    """Deprecated patch for a fused-qkv ``Conv1D`` (plans saved before the zoo used
+    ``fused_colwise``; removed next release): per-rank [q_r | k_r | v_r] columns, computed locally.
+    Warns, then does it.
 
     The plan's parameter section lays weight and bias out ``_StridedShard(1 / 0, split_factor=3)``;
     any other layout (``Replicate`` from a plan that left them out, plain ``Shard``, which would mix
     q, k and v heads across ranks) is refused here rather than silently re-laid: re-laying a
     replicated weight would cost every rank the full (E, 3E) tensor.
     """
+    warn_deprecated_patch("hf_gpt2_fused_qkv", json.dumps(_fused_qkv()))
     _require_1d(device_mesh, fqn)
     for name, dim in (("weight", 1), ("bias", 0)):
         param = getattr(module, name)

@@ -10,7 +10,8 @@ Tensor parallel, per decoder layer::
   ``view(..., -1, head_dim)``, so no head count needs patching; with ``num_attention_heads / tp``
   query heads and ``num_key_value_heads / tp`` key/value heads per rank, ``num_key_value_groups``
   (their ratio) is unchanged and each local query head meets its own key/value head. Both head
-  counts must divide by the mesh size (the ``hf_llama_attention_heads`` patch checks it).
+  counts must divide by the mesh size (the generic ``tp_divides`` patch checks both, read off the
+  attention module's config when the patch runs).
   Eager and SDPA attention both work (they see plain tensors).
 - RoPE: ``rotary_emb``'s ``inv_freq`` is a non-persistent buffer, which ``parallelize_module``
   leaves a plain tensor; with the model's plain ``position_ids`` it computes plain ``cos`` / ``sin``
@@ -32,6 +33,7 @@ Tensor parallel, per decoder layer::
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from torch import nn
@@ -39,11 +41,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from ndweave.dmodule.patches import register_patch
-from ndweave.dmodule.plans.common import config_of, local, logits_output, require, seq_or_replicate
+from ndweave.dmodule.plans.common import (config_of, local, logits_output, require, seq_or_replicate,
+                                          warn_deprecated_patch)
 
 __all__ = ["hf_llama_plan", "check_attention_heads", "llama_like_plan"]
 
 _L = r"model.layers.\d+"
+
+
+def _heads_check() -> dict[str, Any]:
+    """Both head counts must split over the ranks (an uneven cut of q_proj's rows would halve a head
+    and compute garbage silently): read off the module's config, so the plan needs no model."""
+    return {"name": "tp_divides", "args": {"attributes": ["config.num_attention_heads", "config.num_key_value_heads"]}}
 
 
 def hf_llama_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False,
@@ -111,15 +120,16 @@ def llama_like_plan(model: nn.Module | None, name: str, attention_class: str | N
         forward["lm_head.input"] = [[Replicate()]]
 
     patch = {"model.embed_tokens": ["vocab_parallel_embedding"],
-             **({f"class:{attention_class}": ["hf_llama_attention_heads"]} if attention_class is not None
+             **({f"class:{attention_class}": [_heads_check()]} if attention_class is not None
                 else {rf"{_L}.self_attn": ["replicated_local"]})}
     return {"parameter": parameter, "forward": forward, "patch": patch}
 
 
 @register_patch("hf_llama_attention_heads")
 def check_attention_heads(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
-    """Patch: both head counts must split evenly over the mesh (an uneven split of q_proj's rows
-    would cut heads in half and compute garbage silently)."""
+    """Deprecated patch (plans saved before the zoo used ``tp_divides``; removed next release): both
+    head counts must split evenly over the mesh. Warns, then checks as it did."""
+    warn_deprecated_patch("hf_llama_attention_heads", json.dumps(_heads_check()))
     config = module.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -1,4 +1,4 @@
-"""Plan "nanogpt": the GPT of ``examples/gpt/model.py`` (separate q/k/v projections, tied lm_head).
+"""Plan "nanogpt": the GPT of the job (``ndweave_gpt.models.nanogpt`` in ``examples/gpt``) (separate q/k/v projections, tied lm_head).
 
 Tensor parallel (Megatron layout), per block::
 
@@ -18,7 +18,10 @@ Tensor parallel (Megatron layout), per block::
   output is reduce-scattered. LayerNorm weights then get ``Partial`` gradients, which
   ``finish_grad_sync()`` reduces.
 
-Needs ``n_head`` divisible by the mesh size (checked at ``parallelize_module`` time).
+Needs ``n_head`` divisible by the mesh size (checked at ``parallelize_module`` time: by the generic
+``tp_divides`` patch with the head count read from ``model``; a plan made without the model uses
+``nanogpt_attention_heads``, which reads it off each attention module's projection rows, as the
+module keeps no head count of its own).
 """
 
 from __future__ import annotations
@@ -40,13 +43,15 @@ _H = r"transformer.h.\d+"
 def nanogpt_plan(model: nn.Module | None = None, *, sequence_parallel: bool = False,
                  loss_parallel: bool = False) -> dict[str, Any]:
     bias = True
+    heads_check: Any = "nanogpt_attention_heads"  # no model: the head count is read off each module
     if model is not None:
         config = config_of(model, "nanogpt")
         require(hasattr(model, "transformer") and hasattr(model, "lm_head"), "nanogpt",
-                f"{type(model).__name__} is not the GPT of examples/gpt/model.py (no .transformer / .lm_head)")
+                f"{type(model).__name__} is not the GPT of the job, ndweave_gpt.models.nanogpt (no .transformer / .lm_head)")
         require(config.n_embd % config.n_head == 0, "nanogpt",
                 f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
         bias = config.bias
+        heads_check = {"name": "tp_divides", "args": {"sizes": {"n_head": config.n_head}}}
     stream = seq_or_replicate(sequence_parallel)
 
     parameter: dict[str, Any] = {
@@ -83,14 +88,16 @@ def nanogpt_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
 
     patch = {
         "transformer.wte": ["vocab_parallel_embedding"],
-        "class:CausalSelfAttention": ["nanogpt_attention_heads"],
+        "class:CausalSelfAttention": [heads_check],
     }
     return {"parameter": parameter, "forward": forward, "patch": patch}
 
 
 @register_patch("nanogpt_attention_heads")
 def check_attention_heads(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
-    """Patch: fail early, naming the module and mesh, when the heads do not split evenly."""
+    """Patch: fail early, naming the module and mesh, when the heads do not split evenly. For plans
+    made without the model: the module keeps no head count, so it is read off ``q_proj``'s rows
+    (``tp_divides`` is given it when the plan is made with the model)."""
     num_heads = module.q_proj.weight.shape[0] // module.head_dim
     if num_heads % device_mesh.size() != 0:
         raise ValueError(

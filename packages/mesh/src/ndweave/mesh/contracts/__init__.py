@@ -13,7 +13,6 @@ from ndweave.mesh.contracts.data_parallel import (
     MicroBatchControl,
     uses_distributed_optimizer,
 )
-from ndweave.mesh.contracts.estimate import MemoryTerm, RankMemory, StepTime, TimeTerm
 from ndweave.mesh.contracts.grad_buckets import (
     BUCKET_ALIGNMENT,
     BucketParam,
@@ -52,14 +51,10 @@ __all__ = [
     "GradReduction",
     "GradSyncable",
     "MASTER_KEY",
-    "MemoryTerm",
     "MicroBatchControl",
-    "RankMemory",
     "SCALAR_KEYS",
     "ShardLayout",
     "StatePiece",
-    "StepTime",
-    "TimeTerm",
     "finish_grad_sync",
     "from_torch_state_dict",
     "is_elementwise",
@@ -82,3 +77,12 @@ __all__ = [
     "union_state_dicts",
     "uses_distributed_optimizer",
 ]
+
+
+def __getattr__(name: str):
+    # the estimate vocabulary moved to ndweave-plan in mesh 0.10; its old names resolve for one release
+    if name in ("MemoryTerm", "RankMemory", "StepTime", "TimeTerm"):
+        from ndweave.mesh._moved import moved
+
+        return moved(f"ndweave.mesh.contracts.{name}", "ndweave.plan.estimate", name, distribution="ndweave-plan")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@ process group in one process; plus a reference data-parallel wrapper and the con
 data-parallel wrapper can be run through (``ReferenceDataParallel``, ``check_data_parallel``); and
 the one single-process reference loop parity is checked against (``train_one_process``).
 
-    from ndweave.mesh.testing import distributed, run_distributed, fake_world
+    from ndweave.mesh.testing import distributed, run_distributed
 
     @distributed(world_size=4)
     def test_allreduce():
@@ -14,7 +14,6 @@ the one single-process reference loop parity is checked against (``train_one_pro
 
 from ndweave.mesh.testing.conformance import check_data_parallel
 from ndweave.mesh.testing.decorator import distributed
-from ndweave.mesh.testing.fake import fake_world
 from ndweave.mesh.testing.parity import (
     SAFETY,
     STRICT,
@@ -41,7 +40,6 @@ __all__ = [
     "assert_close",
     "check_data_parallel",
     "distributed",
-    "fake_world",
     "full_tensor",
     "max_difference",
     "measured_tolerance",
@@ -49,3 +47,13 @@ __all__ = [
     "shutdown_pools",
     "train_one_process",
 ]
+
+
+def __getattr__(name: str):
+    # fake_world is used by production code (the planner, cost models): it moved to ndweave.mesh in 0.10
+    if name == "fake_world":
+        from ndweave.mesh._moved import moved
+
+        return moved("ndweave.mesh.testing.fake_world", "ndweave.mesh.fake", "fake_world",
+                     distribution="ndweave-mesh")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,251 @@
+"""What the job trains, built one concern at a time, in this order: the mesh (:func:`build_mesh`), the
+whole model (:func:`build_model`), its parallel form (:func:`parallelize`: pipeline stages by FQN, the
+TP+SP or EP plan per stage, ``--init-from``, DDP per stage, the engine), then the optimizer and its lr
+schedule (:func:`build_optimizer`). Everything is passed in: the mesh, the config.
+
+    mesh = build_mesh(config)
+    model = build_model(config)
+    job = parallelize(model, mesh, config)           # Parallel(chunks, engine)
+    job.optimizer, job.scheduler = build_optimizer(job.chunks, config)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ndweave.checkpoint import load
+from ndweave.ddp import DistributedDataParallel as DDP
+from ndweave.dmodule import get_plan, parallelize_module
+from ndweave.mesh import ParallelMesh, init_mesh_from_spec
+from ndweave.mesh.torch_compat import non_persistent_buffer_names
+from ndweave.optim import DistributedOptimizer
+from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage
+from ndweave_gpt.config import DIMS, DTYPES, JobConfig, num_experts
+from ndweave_gpt.data import VOCAB_SIZE
+from ndweave_gpt.models import hf
+from ndweave_gpt.models.nanogpt import GPT, GPTConfig
+
+__all__ = ["EXPERTS", "Parallel", "adamw_kwargs", "build_mesh", "build_model", "build_optimizer", "check_mesh",
+           "data_mean", "data_rank", "init_weights", "loss_fn", "lr_factor", "lr_schedule", "materialize", "mesh_problem",
+           "parallelize", "plan_name", "sharding_plan"]
+
+#: The MoE blocks' stacked experts (``--moe-experts``), what the ``"expert_parallel"`` patch divides over EP.
+EXPERTS = r"transformer\.h\.\d+\.mlp\.experts"
+
+
+def build_mesh(config: JobConfig) -> ParallelMesh:
+    """The job's mesh of ``--mesh`` over the default process group (created here if need be)."""
+    if config.parallel.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return init_mesh_from_spec(config.parallel.device, config.parallel.mesh, dims=DIMS, timeout=config.parallel.timeout)
+
+
+def check_mesh(mesh: ParallelMesh, config: JobConfig) -> None:
+    """What the mesh and the flags cannot run together: one error naming both (every rank alike)."""
+    problem = mesh_problem(config, {d: mesh[d].size() for d in DIMS})
+    if problem:
+        raise SystemExit(f"error: {problem}")
+
+
+def mesh_problem(config: JobConfig, sizes: dict[str, int]) -> str | None:
+    """Why the flags cannot run on a mesh of ``sizes`` (None: they can); ``--mesh auto`` skips such layouts."""
+    ep, tp, experts = sizes["EP"], sizes["TP"], num_experts(config)
+    model, parallel, global_batch = config.model, config.parallel, config.data.global_batch
+    slices = sizes["DP"] * ep
+    if global_batch % (slices * parallel.micro_batches):
+        return (f"--global-batch {global_batch} must split into DP x EP={slices} ranks x --micro-batches "
+                f"{parallel.micro_batches}: use a multiple of {slices * parallel.micro_batches}")
+    if ep > 1 and not experts:
+        return (f"--mesh {parallel.mesh} has ep={ep}, but the model has no experts to divide over it: add "
+                "--moe-experts N (MoE blocks), or make those ranks data parallel (dp)")
+    what = f"--moe-experts {experts}" if model.hf_config is None else f"{model.name}'s {experts} experts"
+    if experts % ep:
+        return f"{what} do not divide over ep={ep} ranks: use a multiple of {ep} experts, or an ep that divides {experts}"
+    if experts and tp > 1:
+        plan = "the nanogpt plan has" if model.hf_config is None else "the job has"
+        return (f"{what.split(' ')[0]} with tp={tp}: {plan} no tensor-parallel layout for MoE blocks; use tp=1 (ep and "
+                "dp split the batch)")
+    if ep > 1 and plan_name(config) == "auto":
+        return (f"ep={ep} divides experts with the zoo's MoE plans (hf:mixtral, hf:qwen2_moe, hf:qwen3_moe, "
+                f"hf:deepseek_v3, nanogpt); {model.name} with --plan {parallel.tp_plan} has none: make those ranks "
+                "data parallel (dp)")
+    return None
+
+
+def data_rank(mesh: ParallelMesh) -> tuple[int, int]:
+    """``(this rank's slice, slices)`` of each batch: the DP and EP ranks split it (EP inner)."""
+    ep = mesh["EP"].size()
+    return mesh["DP"].get_local_rank() * ep + mesh["EP"].get_local_rank(), mesh["DP"].size() * ep
+
+
+def data_mean(value: torch.Tensor, mesh: ParallelMesh) -> float:
+    """The mean of a value over the ranks that split the batch (equal slices: the global mean)."""
+    for dim in ("DP", "EP"):
+        dist.all_reduce(value, group=mesh[dim].get_group())
+    return value.item() / data_rank(mesh)[1]
+
+
+def build_model(config: JobConfig, device: str | None = None) -> nn.Module:
+    """The whole model, the same on every rank and in the single-device run (seeded, built in fp32 and
+    cast, so every --dtype starts from the same weights): models/nanogpt.py's GPT, or the hf: model from
+    its config. No biases in the GPT: a key-projection bias has an exactly-zero true gradient, which Adam
+    turns into rounding-noise steps. ``device="meta"`` builds it without memory (--init-from: each
+    stage chunk is materialized and loaded on its own ranks)."""
+    m = config.model
+    torch.manual_seed(config.training.seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device(device or config.parallel.device):
+            if m.hf_config is not None:
+                from transformers import AutoModelForCausalLM  # optional: only hf: models need it
+
+                model = AutoModelForCausalLM.from_config(m.hf_config)
+            else:
+                model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=m.block_size, n_layer=m.n_layer,
+                                      n_head=m.n_head, n_embd=m.n_embd, dropout=0.0, bias=False,
+                                      moe_experts=m.moe_experts, moe_top_k=m.moe_top_k))
+    finally:
+        torch.set_default_dtype(previous)
+    if config.parallel.activation_checkpointing:  # per layer, inside each layer: a pipeline trace sees it as one call
+        model.activation_checkpointing_enable()
+    return model.train().to(DTYPES[m.dtype])  # (transformers builds its models in eval mode)
+
+
+def init_weights(chunks: list[nn.Module], ties: dict[str, str], config: JobConfig) -> None:
+    """--init-from: its weights into this rank's chunks (each rank reads only the slices it holds); a
+    transformers folder stores a tied LM head once, under the embedding's name (``ties``: the whole
+    model's, :func:`~ndweave_gpt.models.hf.tied_aliases`, taken before a pipeline cut)."""
+    source = config.model.init_from
+    key = None if os.path.isdir(source) else "model"  # a torch file holds the model's state dict
+    load(source, {"model": chunks}, key=key, aliases=ties)
+
+
+def materialize(chunk: nn.Module, device: str) -> None:
+    """A chunk of a model built on meta, allocated on ``device`` (its values undefined until loaded);
+    its non-persistent buffers (rotary tables: no checkpoint holds them) computed as the model's own
+    init computes them."""
+    chunk.to_empty(device=device)
+    for module in chunk.modules():
+        if non_persistent_buffer_names(module) and hasattr(chunk, "_init_weights"):
+            chunk._init_weights(module)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over all tokens, at least in fp32 (bf16 logits are upcast)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def plan_name(config: JobConfig) -> str:
+    """The sharding plan's name: ``auto`` (--plan auto), else the zoo's for the model's family
+    (``nanogpt``, ``hf_llama``, ``hf_mixtral``, ...), or ``auto`` for a family the zoo lacks."""
+    if config.parallel.tp_plan == "auto":
+        return "auto"
+    hf_config = config.model.hf_config
+    return "nanogpt" if hf_config is None else hf.plan_name(hf_config.model_type)
+
+
+def sharding_plan(model: nn.Module, config: JobConfig, sizes: dict[str, int]) -> dict | None:
+    """The TP+SP plan (``tp > 1``), else the experts' EP plan (``ep > 1``), of ``model`` (the whole
+    model or a stage chunk) for a mesh of ``sizes``; ``None`` when neither applies."""
+    name = plan_name(config)
+    if sizes["TP"] > 1:
+        return get_plan(name, model, sequence_parallel=not config.parallel.no_sp)
+    if sizes["EP"] > 1:
+        return get_plan(name, model, expert_parallel=True) if config.model.hf_config is not None \
+            else {"patch": {EXPERTS: ["expert_parallel"]}}
+    return None
+
+
+@dataclass
+class Parallel:
+    """The model as this rank trains it."""
+
+    chunks: list[nn.Module]
+    """This rank's stage chunks, each parallelized and wrapped in DDP."""
+    engine: PipeEngine
+    """Runs a step's micro-batches through the stages (``engine(x, y)``: the mean loss)."""
+    optimizer: DistributedOptimizer | None = None
+    """:func:`build_optimizer`'s, once built (after the engine, which marks the tied copies)."""
+    scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+    """The optimizer's lr schedule."""
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig) -> Parallel:
+    """Cut the pipeline stages (by FQN), parallelize each stage chunk with the TP+SP plan (--plan), load
+    --init-from, wrap each chunk in DDP, then build the engine (this order: a plan applies to a chunk,
+    the engine reads the wrapped chunks)."""
+    parallel = config.parallel
+    plan = PipelineParallelPlan(schedule_type=parallel.schedule, virtual_chunks=parallel.virtual_chunks,
+                                num_microbatches=parallel.micro_batches)
+    on_meta = next(model.parameters()).is_meta
+    # one micro-batch's shape: the pipeline traces the model's forward once (on meta tensors) to cut it;
+    # its batch size too, since a trace answers shape questions from it (HF's mask building)
+    rows = config.data.global_batch // (data_rank(mesh)[1] * parallel.micro_batches)
+    example = torch.zeros((rows, config.model.block_size), dtype=torch.long,
+                          device="meta" if on_meta else parallel.device)
+    tensor_parallel, expert_parallel = mesh["TP"].size() > 1, mesh["EP"].size() > 1
+    # "auto" derives the plan from the whole model, before the cut: stage chunks keep its FQNs, and a
+    # plan key naming a module another stage holds matches nothing there, as expected
+    sizes = {d: mesh[d].size() for d in DIMS}
+    auto = sharding_plan(model, config, sizes) if plan_name(config) == "auto" else None
+    ties = hf.tied_aliases(model)  # before the cut, which gives the last stage a copy of its own
+    module = construct_pipeline_stage(model, plan, mesh, example_inputs=example)
+    for i in range(len(module)):
+        if on_meta:  # this stage only, before TP shards it
+            materialize(module[i], parallel.device)
+        if tensor_parallel:
+            module[i] = parallelize_module(module[i], mesh["TP"], auto or sharding_plan(module[i], config, sizes))
+        elif expert_parallel:  # this chunk's experts over EP (the mesh passed whole: the patch finds "EP")
+            module[i] = parallelize_module(module[i], mesh, sharding_plan(module[i], config, sizes))
+    if config.model.init_from:
+        init_weights(list(module.chunks), ties, config)
+    for i in range(len(module)):
+        # with EP: the mesh whole, so DDP reduces dense grads over DP x EP and the experts' over DP
+        module[i] = DDP(module[i], mesh if expert_parallel else mesh["DP"], zero_stage=parallel.zero_stage)
+    engine = PipeEngine(module, mesh, loss_fn, plan)  # before the optimizer: it marks the tied copy
+    return Parallel(list(module.chunks), engine)
+
+
+def adamw_kwargs(config: JobConfig) -> dict:
+    training = config.training
+    return {"lr": training.lr, "weight_decay": training.weight_decay, "betas": (0.9, 0.99)}
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, config: JobConfig,
+                extended_from: int | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup to --lr, then cosine decay to --min-lr at --steps. ``extended_from``: a run of that
+    many steps resumed with this longer --steps, its schedule until then and this one's after (what
+    the resumed run steps by; the one-process reference of an extended run)."""
+    steps = config.training.steps
+    before, after = lr_factor(config, extended_from or steps), lr_factor(config, steps)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: (before if extended_from and step < extended_from else after)(step))
+
+
+def lr_factor(config: JobConfig, steps: int) -> Callable[[int], float]:
+    """The lr schedule of a run of ``steps`` steps: step index -> multiple of --lr."""
+    t = config.training
+
+    def factor(step: int) -> float:
+        if step < t.warmup:
+            return (step + 1) / t.warmup
+        progress = min(1.0, (step - t.warmup) / max(1, steps - t.warmup))
+        return (t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))) / t.lr
+    return factor
+
+
+def build_optimizer(chunks: list[nn.Module], config: JobConfig):
+    """ZeRO's ``DistributedOptimizer`` (AdamW) over the chunks, and its lr schedule."""
+    optimizer = DistributedOptimizer(torch.optim.AdamW, models=chunks, clip_grad=config.training.clip,
+                                     optimizer_kwargs=adamw_kwargs(config))
+    return optimizer, lr_schedule(optimizer, config)

@@ -1,0 +1,111 @@
+"""The job on this rank: build it (:mod:`~ndweave_gpt.build`), open or resume its run
+(:mod:`~ndweave_gpt.state`), train (:func:`loop`), and say what it did (:class:`~ndweave_gpt.result.RunResult`)."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ndweave.mesh import ParallelMesh
+from ndweave_gpt import report
+from ndweave_gpt.build import Parallel, build_mesh, build_model, build_optimizer, check_mesh, data_mean, data_rank, parallelize
+from ndweave_gpt.config import DIMS, JobConfig
+from ndweave_gpt.data import TextData
+from ndweave_gpt.evaluate import sample, validation_loss
+from ndweave_gpt.metrics import Sinks, open_sinks, say, step_row
+from ndweave_gpt.result import RunResult, by_step, gather_params, peak_memory
+from ndweave_gpt.state import Run, open_run
+
+__all__ = ["loop", "train"]
+
+
+def train(config: JobConfig) -> RunResult:
+    """The job on this rank (the default process group may exist already, as in the test harness);
+    ``--memory-check``: every tensor tracked from before the model is built."""
+    if not config.plan.memory_check:
+        return _train(config, None)
+    from ndweave.mesh.testing.memory import TensorMemory  # loaded only to measure (see torch_compat)
+
+    with TensorMemory() as memory:
+        return _train(config, memory)
+
+
+def _train(config: JobConfig, memory: Any | None) -> RunResult:
+    mesh = build_mesh(config)
+    rank, world, device = dist.get_rank(), dist.get_world_size(), config.parallel.device
+    check_mesh(mesh, config)
+    model = build_model(config, "meta" if config.model.init_from else None)  # --init-from: each rank allocates its stage
+    show = rank == 0 and not config.metrics.quiet
+    if show:
+        report.start(mesh, model, config)
+    flops, peak = report.model_flops(model, config), report.device_peak_flops(config)  # MFU: on known GPUs only
+    job = parallelize(model, mesh, config)
+    # the stage chunks hold what this rank trains; the rest of the model goes, at once: the pipeline's
+    # trace (torch.fx's tracer) leaves it in reference cycles, which only the cyclic collector frees
+    del model
+    gc.collect()
+    job.optimizer, job.scheduler = build_optimizer(job.chunks, config)
+    run = open_run(job.chunks, job.optimizer, job.scheduler, config, rank, show)
+    last, begin = config.training.last_step, time.perf_counter()
+    sinks = open_sinks(config.metrics, run.start, last, rank)
+    utilization = lambda tokens_per_s: report.mfu(flops, tokens_per_s, peak, world)  # noqa: E731
+    losses, steps_peak = loop(config, mesh, job, run, TextData(config.model.block_size, config.training.seed), sinks,
+                              utilization, memory, show)
+    seconds = time.perf_counter() - begin
+    sinks.close()
+    text = sample(job.engine, job.chunks, config) if config.metrics.sample else ""
+    peaks: list[int] = [0] * world
+    dist.all_gather_object(peaks, peak_memory(device))
+    tensor_peaks: list[int] = [0] * world if memory is not None else []
+    if memory is not None:
+        dist.all_gather_object(tensor_peaks, steps_peak)
+    tokens_per_s = (last - run.start) * config.data.global_batch * config.model.block_size / max(seconds, 1e-9)
+    shown = [d for d in DIMS if d != "EP" or mesh["EP"].size() > 1]  # EP where the run has it
+    return RunResult(losses, gather_params(job.chunks), seconds, tokens_per_s, peaks,
+                     " x ".join(f"{d}={mesh[d].size()}" for d in shown), by_step(run.history),
+                     by_step(run.val_history), text, utilization(tokens_per_s), tensor_peaks)
+
+
+def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: TextData, sinks: Sinks,
+         utilization: Callable[[float], float | None], memory: Any | None = None,
+         show: bool = False) -> tuple[dict[int, float], int]:
+    """Train steps ``run.start + 1 .. --stop-at (or --steps)``: each step its batch through the pipeline,
+    the optimizer step, maybe the validation loss, the metrics, maybe a checkpoint. Returns each
+    step's global mean loss and (``memory``: a tensor tracker) the steps' peak of live tensor bytes."""
+    last, batch, device = config.training.last_step, config.data.global_batch, config.parallel.device
+    eval_every, save_every = config.data.eval_every, config.checkpoint.checkpoint_every
+    tokens, (dp_rank, dp_size) = batch * config.model.block_size, data_rank(mesh)
+    losses, steps_peak = {}, 0
+    if memory is not None:
+        memory.reset_peak()  # the steps' peak: what is live now (model state, data) and what they add
+    for step in range(run.start + 1, last + 1):
+        run.fault.before_step(step)
+        tick = time.perf_counter()
+        x, y = (t.to(device) for t in data.batch(run.position, batch, dp_rank, dp_size))
+        job.optimizer.zero_grad()
+        loss = job.engine(x, y).detach().to(torch.float64)  # the mean over this DP rank's micro-batches
+        job.optimizer.step()
+        lr = job.optimizer.param_groups[0]["lr"]  # the one this step used
+        job.scheduler.step()
+        run.position.advance(batch)
+        losses[step] = run.history[step - 1] = data_mean(loss, mesh)
+        if eval_every and (step % eval_every == 0 or step == last):
+            run.val_history[step - 1] = validation_loss(job.engine, job.chunks, data, mesh, config)
+        seconds = time.perf_counter() - tick
+        sinks.write(step_row(step=step, loss=losses[step], val_loss=run.val_history[step - 1], lr=lr,
+                             grad_norm=job.optimizer.last_grad_norm, seconds=seconds, tokens=tokens,
+                             peak_bytes=peak_memory(device), mfu=utilization(tokens / seconds)))
+        if memory is not None:
+            steps_peak = max(steps_peak, memory.peak_bytes(device))
+        if step == last or (save_every and step % save_every == 0):
+            run.save(step)
+            if memory is not None:  # a save's staging is the checkpoint's, not the step's
+                memory.reset_peak()
+            if show:
+                say(f"checkpoint: step {step} -> {run.manager.path(step)}")
+    return losses, steps_peak

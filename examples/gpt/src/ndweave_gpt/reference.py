@@ -1,0 +1,70 @@
+"""``--compare-single-device``: the same run on this one process with plain torch, through the reference
+loop every parity test uses (``ndweave.mesh.testing.train_one_process``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ndweave.checkpoint import DataPosition
+from ndweave.mesh.testing import train_one_process
+from ndweave_gpt.build import adamw_kwargs, build_model, init_weights, loss_fn, lr_schedule
+from ndweave_gpt.config import JobConfig
+from ndweave_gpt.data import TextData
+from ndweave_gpt.evaluate import PROMPT, text_of
+from ndweave_gpt.models import hf
+from ndweave_gpt.result import RunResult
+
+__all__ = ["train_single_device"]
+
+
+def train_single_device(config: JobConfig, micro_batches: int = 1, last: int | None = None,
+                        model: nn.Module | None = None, extended_from: int | None = None) -> RunResult:
+    """The run on this one process (AdamW, clip_grad_norm_, the same lr schedule and data);
+    ``micro_batches > 1`` accumulates each batch's gradient in that many parts: the same math, summed in
+    another order. bf16 parameters get fp32 masters, as in the parallel run. ``model``: start from it
+    (e.g. what transformers' ``from_pretrained`` loads), else from the job's model and --init-from.
+    ``extended_from``: the run was written with that --steps and resumed with this longer one there
+    (``--resume --steps N``): the shorter lr schedule until then (:func:`~ndweave_gpt.build.lr_schedule`)."""
+    device, batch, eval_every = config.parallel.device, config.data.global_batch, config.data.eval_every
+    if model is None:
+        model = build_model(config)
+        if config.model.init_from:
+            init_weights([model], hf.tied_aliases(model), config)
+    data, position = TextData(config.model.block_size, config.training.seed), DataPosition()
+    end = last or config.training.steps
+    val_losses: dict[int, float] = {}
+
+    def batches():
+        for _ in range(end):
+            yield tuple(t.to(device) for t in data.batch(position, batch))
+            position.advance(batch)
+
+    def validate(index: int, model: nn.Module) -> None:
+        step = index + 1
+        if eval_every and (step % eval_every == 0 or step == end):
+            with torch.no_grad():
+                vx, vy = (t.to(device) for t in data.validation(batch))
+                val_losses[step] = loss_fn(model(vx)[0], vy).item()
+
+    run = train_one_process(model, batches(), optimizer=lambda params: torch.optim.AdamW(params, **adamw_kwargs(config)),
+                            loss_fn=lambda output, y: loss_fn(output[0], y), micro_batches=micro_batches,
+                            clip=config.training.clip, fp32_masters=True, on_step=validate,
+                            scheduler=lambda opt: lr_schedule(opt, config, extended_from))
+    losses = {step: loss for step, loss in enumerate(run.losses, start=1)}
+    final = {n: p.cpu() for n, p in run.final.items()}
+    text = _sample_one_process(model, config) if config.metrics.sample else ""
+    return RunResult(losses, final, val_losses=val_losses, sample=text)
+
+
+def _sample_one_process(model: nn.Module, config: JobConfig, prompt: bytes = PROMPT) -> str:
+    """What :func:`ndweave_gpt.evaluate.sample` writes, from the whole model on this process."""
+    model.eval()
+    idx = torch.tensor([list(prompt)], device=config.parallel.device)
+    g = torch.Generator().manual_seed(config.training.seed)
+    block = config.model.block_size
+    with torch.no_grad():
+        for _ in range(config.metrics.sample):
+            logits = model(idx[:, -block:])[0][0, -1].double() / 0.8  # temperature 0.8
+            idx = torch.cat([idx, torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=g)[None].to(idx.device)], 1)
+    return text_of(idx[0].tolist())
