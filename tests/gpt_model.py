@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["Experts", "GPTConfig", "GPT", "MoE"]
+__all__ = ["Experts", "GPTConfig", "GPT", "GPTOutput", "MoE"]
 
 
 @dataclass
@@ -147,6 +148,19 @@ class Block(nn.Module):
         return x
 
 
+class GPTOutput(NamedTuple):
+    """What :class:`GPT` returns: ``logits, loss = model(x, y)`` (nanoGPT's pair)."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None
+
+    def __getattr__(self, name: str):
+        # the seeds' loop writes `loss = model(x, y); loss.backward()`: say what to unpack, not
+        # "'tuple' object has no attribute 'backward'"
+        raise AttributeError(f"GPT returns (logits, loss), not the loss alone: unpack it, `logits, loss = "
+                             f"model(x, y)`, then use `loss.{name}`")
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -183,8 +197,9 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """``idx``: (B, T) token ids. Returns ``(logits, loss)``; ``loss`` is None without targets."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> GPTOutput:
+        """``idx``: (B, T) token ids. Returns ``(logits, loss)`` (:class:`GPTOutput`); ``loss`` is None
+        without targets."""
         T = idx.shape[1]
         assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
         pos = torch.arange(T, dtype=torch.long, device=idx.device).unsqueeze(0)  # (1, T)
@@ -195,4 +210,4 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        return GPTOutput(logits, loss)

@@ -51,11 +51,27 @@ ARCHS: dict[str, dict] = {
 
 def build_hf(arch: str, **overrides) -> nn.Module:
     """A tiny causal LM of transformers' model type ``arch`` (in the default dtype); ``"obfuscated"``:
-    this file's :class:`Obfuscated`; ``"torch_encoder"``: :class:`TorchEncoderLM`."""
+    this file's :class:`Obfuscated`; ``"torch_encoder"``: :class:`TorchEncoderLM`; ``"autocast"``:
+    :class:`AutocastLM`."""
     if arch == "obfuscated":
         return Obfuscated(**overrides)
     if arch == "torch_encoder":
         return TorchEncoderLM(**overrides)
+    if arch == "autocast":
+        return AutocastLM(**overrides)
+    if arch == "x_transformers":  # (not a dependency: its tests skip without it)
+        from x_transformers import Decoder, TransformerWrapper
+
+        return TransformerWrapper(num_tokens=TINY["vocab_size"], max_seq_len=64, attn_layers=Decoder(
+            dim=64, depth=2, heads=4, rotary_pos_emb=True, ff_glu=True))
+    if arch.startswith("olmo_core_"):  # "olmo_core_llama_like", "olmo_core_olmo2_1M" (not a dependency either)
+        from olmo_core.nn.transformer import TransformerConfig
+
+        config = arch[len("olmo_core_"):]
+        sizes = {"d_model": 64, "n_layers": 2, "n_heads": 4, "hidden_size_multiple_of": 16}
+        sizes = sizes if config == "llama_like" else {}  # (OLMo 2's configs have their sizes)
+        model = getattr(TransformerConfig, config)(vocab_size=TINY["vocab_size"], **sizes).build(init_device="cpu")
+        return model.to(torch.get_default_dtype())  # (its configs name no float64)
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -165,9 +181,9 @@ class _GatedMlp(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int):
+    def __init__(self, dim: int, heads: int, hidden: int, norm: type = _Norm, attention: type = _Attention):
         super().__init__()
-        self.a, self.b, self.c, self.d = _Norm(dim), _Attention(dim, heads), _Norm(dim), _GatedMlp(dim, hidden)
+        self.a, self.b, self.c, self.d = norm(dim), attention(dim, heads), norm(dim), _GatedMlp(dim, hidden)
 
     def forward(self, x, cos, sin):
         x = x + self.b(self.a(x), cos, sin)
@@ -178,11 +194,12 @@ class Obfuscated(nn.Module):
     """A Llama-shaped decoder whose modules say nothing (``blk.0.b.a`` is the fused q|k|v, ``blk.0.d``
     the SwiGLU MLP), with literal head counts: what "auto" must see through."""
 
-    def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, hidden: int = 128, layers: int = 2):
+    def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, hidden: int = 128, layers: int = 2,
+                 norm: type = _Norm, attention: type = _Attention):
         super().__init__()
         self.e = nn.Embedding(vocab, dim)
-        self.blk = nn.ModuleList(_Block(dim, heads, hidden) for _ in range(layers))
-        self.f = _Norm(dim)
+        self.blk = nn.ModuleList(_Block(dim, heads, hidden, norm, attention) for _ in range(layers))
+        self.f = norm(dim)
         self.g = nn.Linear(dim, vocab, bias=False)
         self.register_buffer("r", 1.0 / 10000 ** (torch.arange(0, dim // heads, 2) / (dim // heads)), persistent=False)
 
@@ -194,6 +211,27 @@ class Obfuscated(nn.Module):
         for block in self.blk:
             x = block(x, cos, sin)
         return self.g(self.f(x))
+
+
+class _AutocastNorm(_Norm):
+    def forward(self, x):
+        with torch.autocast(x.device.type, enabled=False):  # (OLMo-core's norms)
+            return super().forward(x)
+
+
+class _AutocastAttention(_Attention):
+    def forward(self, x, cos, sin):
+        with torch.autocast(x.device.type, enabled=False):  # (x-transformers' rotary embedding)
+            return super().forward(x, cos, sin)
+
+
+class AutocastLM(Obfuscated):
+    """:class:`Obfuscated` whose norms and attention run with autocast off for their tensors' device,
+    ``torch.autocast(x.device.type, enabled=False)``, as OLMo-core's norms and x-transformers' rotary
+    embedding do: on meta tensors that raises "unsupported scalarType"."""
+
+    def __init__(self, **sizes):
+        super().__init__(**sizes, norm=_AutocastNorm, attention=_AutocastAttention)
 
 
 class TorchEncoderLM(nn.Module):

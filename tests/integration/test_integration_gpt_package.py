@@ -57,3 +57,21 @@ def test_nothing_imports_by_path():
     offenders = [p for folder in ("examples", "tests", "benchmarks") for p in (ROOT / folder).rglob("*.py")
                  if search_path in p.read_text()]
     assert not offenders, offenders
+
+
+def test_the_seeds_loop_on_the_example_gpt_says_what_to_unpack():
+    """Seed 000's loop verbatim (``loss = model(X, Y); loss.backward()``) meets the GPT's ``(logits,
+    loss)``: the error says how to unpack it, not "'tuple' object has no attribute 'backward'"; the
+    unpacked loss trains."""
+    import pytest
+    import torch
+
+    model = nanogpt.GPT(nanogpt.GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    X = Y = torch.randint(0, 256, (2, 16))
+    loss = model(X, Y)
+    with pytest.raises(AttributeError, match=r"GPT returns \(logits, loss\), not the loss alone: unpack it, "
+                                             r"`logits, loss = model\(x, y\)`, then use `loss.backward`"):
+        loss.backward()
+    logits, loss = model(X, Y)
+    loss.backward()
+    assert logits.shape == (2, 16, 256) and model.lm_head.weight.grad is not None

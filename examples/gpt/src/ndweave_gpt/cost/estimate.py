@@ -64,7 +64,7 @@ from ndweave.pipeline.plan import ResolvedPlan, resolve_plan
 from ndweave_gpt.config import DIMS, JobConfig
 from ndweave_gpt.data import TextData
 
-__all__ = ["ChunkState", "StageIO", "activation_terms", "chunk_buffers", "chunk_state", "data_bytes",
+__all__ = ["ChunkState", "StageBytes", "activation_terms", "chunk_buffers", "chunk_state", "data_bytes",
            "estimate_memory", "fused_attention", "local_shapes", "parameters", "peer_shapes", "rank_actions",
            "sharding_mesh", "state_terms", "table", "tied_across_ranks", "tp_mesh", "trace"]
 
@@ -236,7 +236,7 @@ def _local_bytes(model: nn.Module, name: str, shapes: dict[str, list[torch.Size]
 
 
 @dataclass(frozen=True)
-class StageIO:
+class StageBytes:
     """What one micro-batch hands a stage, what the stage keeps of its own output, and what a split
     backward keeps between its two steps, in bytes (local shards, floating-point tensors)."""
 
@@ -256,9 +256,9 @@ class StageIO:
 def trace(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tensor, sharding: dict | None,
            sizes: dict[str, int], loss_fn: Callable, device: str, *, mesh=None,
            wrap: Callable[[nn.Module], nn.Module] | None = None, setup: Callable[[], None] | None = None,
-           cut: ModelCut | None = None) -> tuple[list[StageActivations], list[StageIO]]:
+           cut: ModelCut | None = None) -> tuple[list[StageActivations], list[StageBytes]]:
     """One micro-batch's activations on every stage as TP rank 0 runs them, and each stage's
-    :class:`StageIO`: forward and backward on meta, the TP plan applied over a fake world of the TP
+    :class:`StageBytes`: forward and backward on meta, the TP plan applied over a fake world of the TP
     size (``mesh``: the TP mesh of a fake world the caller holds open; by default one of its own).
     Without a ``mesh``, the mesh's dim gets a name of its own per trace: DTensor caches sharding
     decisions by mesh *value*, and an equal mesh of an earlier (destroyed) fake world would bring back
@@ -308,7 +308,7 @@ def trace(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tensor, s
                                        prepare=lambda chunk: watched(parallelize_on_meta(_set_up(chunk, setup), mesh,
                                                                                          sharding)))
     last = len(seen) - 1
-    return traced, [StageIO(received, first if stage == last else output, weight_ops if stage > 0 else 0,
+    return traced, [StageBytes(received, first if stage == last else output, weight_ops if stage > 0 else 0,
                              loss_saved.bytes if stage == last else 0)
                     for stage, (received, output, first, weight_ops) in enumerate(seen)]
 
@@ -397,7 +397,7 @@ def fused_attention(device: str) -> Iterator[None]:
         F.scaled_dot_product_attention = math
 
 
-def activation_terms(resolved: ResolvedPlan, traced: list[StageActivations], io: list[StageIO],
+def activation_terms(resolved: ResolvedPlan, traced: list[StageActivations], io: list[StageBytes],
                       coordinate: dict[str, int], tied_grads: int, syncs: dict[int, GradSync]) -> list[MemoryTerm]:
     """What the rank holds during its steps beyond the model state: the micro-batches in flight at the
     schedule's peak, the buffers torch's pipeline stage receives into, the temporaries of one

@@ -59,7 +59,7 @@ from ndweave.pipeline.cost import StageActivations
 from ndweave.pipeline.plan import ResolvedPlan, resolve_plan
 from ndweave.pipeline.split import assign_stages, model_layers
 from ndweave_gpt.config import DIMS, DTYPES, JobConfig
-from ndweave_gpt.cost.estimate import (StageIO, activation_terms, chunk_buffers, chunk_state, data_bytes, local_shapes,
+from ndweave_gpt.cost.estimate import (StageBytes, activation_terms, chunk_buffers, chunk_state, data_bytes, local_shapes,
                                        parameters, peer_shapes, rank_actions, sharding_mesh, state_terms,
                                        tied_across_ranks, trace)
 from ndweave_gpt.cost.step_time import (host_seconds, named_group, optimizer_seconds, sharding_groups, stage_buffers,
@@ -74,7 +74,7 @@ class Part:
 
     activations: StageActivations
     """What it saves for backward, and its peak, as a pipeline stage of its own."""
-    io: StageIO
+    io: StageBytes
     """What it receives, sends, keeps for a split backward and (the last part) what its loss saves."""
     forward: float
     """Seconds of its forward on the machine, its TP collectives included (no host time per action)."""
@@ -89,7 +89,7 @@ class _Traced:
     """What one part holds and does for one micro-batch, as traced (its collectives over ``"TP"``)."""
 
     activations: StageActivations
-    io: StageIO
+    io: StageBytes
     forward: Work
     backward: Work
 
@@ -434,8 +434,8 @@ class Pricer:
             self._proxies[recompute] = self.build_model(one_block(self.args, activation_checkpointing=recompute), "meta")
         return copy.deepcopy(self._proxies[recompute])
 
-    def _composed(self, stages: list[_Stage], parts: list[Part]) -> tuple[list[StageActivations], list[StageIO]]:
-        """Each stage's activations and :class:`estimate.StageIO` as the sum of its parts: saved bytes
+    def _composed(self, stages: list[_Stage], parts: list[Part]) -> tuple[list[StageActivations], list[StageBytes]]:
+        """Each stage's activations and :class:`estimate.StageBytes` as the sum of its parts: saved bytes
         and held outputs add up; the peak is the saved bytes and the largest part's temporaries; what a
         stage receives is its first part's input, what it sends its last part's output."""
         traced, io = [], []
@@ -447,7 +447,7 @@ class Pricer:
             temporary = max(p.activations.peak_bytes - p.activations.saved_bytes for p in members)
             traced.append(StageActivations(saved, saved + temporary))
             weight_ops = sum(n * p.io.weight_op_outputs for n, p in zip(counts, members)) if index > 0 else 0
-            io.append(StageIO(received=members[0].io.received if index > 0 else 0, output=members[-1].io.output,
+            io.append(StageBytes(received=members[0].io.received if index > 0 else 0, output=members[-1].io.output,
                                weight_op_outputs=weight_ops, loss_saved=parts[2].io.loss_saved if index == last else 0))
         return traced, io
 

@@ -6,12 +6,13 @@
     model = parallelize_module(model, tp_mesh, get_plan("auto", model, sequence_parallel=True))
 
 Steps, each its own module: trace one forward of a meta copy (``ndweave.dmodule.infer.trace``: no weights
-copied, nothing computed) -> find the linears and embeddings (``linears``) -> find the Megatron
-blocks in the dataflow (``patterns``) -> check each block on the shapes every rank would see, and
-find the head-count attributes its forward reshapes with (``verify``) -> write the zoo's layout for
-them (``emit``). Everything not in a block stays replicated; :func:`derive` says why for each.
-With ``expert_parallel=True`` the experts modules (``experts``: found from parameter shapes and the
-traced call) are kept out of every block and divided over ``"EP"`` (the ``expert_parallel`` patch).
+copied, nothing computed; a fake copy, fake CPU tensors, when the forward fails on meta) -> find the
+linears and embeddings (``linears``) -> find the Megatron blocks in the dataflow (``patterns``) ->
+check each block on the shapes every rank would see, and find the head-count attributes its forward
+reshapes with (``verify``) -> write the zoo's layout for them (``emit``). Everything not in a block
+stays replicated; :func:`derive` says why for each. With ``expert_parallel=True`` the experts modules
+(``experts``: found from parameter shapes and the traced call) are kept out of every block and divided
+over ``"EP"`` (the ``expert_parallel`` patch).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from ndweave.dmodule.infer.modules import Boundaries
 from ndweave.dmodule.infer.partials import partial_outputs
 from ndweave.dmodule.infer.patterns import Block, Failure, find_blocks
 from ndweave.dmodule.infer.verify import Verdict, verify_block
-from ndweave.dmodule.infer.trace import Trace, meta_copy, trace
+from ndweave.dmodule.infer.trace import Trace, meta_copy, shape_only, trace
+from ndweave.mesh.torch_compat import FakeTensorMode
 
 __all__ = ["Derivation", "auto_plan", "derive", "guess_inputs"]
 
@@ -149,33 +151,46 @@ def _without_autograd_flags(recorded: Trace) -> Trace:
     return replace(recorded, ops=ops)
 
 
-def _to_meta(obj: Any) -> Any:
+def _shape_only(obj: Any, fake_mode: FakeTensorMode | None = None) -> Any:
+    """``obj`` with every tensor replaced by an empty one of its shape and dtype (meta, or fake)."""
     if isinstance(obj, torch.Tensor):
-        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
+        return shape_only(obj.shape, obj.dtype, fake_mode)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_meta(x) for x in obj)
+        return type(obj)(_shape_only(x, fake_mode) for x in obj)
     if isinstance(obj, dict):
-        return {k: _to_meta(v) for k, v in obj.items()}
+        return {k: _shape_only(v, fake_mode) for k, v in obj.items()}
     return obj
+
+
+def _trace_without_data(model: nn.Module, example_inputs: tuple[tuple, dict] | None) -> tuple[Trace, nn.Module]:
+    """The trace of one forward of a meta copy of ``model``, or where that fails, of a fake copy
+    (fake CPU tensors: a forward may use its tensors' device, ``torch.autocast(x.device.type)``, which
+    fails on "meta"), and the copy traced. Meta first: it is faster."""
+    failures = []
+    for fake in (False, True):
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+        twin = meta_copy(model, fake_mode)
+        args, kwargs = _shape_only(example_inputs if example_inputs is not None else guess_inputs(twin), fake_mode)
+        try:
+            with torch.no_grad():
+                return trace(twin, *args, **kwargs), twin
+        except Exception as error:  # noqa: BLE001 (any failure of the model's code is the answer)
+            failures.append(f"on {'fake' if fake else 'meta'}: {type(error).__name__}: {error}")
+            cause = error
+    raise ValueError(f"auto plan: {type(model).__name__}'s forward failed on inputs "
+                     f"{[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]} ({'; '.join(failures)}); "
+                     "pass example_inputs=(args, kwargs) it accepts") from cause
 
 
 def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False,
            expert_parallel: bool = False, example_inputs: tuple[tuple, dict] | None = None) -> Derivation:
-    """Trace ``model`` on meta and derive its plan entries (see the module docstring);
+    """Trace ``model`` on meta (or fake) tensors and derive its plan entries (see the module docstring);
     ``expert_parallel``: its experts modules divided over ``"EP"`` instead of sharded over TP."""
     start = time.perf_counter()
     if expert_parallel and sequence_parallel:
         raise ValueError("auto plan: expert_parallel=True with sequence_parallel=True is not written yet (the "
                          "experts take every token whole on each tensor-parallel rank); pass sequence_parallel=False")
-    twin = meta_copy(model)
-    args, kwargs = _to_meta(example_inputs) if example_inputs is not None else guess_inputs(twin)
-    try:
-        with torch.no_grad():
-            recorded = trace(twin, *args, **kwargs)
-    except Exception as error:
-        raise ValueError(f"auto plan: {type(model).__name__}'s forward failed on meta inputs "
-                         f"{[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]} ({type(error).__name__}: "
-                         f"{error}); pass example_inputs=(args, kwargs) it accepts") from error
+    recorded, twin = _trace_without_data(model, example_inputs)
     recorded = _without_autograd_flags(recorded)
     boundaries = Boundaries(recorded)
     experts, replicated = _experts(boundaries, twin, model) if expert_parallel else ([], [])

@@ -20,9 +20,12 @@ Python-level functions that dispatch as one call (``F.softmax``) are recorded as
 ops are recorded with ``parent`` set to the outer call (``Trace.leaves()`` skips the outer ones).
 
 It runs the model for real: trace a meta copy (:func:`meta_copy`) and the forward costs no compute
-and no memory. On meta tensors the few data-dependent calls a model may make (``.item()``,
-``bool(t)``, ``x in t``, ``.tolist()``, ``nonzero``) get a stand-in answer (0, ``False``, zeros,
-every position) and are listed in ``Trace.guesses``: shapes stay right, values and branches may not.
+and no memory. A forward that needs a real device (``torch.autocast(x.device.type)`` fails on
+"meta") runs on a fake copy instead, ``meta_copy(model, fake_mode=...)``: fake CPU tensors, with real
+dtypes, shapes and device but no data. On meta and fake tensors the few data-dependent calls a model
+may make (``.item()``, ``bool(t)``, ``x in t``, ``.tolist()``, ``nonzero``) get a stand-in answer (0,
+``False``, zeros, every position) and are listed in ``Trace.guesses``: shapes stay right, values and
+branches may not.
 
 One trace serves several analyses: tensor-parallel plans (dataflow between linears), pipeline
 cuts (module order, values crossing a boundary) and activation memory (value shapes).
@@ -41,9 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ndweave.mesh.torch_compat import tree_flatten
+from ndweave.mesh.torch_compat import FakeTensor, FakeTensorMode, tree_flatten
 
-__all__ = ["ModuleCall", "Op", "Ref", "Trace", "Value", "meta_copy", "record", "trace"]
+__all__ = ["ModuleCall", "Op", "Ref", "Trace", "Value", "fake_mode_of", "meta_copy", "record", "shape_only", "trace"]
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,7 @@ class Trace:
     outputs: tuple[int, ...] = ()
     """Ids of the tensors the root returned, flattened."""
     guesses: list[str] = field(default_factory=list)
-    """Data-dependent calls answered with a stand-in on meta tensors (see the module docstring)."""
+    """Data-dependent calls answered with a stand-in on meta or fake tensors (see the module docstring)."""
 
     def leaves(self) -> list[Op]:
         """Ops with no recorded call inside them: the dataflow at its finest recorded grain."""
@@ -150,16 +153,36 @@ class Trace:
         return out
 
 
-def meta_copy(model: nn.Module) -> nn.Module:
+def meta_copy(model: nn.Module, fake_mode: FakeTensorMode | None = None) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are meta tensors of the same shapes and dtypes
     (tied ones still tied): a deep copy of the module tree that copies no weights. Works on real,
-    meta and fake (``deferred_init``) models."""
+    meta and fake (``deferred_init``) models. With ``fake_mode``, they are fake CPU tensors of that
+    mode instead (see :func:`shape_only`)."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+        memo[id(p)] = nn.Parameter(shape_only(p.shape, p.dtype, fake_mode), p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+        memo[id(b)] = shape_only(b.shape, b.dtype, fake_mode)
     return copy.deepcopy(model, memo)
+
+
+def shape_only(shape: tuple[int, ...], dtype: torch.dtype, fake_mode: FakeTensorMode | None = None) -> torch.Tensor:
+    """An empty tensor holding no data: on meta, or with ``fake_mode`` a fake CPU tensor of it. A fake
+    tensor says its device is "cpu", so a forward may use its device (``torch.autocast(x.device.type)``
+    raises "unsupported scalarType" for "meta"); the mode should allow non-fake inputs, as the tensors
+    a forward makes itself (``torch.arange(T)``) are real."""
+    if fake_mode is None:
+        return torch.empty(shape, dtype=dtype, device="meta")
+    with fake_mode:
+        return torch.empty(shape, dtype=dtype, device="cpu")
+
+
+def fake_mode_of(model: nn.Module) -> FakeTensorMode | None:
+    """The fake mode of ``model``'s first fake parameter or buffer, else ``None``."""
+    for t in (*model.parameters(), *model.buffers()):
+        if isinstance(t, FakeTensor):
+            return t.fake_mode
+    return None
 
 
 def trace(model: nn.Module, *args: Any, **kwargs: Any) -> Trace:
@@ -273,9 +296,9 @@ class _Recorder(TorchFunctionMode):
             module.has_torch_function = saved
 
     def _guess(self, name: str, args: tuple) -> Any:
-        """A stand-in answer for a data-dependent call on a meta tensor, or ``_NO_GUESS``."""
+        """A stand-in answer for a data-dependent call on a meta or fake tensor, or ``_NO_GUESS``."""
         base = name.rsplit(".", 1)[-1]
-        if base not in _DATA_DEPENDENT or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_meta:
+        if base not in _DATA_DEPENDENT or not args or not _holds_no_data(args[0]):
             return _NO_GUESS
         t = args[0]
         if base == "where" and len(args) > 1:  # torch.where(cond, a, b) is elementwise
@@ -288,16 +311,16 @@ class _Recorder(TorchFunctionMode):
         if base == "tolist":
             return torch.zeros(t.shape, dtype=torch.long).tolist()
         if base == "where":  # torch.where(cond): nonzero as a tuple
-            return tuple(torch.empty(t.numel(), dtype=torch.long, device="meta") for _ in range(t.dim()))
-        return torch.empty(t.numel(), t.dim(), dtype=torch.long, device="meta")  # nonzero
+            return tuple(t.new_empty(t.numel(), dtype=torch.long) for _ in range(t.dim()))
+        return t.new_empty((t.numel(), t.dim()), dtype=torch.long)  # nonzero
 
     def _meta_indices(self, name: str, args: tuple) -> tuple:
-        """``t[i]`` with ``i`` a 0-dim integer meta tensor (an index taken from a meta tensor) reads
-        ``i``'s value inside torch: index with 0 instead, recorded as a guess."""
+        """``t[i]`` with ``i`` a 0-dim integer meta or fake tensor (an index taken from such a tensor)
+        reads ``i``'s value inside torch: index with 0 instead, recorded as a guess."""
         if name not in ("Tensor.__getitem__", "Tensor.__setitem__") or len(args) < 2:
             return args
         index = args[1] if isinstance(args[1], tuple) else (args[1],)
-        scalar = [isinstance(i, torch.Tensor) and i.is_meta and i.dim() == 0 and not i.is_floating_point()
+        scalar = [_holds_no_data(i) and i.dim() == 0 and not i.is_floating_point()
                   and i.dtype != torch.bool for i in index]
         if not any(scalar):
             return args
@@ -347,6 +370,10 @@ class _Recorder(TorchFunctionMode):
 _NO_GUESS = object()
 _FUNCTIONAL = (F.__name__, F.linear.__module__)  # F.* written in Python, and those torch binds from C
 _DATA_DEPENDENT = {"item", "__bool__", "__contains__", "tolist", "nonzero", "where"}
+
+
+def _holds_no_data(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_meta or isinstance(t, FakeTensor))
 
 
 def _tensors_in(leaves: list) -> list[torch.Tensor]:

@@ -5,14 +5,14 @@ every size from the tensors it is given (``view(B, T, -1, head_dim)``). Many for
 literal: ``view(B, T, self.num_heads, head_dim)``, ``split(self.split_size)``, ``qkv[..., :
 self.config.num_attention_heads * head_dim]``. Those attributes must be divided by the TP size.
 
-:func:`verify_block` re-runs the block's module alone on meta, as one rank of a ``tp``-way mesh would
-(its inputs as recorded; a column's output cut to this rank's features, a row's input given back
-whole, a fused column computed on its local parameters), and compares every op's output shape with
-the shape expected from the global trace (the sharded dim divided by ``tp``). Where they differ it
-tries dividing int attributes of the module (and of the configs it holds) whose value is one of the
-block's sharded sizes and one of the literal sizes of the op that went wrong, keeping each that gets
-the run further, until every shape matches. The names come from the values observed, never from a
-list of known names.
+:func:`verify_block` re-runs the block's module alone on meta (on fake tensors if the trace was), as
+one rank of a ``tp``-way mesh would (its inputs as recorded; a column's output cut to this rank's
+features, a row's input given back whole, a fused column computed on its local parameters), and
+compares every op's output shape with the shape expected from the global trace (the sharded dim
+divided by ``tp``). Where they differ it tries dividing int attributes of the module (and of the
+configs it holds) whose value is one of the block's sharded sizes and one of the literal sizes of
+the op that went wrong, keeping each that gets the run further, until every shape matches. The names
+come from the values observed, never from a list of known names.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ndweave.dmodule.infer.emit import block_module
 from ndweave.dmodule.infer.modules import Boundaries, is_within
 from ndweave.dmodule.infer.patches import divide_attributes
 from ndweave.dmodule.infer.patterns import Block
-from ndweave.dmodule.infer.trace import Ref, Trace, meta_copy, record
+from ndweave.dmodule.infer.trace import Ref, Trace, fake_mode_of, meta_copy, record, shape_only
 from ndweave.mesh.torch_compat import torch_function_disabled
 
 __all__ = ["Verdict", "verify_block"]
@@ -146,14 +146,15 @@ def _plain_object(value: Any) -> bool:
 def _run_local(block: Block, b: Boundaries, module: nn.Module, fqn: str, call: Any, tp: int,
                names: tuple[str, ...]) -> _Problem | None:
     """Run one rank's view of the block; ``None`` if every shape is as expected."""
-    local = meta_copy(module)
+    fake_mode = fake_mode_of(module)  # the trace ran on fake tensors: a forward that fails on meta
+    local = meta_copy(module, fake_mode)
     if names:
         divide_attributes(local, _Mesh(tp), fqn, names=list(names))
     handles = _localize(local, fqn, block, tp)
     got = Trace()
     try:
         with torch.no_grad():
-            record(got, local, _inputs(call.args, b), _inputs(call.kwargs, b))
+            record(got, local, _inputs(call.args, b, fake_mode), _inputs(call.kwargs, b, fake_mode))
     except Exception as error:  # noqa: BLE001 (any failure of the model's code is the answer)
         earlier = _compare(block, b, call, got, fqn, tp, partial=True)  # a wrong shape before the failure
         if earlier is not None:
@@ -192,7 +193,7 @@ def _localize(local: nn.Module, fqn: str, block: Block, tp: int) -> list[Any]:
         p = getattr(sub, leaf)
         shape = list(p.shape)
         shape[dim] //= tp
-        setattr(sub, leaf, nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta")))
+        setattr(sub, leaf, nn.Parameter(p.new_empty(shape)))  # (meta or fake, as ``p``)
 
     if block.container is not None:  # local_block: the module runs whole on its local shards
         cuts = {c.weight: c.out_dim for c in block.columns} | {c.bias: 0 for c in block.columns if c.bias}
@@ -224,17 +225,17 @@ def _grow_last(x: torch.Tensor, tp: int) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], x.shape[-1] * tp))
 
 
-def _inputs(plain: Any, b: Boundaries) -> Any:
-    """Meta tensors for the recorded arguments; opaque objects (a cache) become ``None``."""
+def _inputs(plain: Any, b: Boundaries, fake_mode: Any) -> Any:
+    """Meta (or fake) tensors for the recorded arguments; opaque objects (a cache) become ``None``."""
     if isinstance(plain, Ref):
         v = b.trace.values[plain.id]
-        return torch.empty(v.shape, dtype=v.dtype, device="meta")
+        return shape_only(v.shape, v.dtype, fake_mode)
     if isinstance(plain, tuple):
-        return tuple(_inputs(x, b) for x in plain)
+        return tuple(_inputs(x, b, fake_mode) for x in plain)
     if isinstance(plain, list):
-        return [_inputs(x, b) for x in plain]
+        return [_inputs(x, b, fake_mode) for x in plain]
     if isinstance(plain, dict):
-        return {k: _inputs(v, b) for k, v in plain.items()}
+        return {k: _inputs(v, b, fake_mode) for k, v in plain.items()}
     if isinstance(plain, str) and plain.startswith("<") and plain.endswith(">"):
         return None
     return plain
