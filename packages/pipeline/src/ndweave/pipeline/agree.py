@@ -5,7 +5,7 @@ micro-batch count waits forever for a message that never comes, and a batch whos
 the first step's (when torch inferred the activation shapes) is received into buffers of the old size
 (gloo aborts the process, or a smaller one is read silently). Each rank sends what it holds (its plan,
 its batch's shapes, or the error its own checks raised) to every PP rank: the plan once through
-``ndweave.mesh.agree.agree_or_raise``, the batch every step as a few ints in one ``all_gather``;
+``ndweave.mesh.agree.agree_or_raise``, the batch every step as a few ints in one ``gather_ints``;
 every rank then reaches the same verdict.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ndweave.mesh.agree import agree_or_raise, gather
+from ndweave.mesh.agree import agree_or_raise, gather, gather_ints
 
 __all__ = ["BatchShapes", "agree_on_batch", "agree_on_plan", "every_pp_rank"]
 
@@ -83,13 +83,11 @@ def agree_on_batch(error: str | None, inputs: torch.Tensor | None, targets: torc
     shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (inputs, targets)]
     if error is None and any(s is not None and len(s) > _MAX_DIMS for s in shapes):
         error = f"a batch of more than {_MAX_DIMS} dims: {[s for s in shapes if s is not None]}"
-    mine = torch.tensor(_batch_row(error, shapes), dtype=torch.int64, device=device)
+    mine = _batch_row(error, shapes)
     if group is None or dist.get_world_size(group) == 1:
-        rows = [mine.tolist()]
-    else:
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, mine, group=group)
-        rows = [t.tolist() for t in gathered]
+        rows = [mine]
+    else:  # in PP rank order (the group's)
+        rows = [list(row) for row in gather_ints(group, mine, device=device).values()]
     failed = [rank for rank, row in enumerate(rows) if row[0]]
     if failed:
         messages = every_pp_rank(error, group)
