@@ -217,9 +217,10 @@ def cut_model(model: nn.Module, plan: PipelineParallelPlan, resolved: ResolvedPl
         if plan.split_points is None and plan.split_method == "time":
             raise ValueError("split_method='time' times the layers of the traced forward: pass example_inputs= "
                              "to construct_pipeline_stage")
-        stage_layers = assign_stages(model, resolved.num_stages, plan.split_points)
         chain = None if holds_layer_container(model) else chained_children(model)[0]
-        return ModelCut(model_layers(model), stage_layers, [None] * resolved.num_stages, None, None, chain)
+        layers = chain.layers if chain is not None else model_layers(model)  # (no chain: model_layers says why)
+        stage_layers = assign_stages(model, resolved.num_stages, plan.split_points, layers)
+        return ModelCut(layers, stage_layers, [None] * resolved.num_stages, None, None, chain)
     traced = TracedCut(model, resolved.num_stages, plan, example_inputs, device_type)
     return ModelCut(traced.layers, traced.stage_layers, traced.stage_io, traced.stage_seconds, traced)
 

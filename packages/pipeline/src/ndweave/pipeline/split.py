@@ -169,10 +169,12 @@ def _param_numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def assign_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] | None) -> list[list[str]]:
+def assign_stages(model: nn.Module, num_stages: int, split_points: Sequence[str] | None,
+                  layers: list[str] | None = None) -> list[list[str]]:
     """The layers of each stage: given by ``split_points`` (FQNs where stages 1.. begin) or, when
-    ``None``, balanced by parameter count. Every stage gets at least one layer with parameters."""
-    layers = model_layers(model)
+    ``None``, balanced by parameter count. Every stage gets at least one layer with parameters.
+    ``layers``: :func:`model_layers`' answer, where the caller has it already."""
+    layers = model_layers(model) if layers is None else layers
     weights = [_param_numel(model.get_submodule(fqn)) for fqn in layers]
     if split_points is None:
         starts = _balanced_starts(weights, num_stages)
