@@ -189,3 +189,12 @@ def test_the_estimate_orders_the_layouts_as_the_job_runs_them(world, machine):
           f"{min(measured) * 1e3:.0f} ms")
     assert rho >= MIN_SPEARMAN, (rho, predicted, measured)
     assert measured[chosen] <= (1 + BEST_WITHIN) * min(measured), (layouts[chosen], measured)
+
+
+@pytest.mark.parametrize("master", [torch.float32, torch.float64])
+def test_the_optimizer_probe_clips_as_the_optimizer_does_in_every_master_dtype(master):
+    """The probe's grad norm is computed as ``ndweave.optim.grad_norm`` computes it: at least fp32, a
+    float64 model's in float64 (an fp32 norm of float64 grads raised, and ``--mesh auto --dtype
+    float64`` with it)."""
+    work = step_time._optimizer_work([64, 8], master, adamw_kwargs(parse_args([])), clip=1.0)
+    assert work.bytes > 72 * 4 * master.itemsize  # (at least param, grad and Adam's two states read once)

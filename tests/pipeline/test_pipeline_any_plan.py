@@ -162,6 +162,21 @@ def test_without_example_inputs_a_model_without_containers_is_told_to_trace():
     assert _stages(TinyLM(num_layers=2), 2, example=None)[1].stage_io == [None, None]  # the skeleton path
 
 
+def test_without_example_inputs_a_forward_that_reads_its_input_as_ids_is_refused_at_construction():
+    """nanoGPT's forward adds position embeddings of ``idx``'s length to the token ones: cut without shapes,
+    stage 1 would read hidden states as ids there and fail inside its first forward (x-transformers and
+    litgpt likewise).
+    Tried at construction on fake tensors, it is refused there, naming the line and the fix."""
+    from gpt_model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=WIDTH))
+    with pytest.raises(ValueError, match=r"GPT cannot be pipelined without example_inputs: .* stage 1 runs the "
+                                         r"model's whole forward .*fails on what stage 0 hands it \(RuntimeError: .* at "
+                                         r".*gpt_model.py:\d+\); pass example_inputs= \(one micro-batch\)"):
+        _stages(model, 2, example=None)
+    assert _stages(model, 2)[1].stage_io[1] is not None  # with them: the traced cut
+
+
 class Chained(nn.Module):
     """Layers as plain attributes, chained (veScale's ``EightMLP``); ``skip`` feeds a layer two values."""
 

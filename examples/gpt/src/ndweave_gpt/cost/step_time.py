@@ -331,7 +331,9 @@ def _optimizer_work(pieces: list[int], master: torch.dtype, optimizer_kwargs: di
     optimizer.step()  # the state exists from the first step on
     with WorkCounter() as counter:
         if clip:
-            norms = torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params])
+            # at least fp32, as ndweave.optim.grad_norm computes it (a float64 model's in float64)
+            dtype = torch.promote_types(torch.float32, master)
+            norms = torch.stack([torch.linalg.vector_norm(p.grad, dtype=dtype) for p in params])
             coefficient = torch.clamp(clip / (norms.square().sum().sqrt() + 1e-6), max=1.0)
             for p in params:
                 p.grad.mul_(coefficient)

@@ -29,6 +29,7 @@ from ndweave.mesh.contracts import finish_grad_sync, mark_removed_modules
 from ndweave.mesh.torch_compat import local_tensor, own_parameters, own_submodules
 from ndweave.pipeline.chain import Chain, chained_children, run_chain_stage
 from ndweave.pipeline.cut import TracedCut
+from ndweave.pipeline.dry_run import check_stages_run
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
 from ndweave.pipeline.program import run_as_stage, stage_program
 from ndweave.pipeline.split import assign_stages, holds_layer_container, model_layers
@@ -220,7 +221,11 @@ def cut_model(model: nn.Module, plan: PipelineParallelPlan, resolved: ResolvedPl
         chain = None if holds_layer_container(model) else chained_children(model)[0]
         layers = chain.layers if chain is not None else model_layers(model)  # (no chain: model_layers says why)
         stage_layers = assign_stages(model, resolved.num_stages, plan.split_points, layers)
-        return ModelCut(layers, stage_layers, [None] * resolved.num_stages, None, None, chain)
+        cut = ModelCut(layers, stage_layers, [None] * resolved.num_stages, None, None, chain)
+        if chain is None:  # (a chain runs each stage from its first layer: nothing to try)
+            check_stages_run(model, layers, lambda stage: cut.chunk(model, stage), resolved.num_stages,
+                             plan.stage_input_name)
+        return cut
     traced = TracedCut(model, resolved.num_stages, plan, example_inputs, device_type)
     return ModelCut(traced.layers, traced.stage_layers, traced.stage_io, traced.stage_seconds, traced)
 
