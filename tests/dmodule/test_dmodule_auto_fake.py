@@ -55,7 +55,7 @@ def test_autocast_model_matches_one_process(sequence_parallel):
 
 
 def test_x_transformers_gets_a_plan_without_example_inputs():
-    pytest.importorskip("x_transformers")  # (not a dependency)
+    pytest.importorskip("x_transformers")  # (a test dependency, not the package's)
     plan = derive(build_hf("x_transformers")).plan()
     assert plan["parameter"]["token_emb.emb.weight"] == [Shard(0)]
     assert plan["parameter"][r"attn_layers.layers.\d+.\d+.ff.\d+.proj.weight"] == [StridedShard(0, split_factor=2)]
@@ -66,7 +66,7 @@ OLMO_CORE = ["olmo_core_llama_like", "olmo_core_olmo2_1M"]  # its two config fam
 
 @pytest.mark.parametrize("arch", OLMO_CORE)
 def test_olmo_core_gets_a_plan_without_example_inputs(arch):
-    pytest.importorskip("olmo_core")  # (not a dependency)
+    pytest.importorskip("olmo_core")  # (a test dependency, not the package's)
     plan = derive(build_hf(arch)).plan()
     assert plan["parameter"]["embeddings.weight"] == [Shard(0)]
     assert plan["parameter"][r"blocks.\d+.feed_forward.w2.weight"] == [Shard(1)]

@@ -69,9 +69,6 @@ def _pricer(args, machine):
 
 
 def test_part_prices_are_the_full_estimates(machine):
-    # the pipeline's trace keeps its first model alive through torch's cached overridable functions:
-    # asked for first, so it keeps none of these
-    torch.overrides.get_overridable_functions()
     pricers, off = {}, {}
     for flags in CASES:
         args = parse_args([*SMALL, *flags])

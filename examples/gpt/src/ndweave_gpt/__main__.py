@@ -47,7 +47,7 @@ from ndweave_gpt import cost, report
 from ndweave_gpt.config import DIMS, JobConfig, parse_args
 from ndweave_gpt.export_hf import export_hf
 from ndweave_gpt.loop import train
-from ndweave_gpt.reference import train_single_device
+from ndweave_gpt.reference import float64_rerun, train_single_device
 
 __all__ = ["main", "parse", "plan_once", "relaunch_under_torchrun"]
 
@@ -221,6 +221,9 @@ def _main(argv: list[str] | None) -> int:
         return relaunch_under_torchrun(config, argv)
     try:
         result = train(config)
+        # the verdict of --compare-single-device for a run in another dtype: the same run in float64
+        float64_parallel = train(float64_rerun(config)) if config.metrics.compare_single_device and \
+            config.model.dtype != "float64" else None
     except Exception:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             raise
@@ -244,10 +247,12 @@ def _main(argv: list[str] | None) -> int:
             report.memory_check(result.tensor_peak, cost.memory_estimate(config))
         if config.metrics.compare_single_device:
             ok = report.compare(result, config,
-                                lambda k, last, dtype: train_single_device(config.replace(dtype=dtype), k, last))
+                                lambda k, last, dtype: train_single_device(config.replace(dtype=dtype), k, last),
+                                float64_parallel)
+            shutil.rmtree(float64_rerun(config).checkpoint.checkpoint_dir, ignore_errors=True)
             if not ok:
-                record_failure("--compare-single-device: FAIL, the parallel run differs from one process beyond "
-                               "the bound (the table above); rerun with --dtype float64 to tell a bug from rounding")
+                record_failure("--compare-single-device: FAIL, the parallel run differs from one process in "
+                               "float64 beyond the strict tolerance (the table above): a bug, not rounding")
         if result.sample:
             report.sample(result.sample)
         if config.checkpoint.export_hf:  # the last checkpoint this run wrote, as a transformers folder

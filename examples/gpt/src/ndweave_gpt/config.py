@@ -191,8 +191,8 @@ class MetricsConfig:
     sample: int = field(default=0, metadata={"const": 300})
     """print this many bytes the pipelined model generates at the end"""
     compare_single_device: bool = False
-    """also train the same steps on one process in float64 and compare, within 20x the difference from it of
-    one-process runs in --dtype summing in three orders (float64: strictly); exit 1 if they differ"""
+    """also train the same steps on one process in float64 and compare strictly (a run in fp32 or bf16: the
+    same run again in float64 on the same mesh is compared, its own difference printed); exit 1 if they differ"""
     quiet: bool = False
     """no progress bar or report (tests)"""
     verbose: bool = False

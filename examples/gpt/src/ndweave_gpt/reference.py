@@ -1,7 +1,10 @@
 """``--compare-single-device``: the same run on this one process with plain torch, through the reference
-loop every parity test uses (``ndweave.mesh.testing.train_one_process``)."""
+loop every parity test uses (``ndweave.mesh.testing.train_one_process``); and, for a run in fp32 or
+bf16, the parallel run again in float64 (:func:`float64_rerun`), which is what the verdict compares."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -15,7 +18,26 @@ from ndweave_gpt.evaluate import PROMPT, text_of
 from ndweave_gpt.models import hf
 from ndweave_gpt.result import RunResult
 
-__all__ = ["train_single_device"]
+__all__ = ["FLOAT64_RERUN_DIR", "float64_rerun", "train_single_device"]
+
+#: where the float64 rerun writes its (discarded) checkpoint, under the run's --checkpoint-dir
+FLOAT64_RERUN_DIR = "compare-float64"
+
+
+def float64_rerun(config: JobConfig) -> JobConfig:
+    """The run again in float64 on the same mesh, from step 1 to the same last step: what
+    ``--compare-single-device`` holds to one process's float64 run, strictly, for a run in another dtype.
+
+    An fp32 run's difference from one process is rounding the trajectory amplifies, by an amount no
+    bound measured on one process predicts: the same fp32 job on one rank drifted 80x further from
+    float64 than one-process fp32 runs summing in other orders did (the bound they set failed it),
+    though in float64 it matched one process to 1e-15. In float64 a correct parallel run matches to
+    ~1e-12 whatever the trajectory and a wrong one does not. It writes nothing the run keeps: no
+    metrics, plot, sample or faults, its checkpoint in :data:`FLOAT64_RERUN_DIR` (removed after)."""
+    return config.replace(dtype="float64", resume="never", checkpoint_every=0, export_hf="", eval_every=0,
+                          checkpoint_dir=os.path.join(config.checkpoint.checkpoint_dir, FLOAT64_RERUN_DIR),
+                          jsonl="", tensorboard="", plot="", sample=0, quiet=True, memory_check=False,
+                          kill_rank=None, kill_in_save=False)
 
 
 def train_single_device(config: JobConfig, micro_batches: int = 1, last: int | None = None,

@@ -19,18 +19,21 @@ import each other; they meet in ``ndweave.plan.estimate``' ``MemoryTerm``):
   and what torch's pipeline stage and the wrappers hold around those layouts, each found by
   measuring the job (``--memory-check``): a stage's output, kept until its micro-batch's backward,
   and the buffers it receives into (``receive buffers``,
-  ``ndweave.pipeline.cost.receive_buffer_bytes``); a split backward's grads between its
+  ``ndweave.pipeline.cost.receive_buffer_bytes``); with a multi-stage schedule every tensor sent to
+  another rank, kept by its pending send until the step ends; a split backward's grads between its
   input and weight steps; a tied weight's grads summed across PP ranks; and at the end of each
   chunk's backward its grad sync (``grad sync``): DDP's ``.grad`` copies in the parameters' dtype,
-  and with ZeRO-2 the full-size buckets still reducing.
+  and with ZeRO-2 the full-size buckets still reducing (``cost.in_flight`` adds the pipeline's up).
 
 The attention is traced with the kernel the job's device runs (meta alone takes the math path, which
 saves the T x T weights). A rank's peak is its model state and receive buffers plus the larger of two
-moments of its step: the most micro-batches in flight, one micro-batch's temporaries on top; or a
-chunk's grad sync. The terms add up to it (``grad sync`` is what the sync holds beyond the first).
+moments of its step: the most micro-batches in flight and pending sends, the temporaries of one
+micro-batch of the stage then running on top; or a chunk's grad sync. The terms add up to it
+(``grad sync`` is what the sync holds beyond the first).
 Against every rank's measured peak of live tensor bytes on 34 layouts over 1 to 8 ranks, MoE over
-EP and ZeRO-2 among them (``tests/integration/test_integration_estimate.py``): 0.980 to 1.045 (ZeRO-2
-counts all its full-size buckets in flight at the backward's peak: an upper bound).
+EP and ZeRO-2 among them (``tests/integration/test_integration_estimate.py``): 0.982 to 1.045 (ZeRO-2
+counts all its full-size buckets in flight at the backward's peak: an upper bound); the job's
+default model on pp=2, pp=2 x dp=2 (1F1B and interleaved) and pp=2 x dp=2 x tp=2: 0.991 to 1.004.
 
     python -m ndweave_gpt --mesh pp=2,dp=2,tp=2 --estimate   # the table, nothing launched
 """
@@ -46,7 +49,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
 from ndweave.ddp.buffer import plan_buffers
 from ndweave.ddp.cost import GradSync, grad_dtype, grad_sync
@@ -58,10 +60,10 @@ from ndweave.mesh.torch_compat import flash_attention_cpu, local_tensor, storage
 from ndweave.optim.cost import state_bytes_per_rank
 from ndweave.pipeline import PipelineParallelPlan
 from ndweave.pipeline.construct import ModelCut
-from ndweave.pipeline.cost import (StageActivations, held_saved_bytes, receive_buffer_bytes, stage_activations,
-                                   stage_param_names, torch_action_order)
+from ndweave.pipeline.cost import StageActivations, stage_activations, stage_param_names
 from ndweave.pipeline.plan import ResolvedPlan, resolve_plan
 from ndweave_gpt.config import DIMS, JobConfig
+from ndweave_gpt.cost.in_flight import activation_terms, rank_actions
 from ndweave_gpt.data import TextData
 
 __all__ = ["ChunkState", "StageBytes", "activation_terms", "chunk_buffers", "chunk_state", "data_bytes",
@@ -70,7 +72,6 @@ __all__ = ["ChunkState", "StageBytes", "activation_terms", "chunk_buffers", "chu
 
 _TRACES = itertools.count()  # a fresh mesh dim name per trace (see trace)
 _PARAMETERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # see parameters()
-_ACTIONS: dict[tuple, tuple] = {}  # see rank_actions
 
 
 def estimate_memory(args: JobConfig, build_model: Callable[..., nn.Module],
@@ -395,73 +396,6 @@ def fused_attention(device: str) -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = math
-
-
-def activation_terms(resolved: ResolvedPlan, traced: list[StageActivations], io: list[StageBytes],
-                      coordinate: dict[str, int], tied_grads: int, syncs: dict[int, GradSync]) -> list[MemoryTerm]:
-    """What the rank holds during its steps beyond the model state: the micro-batches in flight at the
-    schedule's peak, the buffers torch's pipeline stage receives into, the temporaries of one
-    micro-batch's forward and backward on top, and the grad syncs where they hold more than those.
-
-    A micro-batch holds, from its forward to its backward, what its forward and the loss saved and
-    the stage's output (torch's stage keeps it for the backward; a cut's output is saved by no op of
-    its stage); with split backward also, from the input-grad step to the weight-grad step, the grads
-    of its weight ops' outputs. A stage receives into buffers of its own, one per micro-batch for the
-    whole run (allocated at the first step): the activations from the stage before and the output's
-    grads from the stage after; so the received activations, which the stage's first op saves, are
-    counted there once, not per micro-batch in flight. The temporaries are the trace's peak less what
-    it saved and the output, plus the grads summed for a weight tied across ranks (held over the step).
-    A chunk's grad sync, at the end of its last backward, holds its reduce copies and published grads
-    (:class:`GradSync`) besides what the rank's other chunks still hold."""
-    pp_rank = coordinate["PP"]
-    stages = resolved.stages_of(pp_rank)
-    last = resolved.num_stages - 1
-    held = [one.saved_bytes + x.loss_saved - x.received + x.output for one, x in zip(traced, io)]
-    # the input-grad step detaches the loss (or the outputs), freeing the graph above the weight ops:
-    # on the last stage the loss's saved tensors and the logits go there (an earlier stage's outputs
-    # stay referenced until the weight step)
-    split = [x.weight_op_outputs - (x.loss_saved + x.output if s == last else 0) for s, x in enumerate(io)]
-    saved, at_sync = _held_bytes(resolved, pp_rank, held, split, syncs)
-    if not issubclass(resolved.schedule, PipelineScheduleMulti) and last in stages:
-        at_sync += io[last].output  # torch's single-stage loop keeps the last forward's logits until it returns
-    buffers = receive_buffer_bytes(resolved, pp_rank, [x.received for x in io], [x.output for x in io])
-    temporary = max(traced[s].peak_bytes - traced[s].saved_bytes - io[s].loss_saved - io[s].output
-                    + syncs[s].in_flight for s in stages) + tied_grads
-    return [MemoryTerm("activations", saved, "pipeline", persistent=False),
-            MemoryTerm("receive buffers", buffers, "pipeline"),
-            MemoryTerm("temporaries", temporary, "pipeline", persistent=False),
-            MemoryTerm("grad sync", max(0, at_sync - saved - temporary), "ddp", persistent=False)]
-
-
-def _held_bytes(resolved: ResolvedPlan, pp_rank: int, held: list[int], split: list[int],
-                syncs: dict[int, GradSync]) -> tuple[int, int]:
-    """The most bytes the rank's micro-batches in flight hold at once, and the most its grad syncs
-    hold with them, along the order torch runs the rank's actions: ``held`` per micro-batch and stage
-    from its forward to its backward (``pipeline.cost.held_saved_bytes``), with split backward
-    ``split`` from its input-grad step (``I``) to its weight-grad step (``W``); each chunk's sync
-    comes with its last backward, its published grads held from then on."""
-    if not issubclass(resolved.schedule, PipelineScheduleMulti):  # one stage: its sync ends the step
-        (stage,) = resolved.stages_of(pp_rank)
-        return held_saved_bytes(resolved, pp_rank, held), syncs[stage].published + syncs[stage].reduce_copy
-    actions = rank_actions(resolved, pp_rank)
-    last_backward = {stage: i for i, (kind, stage, _) in enumerate(actions) if kind in ("B", "W")}
-    now = peak = published = at_sync = 0
-    for i, (kind, stage, _) in enumerate(actions):
-        now += {"F": held[stage], "I": split[stage], "W": -held[stage] - split[stage], "B": -held[stage]}[kind]
-        peak = max(peak, now)
-        if last_backward[stage] == i:
-            published += syncs[stage].published
-            at_sync = max(at_sync, now + published + syncs[stage].reduce_copy)
-    return peak, at_sync
-
-
-def rank_actions(resolved: ResolvedPlan, pp_rank: int) -> tuple[tuple[str, int, int], ...]:
-    """``torch_action_order(resolved)[pp_rank]``, kept per schedule shape (a planner asks for the same
-    order for every layout and rank that shares it)."""
-    shape = (resolved.schedule, resolved.pp_size, resolved.num_stages, resolved.num_microbatches, resolved.v_shaped)
-    if (*shape, pp_rank) not in _ACTIONS:
-        _ACTIONS.update({(*shape, rank): tuple(actions) for rank, actions in torch_action_order(resolved).items()})
-    return _ACTIONS[(*shape, pp_rank)]
 
 
 def data_bytes(args: JobConfig) -> int:

@@ -30,8 +30,6 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from ndweave.plan.calibrate import Machine
 from ndweave_gpt import cost
 from ndweave_gpt.config import parse_args
@@ -153,7 +151,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", choices=["torchtitan", "megatron", "all"], default="all")
     chosen = parser.parse_args().runs
-    torch.overrides.get_overridable_functions()  # see tests/integration/test_integration_estimate.py
     for name, config, ranks, batch, sequence, mesh, recompute, published, layout in RUNS * (chosen != "megatron"):
         out = plan_on_paper(config, ranks, batch, sequence, mesh, recompute)
         _print_run(f"{name}, {ranks} GPUs, global batch {batch} x {sequence}: published {layout}: {published} GiB",

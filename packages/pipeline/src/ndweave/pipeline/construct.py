@@ -223,7 +223,7 @@ def cut_model(model: nn.Module, plan: PipelineParallelPlan, resolved: ResolvedPl
         stage_layers = assign_stages(model, resolved.num_stages, plan.split_points, layers)
         cut = ModelCut(layers, stage_layers, [None] * resolved.num_stages, None, None, chain)
         if chain is None:  # (a chain runs each stage from its first layer: nothing to try)
-            check_stages_run(model, layers, lambda stage: cut.chunk(model, stage), resolved.num_stages,
+            check_stages_run(model, lambda stage: cut.chunk(model, stage), resolved.num_stages,
                              plan.stage_input_name)
         return cut
     traced = TracedCut(model, resolved.num_stages, plan, example_inputs, device_type)

@@ -7,7 +7,7 @@ that only call their layers on the hidden states (HF's, a loop over ``self.layer
 those that read the input as ids on the way (nanoGPT's ``b, t = idx.size()``, litgpt's and
 x-transformers' position handling): there stage 1 meets hidden states where the forward expects ids.
 Which kind a forward is shows only when it runs, so it runs here, on fake tensors (shapes without
-memory or compute), on a guessed micro-batch: token ids when the first layer is an embedding. Where
+memory or compute), on a guessed micro-batch: token ids when the model holds an embedding. Where
 no guess can be made, or the whole model does not run on the guess, nothing is said (the guess, not
 the cut, is wrong).
 """
@@ -30,11 +30,11 @@ __all__ = ["check_stages_run"]
 _GUESS_SHAPE = (1, 4)
 
 
-def check_stages_run(model: nn.Module, layers: list[str], chunk_of: Callable[[int], nn.Module], num_stages: int,
+def check_stages_run(model: nn.Module, chunk_of: Callable[[int], nn.Module], num_stages: int,
                      input_name: str | None) -> None:
     """Run each stage's chunk (``chunk_of(stage)``) after the one before, as the engine does, on a
     guessed micro-batch; raise where a stage cannot run on what the stage before hands it."""
-    guess = _guess_inputs(model, layers)
+    guess = _guess_inputs(model)
     if guess is None:
         return
     with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
@@ -48,12 +48,13 @@ def check_stages_run(model: nn.Module, layers: list[str], chunk_of: Callable[[in
             try:
                 out = chunk(**{input_name: x}) if stage and input_name else chunk(x)
             except Exception as e:  # noqa: BLE001  (any failure here is the cut's)
+                given = f"what stage {stage - 1} hands it" if stage else "the model's input"
                 raise ValueError(
                     f"{type(model).__name__} cannot be pipelined without example_inputs: cut without shapes, stage "
                     f"{stage} runs the model's whole forward with the layers of other stages handing their input "
-                    f"through, and that forward fails on what stage {stage - 1} hands it ({type(e).__name__}: "
-                    f"{_first_line(e)} at {_where(e)}); pass example_inputs= (one micro-batch) to "
-                    "construct_pipeline_stage, which cuts the forward where its layers run"
+                    f"through, and that forward fails on {given} ({type(e).__name__}: {_first_line(e)} at "
+                    f"{_where(e)}); pass example_inputs= (one micro-batch) to construct_pipeline_stage, which cuts "
+                    "the forward where its layers run"
                 ) from None
             x = _first_tensor(out)
             if x is None:
@@ -72,17 +73,13 @@ def _quiet_fake_tensors() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _guess_inputs(model: nn.Module, layers: list[str]) -> torch.Tensor | None:
-    """Token ids when the first layer with parameters is an embedding, else ``None``."""
-    for fqn in layers:
-        owner = next((m for m in model.get_submodule(fqn).modules() if next(m.parameters(recurse=False), None) is not None),
-                     None)
-        if owner is None:
-            continue
-        if isinstance(owner, nn.Embedding):
-            return torch.zeros(_GUESS_SHAPE, dtype=torch.long, device=owner.weight.device)
+def _guess_inputs(model: nn.Module) -> torch.Tensor | None:
+    """Token ids when the model holds an embedding (whichever layer comes first: litgpt registers its
+    head before its embedding), else ``None``."""
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
         return None
-    return None
+    return torch.zeros(_GUESS_SHAPE, dtype=torch.long, device=embedding.weight.device)
 
 
 def _first_tensor(output) -> torch.Tensor | None:

@@ -124,6 +124,11 @@ class _ValueTracer(fx.Tracer):
         return node
 
     def trace(self, root, concrete_args=None):
+        # torch caches the overridable functions it finds in ``torch``'s namespace the first time fx's
+        # proxies ask (``torch.overrides.get_overridable_functions``, for the process's life): asked
+        # while the factories below are patched, it would keep the patches, and through them this
+        # tracer and the model it traced; asked before, it keeps torch's own
+        torch.overrides.get_overridable_functions()
         originals = {name: getattr(torch, name) for name in _FACTORIES}
         for name, factory in originals.items():
             setattr(torch, name, self._recording(factory))
