@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ddp_cases import MLP, batch, rows
 from ndweave.ddp import DDP, GradSyncDivergedError
+from ndweave.mesh.lifecycle import failed_ranks
 from ndweave.mesh.testing import distributed
 
 # A group of its own with a short timeout: a fault test leaves a reduction without its partner, which
@@ -47,8 +48,8 @@ def test_a_rank_that_skips_backward_is_named_on_every_rank():
     model, opt = _setup()
     _train_step(model, opt, 0)
     start = time.monotonic()
-    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\): 2 forward\(s\) with grad since the last "
-                                                    r"sync against 1.*skipped backward"):
+    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\) finishes grad sync #2 after 1 backward "
+                                                    r"pass\(es\) and 2 forward\(s\).*: rank 1 skipped a backward\(\)"):
         if dist.get_rank() == 1:  # the skipped step: its next backward pairs with rank 0's first
             _train_step(model, opt, 1, backward=False)
         _train_step(model, opt, 2)
@@ -62,8 +63,9 @@ def test_a_step_without_backward_on_one_rank_is_caught_before_the_optimizer_wait
     _train_step(model, opt, 0)
     model.finish_grad_sync()  # the optimizer's usual call after backward: no check
     start = time.monotonic()
-    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\): a step\(\) with no backward since grad "
-                                                    r"sync #1: it skipped a backward\(\) or called step\(\) once more"):
+    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\) called step\(\) a 2nd time, with 0 "
+                                                    r"forward\(s\) and no backward since grad sync #1; DP rank 0 "
+                                                    r"finishes grad sync #2.*: rank 1 called step\(\) once more"):
         if dist.get_rank() == 0:
             x, y = _micro_batch(1)
             F.mse_loss(model(x), y).backward()
@@ -80,8 +82,9 @@ def test_a_step_more_after_a_sync_finished_outside_backward_is_caught():
     x, y = _micro_batch(0)
     F.mse_loss(model(x), y).backward()
     model.finish_grad_sync()  # the optimizer's call, finishing the sync
-    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\): a step\(\) with no backward since grad "
-                                                    r"sync #1: it skipped a backward\(\) or called step\(\) once more"):
+    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\) called step\(\) a 2nd time, with 0 "
+                                                    r"forward\(s\) and no backward since grad sync #1.*: rank 1 "
+                                                    r"called step\(\) once more than DP rank 0"):
         if dist.get_rank() == 1:
             model.finish_grad_sync()  # a step more, while rank 0 goes on to its next sync
         x, y = _micro_batch(1)
@@ -92,7 +95,10 @@ def test_a_step_more_after_a_sync_finished_outside_backward_is_caught():
 @distributed(world_size=2)
 def test_no_sync_on_one_rank_only_is_named():
     model, opt = _setup()
-    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\): 2 forward\(s\)"):
+    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\) finishes grad sync #1 after 2 backward "
+                                                    r"pass\(es\) \(1 under no_sync\(\)\).*: rank 1 entered no_sync\(\) "
+                                                    r"for 1 backward\(s\) of this grad sync, DP rank 0 for 0: enter "
+                                                    r"it on every rank"):
         for micro in range(2):
             x, y = _micro_batch(micro)
             if dist.get_rank() == 1 and micro == 0:
@@ -102,6 +108,65 @@ def test_no_sync_on_one_rank_only_is_named():
                 F.mse_loss(model(x), y).backward()
                 if dist.get_rank() == 0:
                     break  # rank 0 synced its first micro-batch: one backward per sync
+
+
+
+@distributed(world_size=2)
+def test_a_rank_that_skips_its_step_is_named_before_the_optimizer_collectives():
+    """An exception caught between backward and step on one rank: its next backward's reductions would
+    pair with the others' optimizer collectives (gloo aborts, or a silently wrong sum)."""
+    model, _ = _setup()
+    x, y = _micro_batch(0)
+    for _ in range(2):
+        F.mse_loss(model(x), y).backward()
+        model.finish_grad_sync()  # the optimizer's step, on every rank
+    start = time.monotonic()
+    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\) finishes grad sync #4 after 1 backward "
+                                                    r"pass\(es\) and 1 forward\(s\), 2 step\(\)s so far; DP rank 0 "
+                                                    r"called step\(\) a 3rd time.*: rank 1 skipped a step\(\) DP rank 0 "
+                                                    r"called"):
+        F.mse_loss(model(x), y).backward()
+        if dist.get_rank() == 0:
+            model.finish_grad_sync()  # its step; rank 1 caught an error and goes on to the next backward
+        F.mse_loss(model(x), y).backward()
+    assert time.monotonic() - start < TIMEOUT_S
+
+
+@distributed(world_size=2)
+def test_zero2_no_sync_on_one_rank_for_a_backward_is_named_before_its_reductions():
+    model, _ = _setup(zero_stage=2)
+    x, y = _micro_batch(0)
+    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\) starts backward pass 1 under no_sync\(\)"
+                                                    r".*: rank 1 entered no_sync\(\) for this backward, DP rank 0 did "
+                                                    r"not: enter it on every rank or on none"):
+        with model.no_sync() if dist.get_rank() == 1 else contextlib.nullcontext():
+            F.mse_loss(model(x), y).backward()
+
+
+@distributed(world_size=2)
+def test_a_rank_whose_peers_never_come_gives_up_within_the_check_bound_and_tells_them():
+    """Rank 1 steps once more while rank 0 is elsewhere (not in shutdown()): rank 1 gives up after
+    ``desync_timeout`` (60 s by default; 2 s here), not the group's 30 s, and announces its error, which
+    rank 0 reads."""
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=30))
+    model = DDP(MLP(), group, bucket_size=100, desync_timeout=2)
+    x, y = _micro_batch(0)
+    F.mse_loss(model(x), y).backward()
+    model.finish_grad_sync()
+    if dist.get_rank() == 1:
+        start = time.monotonic()
+        with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\) called step\(\) a 2nd time.*did not "
+                                                        r"come to the DP ranks' check \(waited 2\.\d s\): rank 1 ran "
+                                                        r"a step\(\) they did not"):
+            model.finish_grad_sync()
+        assert time.monotonic() - start < 4
+    else:
+        deadline, told = time.monotonic() + 10, {}
+        while not told and time.monotonic() < deadline:
+            told = failed_ranks([1])
+            time.sleep(0.05)
+        assert told[1].startswith("GradSyncDivergedError: rank 1 (DP rank 1) called step() a 2nd time")
+    dist.barrier()  # both done, before the harness forgets rank 1's announcement
 
 
 @distributed(world_size=2)
@@ -167,7 +232,8 @@ def test_zero2_a_rank_that_skips_a_micro_batch_backward_is_named_before_its_redu
         F.mse_loss(model(x), y).backward()  # two full steps in step
     model.zero_grad_buffer()
     start = time.monotonic()
-    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\): .*2 forward\(s\).*(skipped|backward)"):
+    with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\) .*2 forward\(s\).*: rank 1 skipped a "
+                                                    r"backward\(\)"):
         for i in range(2):
             with model.no_sync() if i == 0 else contextlib.nullcontext():
                 loss = F.mse_loss(model(x), y)

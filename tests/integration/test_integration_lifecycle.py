@@ -36,15 +36,17 @@ def test_an_extra_step_after_the_loop_is_named_on_every_rank(finish_in_backward)
         optimizer.step()
     begin = time.monotonic()
     if dist.get_rank() == 1:
-        with pytest.raises(GradSyncDivergedError, match=r"rank 1 waited 0:00:03 at the DP ranks' check before a step\(\) "
-                                                        r"with no backward.*ranks \[0\] had already called shutdown\(\)"):
+        with pytest.raises(GradSyncDivergedError, match=r"rank 1 \(DP rank 1\) called step\(\) a 4th time, with 0 "
+                                                        r"forward\(s\) and no backward since grad sync #3.*ranks \[0\] "
+                                                        r"had already called shutdown\(\)"):
             try:
                 optimizer.step()  # once more: rank 0 has left the loop
             except GradSyncDivergedError:
                 shutdown(abort=True)
                 raise
     else:
-        with pytest.raises(ShutdownError, match="rank 1 failed: GradSyncDivergedError: rank 1 waited") as raised:
+        with pytest.raises(ShutdownError, match=r"rank 1 failed: GradSyncDivergedError: rank 1 \(DP rank 1\) called "
+                                                r"step\(\) a 4th time") as raised:
             shutdown(timeout=4 * TIMEOUT_S)
         assert list(raised.value.failed) == [1]
     assert time.monotonic() - begin < 3 * TIMEOUT_S

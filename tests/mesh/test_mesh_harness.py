@@ -76,6 +76,8 @@ def test_a_raising_rank_stops_the_others_at_once_and_is_reported_first(init_proc
     assert (first.rank, first.kind) == (1, "raised") and "ZeroDivisionError: rank one divided by zero" in first.detail
     # rank 0 is stopped in its recv, or raised from it (when rank 1's cleanup tore the test's group down)
     assert second.rank == 0 and second.kind in ("stopped", "raised") and "recv" in second.detail
+    # and its report names rank 1's error, not only where rank 0 was
+    assert "after rank 1 raised ZeroDivisionError: rank one divided by zero" in second.detail.splitlines()[0]
     assert "failed in _raise_on_one_while_zero_receives: rank 1 raised, rank 0 " in str(info.value)
     assert run_distributed(_rank_and_sum, 2, 1, init_process_group=init_process_group) == [(0, 1.0), (1, 1.0)]
 
@@ -97,6 +99,9 @@ def test_a_dying_rank_is_reported():
         run_distributed(_die_on_rank_zero, 2, timeout=20)
     failures = {f.rank: f for f in info.value.failures}
     assert failures[0].kind == "died" and "exited with code 3" in failures[0].detail
+    # rank 1's gloo error ("Connection reset by peer") comes with its cause: rank 0's death, reported first
+    assert info.value.failures[0].rank == 0
+    assert failures[1].detail.startswith("after rank 0 died (the process exited with code 3)"), failures[1].detail
 
 
 def test_local_functions_are_refused_with_a_fix():

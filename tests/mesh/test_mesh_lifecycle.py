@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from ndweave.mesh import ShutdownError, init_device_mesh, init_mesh_from_spec, shutdown
-from ndweave.mesh.lifecycle import DEFAULT_TIMEOUT, destroy_side_group, new_side_group, side_group
+from ndweave.mesh.lifecycle import (DEFAULT_TIMEOUT, announce_failure, destroy_side_group, failed_ranks,
+                                    new_side_group, side_group)
 from ndweave.mesh.mesh_args import check_device_type
 from ndweave.mesh.testing import distributed
 from ndweave.mesh.torch_compat import group_timeout, live_groups
@@ -77,6 +78,27 @@ def test_a_rank_that_failed_tells_the_others_why_at_once():
         shutdown()
     assert raised.value.failed == {1: "ZeroDivisionError: loss scale underflow"}
     assert time.monotonic() - begin < 10  # not the 60 s the barrier would wait for a missing rank
+
+
+
+@distributed(world_size=3, init_process_group=False, timeout=60)
+def test_a_failure_announced_outside_shutdown_ends_the_others_wait_at_once():
+    """Rank 1 announces its error (what ndweave's checks do when they give up) and stays away; rank 2
+    never comes either: rank 0 names rank 1's error in well under its 30 s wait for rank 2."""
+    init_device_mesh("cpu", (3,), mesh_dim_names=("DP",), timeout=30)
+    begin = time.monotonic()
+    if dist.get_rank() == 0:
+        with pytest.raises(ShutdownError, match=r"rank 1 failed: GradSyncDivergedError: rank 1 stepped alone; "
+                                                r"ranks \[2\] did not reach shutdown\(\)") as raised:
+            shutdown(timeout=30)
+        assert raised.value.failed == {1: "GradSyncDivergedError: rank 1 stepped alone"}
+        assert time.monotonic() - begin < 5
+        return
+    if dist.get_rank() == 1:
+        announce_failure("GradSyncDivergedError: rank 1 stepped alone")
+        assert failed_ranks([0, 1, 2]) == {1: "GradSyncDivergedError: rank 1 stepped alone"}
+    time.sleep(3)  # elsewhere, until rank 0 has given up
+    shutdown(abort=True)
 
 
 def test_a_device_this_process_lacks_is_refused_with_the_fix():

@@ -5,22 +5,28 @@ Every DP rank must run the same forwards, backwards and grad syncs. When one doe
 collectives on the DP group no longer pair up: they wait for each other until the process-group
 timeout, or pair up wrongly and average the wrong grads, silently.
 
-So before a grad sync waits on anything, the DP ranks compare a few counters (one ``all_gather`` of
-five ints, ``ndweave.mesh.agree.gather_ints``). It runs on a gloo side group of the same ranks
-(``ndweave.mesh.lifecycle.side_group``, made once per DP group, with its timeout), so that it cannot
-queue behind the bucket reductions in flight on the DP group itself; every rank raises the same
+So before a grad sync waits on anything, and before an optimizer's ``step()`` issues collectives of
+its own, the DP ranks compare a few counters (one ``all_gather`` of eight ints,
+``ndweave.ddp.check_wait.gather_rows``). It runs on a gloo side group of the same ranks
+(``ndweave.mesh.lifecycle.side_group``, made once per DP group), so that it cannot queue behind the
+bucket reductions in flight on the DP group itself; every rank raises the same
 :class:`GradSyncDivergedError`, naming the ranks that differ and how. A rank whose peers never come
-to the check (they left the loop, or this rank stepped once more after they did) raises it too once
-the group's timeout has passed, naming the peers that had called ``shutdown()``. The counters:
+to the check (they left the loop, or this rank stepped once more after they did) raises it too, after
+at most DDP's ``desync_timeout`` (60 s; the first step: the group's timeout), or at once when a peer has
+called ``shutdown()`` or announced a failure, and announces its own (a peer in ``shutdown()`` then
+names it). The counters:
 
 * ``kind``: 1 when a grad sync finishes a backward's reductions; 2 when ``finish_grad_sync()`` is
-  called again with no backward since (an optimizer's ``step()``). The first such call after a sync
-  finished in backward is the usual optimizer call and is not checked; any other is, so an extra
-  ``step()`` is caught before the optimizer's own collectives (its grad norm, its parameter
-  gathers) could pair up with another collective of the others; 3 when a backward starts with
-  ``zero_stage=2``, which reduces (and waits) inside every backward, so it agrees before each one;
-* ``syncs``: grad syncs finished so far;
-* ``backwards``: backward passes in this sync (micro-batches, ``no_sync()`` ones included);
+  called with no backward since the last sync (an optimizer's ``step()``: checked every time, so a
+  rank that skipped its step, or steps once more, is caught before the optimizer's own collectives
+  (its grad norm, its parameter gathers) pair up with another collective of the others); 3 when a
+  backward starts with ``zero_stage=2``, which reduces (and waits) inside every backward, so it agrees
+  before each one; 4 when an optimizer's ``finish_grad_sync()`` finishes the sync (no
+  ``finish_grad_sync_in_backward``, or a last micro-batch under ``no_sync()``);
+* ``syncs``: grad syncs finished so far; ``steps``: ``finish_grad_sync()`` calls from outside
+  backward (the optimizer's steps) so far;
+* ``backwards``: backward passes in this sync (micro-batches, ``no_sync()`` ones included), ``local``
+  those under ``no_sync()``, ``no_sync``: whether the backward about to start (kind 3) is;
 * ``forwards``: forwards with grad enabled since the last sync (a skipped backward shows here);
 * ``model``: a fingerprint of the wrapped parameters, so two wrappers on one DP group (pipeline
   chunks) never compare each other's counters.
@@ -33,21 +39,26 @@ aborted by gloo.
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ndweave.mesh.agree import agree_or_raise, gather_ints
-from ndweave.mesh.lifecycle import ranks_in_shutdown, side_group
-from ndweave.mesh.torch_compat import current_backward_id, group_timeout
+from ndweave.ddp.check_wait import CheckUnanswered, bound_for, gather_rows, tell_peers
+from ndweave.mesh.agree import agree_or_raise
+from ndweave.mesh.lifecycle import side_group
+from ndweave.mesh.torch_compat import current_backward_id
 
 __all__ = ["GradSyncDivergedError", "SyncCounters", "check_same_wrap"]
 
-_FIELDS = ("kind", "syncs", "backwards", "forwards", "model")
-_AFTER_BACKWARD, _WITHOUT_BACKWARD, _BEFORE_BACKWARD = 1, 2, 3
+_FIELDS = ("kind", "syncs", "backwards", "forwards", "model", "steps", "local", "no_sync")
+_AFTER_BACKWARD, _STEP, _BEFORE_BACKWARD, _STEP_SYNC = 1, 2, 3, 4
+_FIX = ("Every DP rank must run the same forwards, backward()s, no_sync() blocks and optimizer steps (run forwards "
+        "you do not train on under torch.no_grad()); detect_desync=False turns this check off")
 
 
 class GradSyncDivergedError(RuntimeError):
@@ -58,14 +69,19 @@ class GradSyncDivergedError(RuntimeError):
 class SyncCounters:
     """One wrapper's counters, and their comparison across the DP ranks of ``group``.
 
-    ``group`` ``None`` (DP size 1) or ``enabled=False``: counting only, nothing compared."""
+    ``group`` ``None`` (DP size 1) or ``enabled=False``: counting only, nothing compared. ``micro``:
+    the wrapper, whose ``is_last_microbatch`` tells a ``no_sync()`` backward (held weakly)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, names: Sequence[str], *, enabled: bool) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, names: Sequence[str], *, enabled: bool,
+                 micro: Any = None, timeout: float = 60.0) -> None:
         self.syncs = 0
         self.backwards = 0
         self.forwards = 0
+        self.steps = 0  # finish_grad_sync() calls from outside backward: the optimizer's step()s
+        self.local = 0  # backward passes of this sync run under no_sync()
+        self.timeout = timeout
         self._backward_id = -1
-        self._idle_finishes = 0  # finish_grad_sync() calls with no backward since the last sync
+        self._micro = weakref.ref(micro) if micro is not None else (lambda: None)
         self._model = zlib.crc32("\n".join(names).encode()) & 0x7FFFFFFF
         self._check_group = side_group(group, "ddp-sync-check") if enabled and group is not None else None
         self._ranks = dist.get_process_group_ranks(group) if self._check_group is not None else []
@@ -79,6 +95,7 @@ class SyncCounters:
         if self.is_new_backward():
             self._backward_id = current_backward_id()
             self.backwards += 1
+            self.local += self._in_no_sync()
 
     def is_new_backward(self) -> bool:
         """Whether the grad hook running belongs to a backward not counted yet."""
@@ -86,43 +103,52 @@ class SyncCounters:
 
     def agree_before_backward(self) -> None:
         """Before a backward that issues collectives of its own (ZeRO-2's), agree on the counts so far."""
-        self._agree(_BEFORE_BACKWARD, self.syncs + 1)
+        self._agree(_BEFORE_BACKWARD, self.syncs + 1, self.steps, no_sync=self._in_no_sync())
 
     def start_sync(self) -> None:
         self.backwards = 0
+        self.local = 0
         self._backward_id = -1
 
     def finish_sync(self, *, in_backward: bool) -> None:
-        """A grad sync is about to wait for its reductions: agree, then count it. Finished outside
-        backward (an optimizer's ``finish_grad_sync()``), it counts as that step's usual call."""
-        self._agree(_AFTER_BACKWARD, self.syncs + 1)
+        """A grad sync is about to wait for its reductions: agree, then count it (and, finished outside
+        backward, by an optimizer's ``finish_grad_sync()``, that step)."""
+        self._agree(_AFTER_BACKWARD if in_backward else _STEP_SYNC, self.syncs + 1, self.steps + (not in_backward))
         self.syncs += 1
+        self.steps += not in_backward
         self.forwards = 0
         self.backwards = 0
-        self._idle_finishes = 0 if in_backward else 1
+        self.local = 0
 
     def finish_without_backward(self) -> None:
-        """``finish_grad_sync()`` with no backward since the last sync: the first such call after a sync
-        finished in backward is the usual optimizer one; any other may be a rank stepping alone, so agree."""
-        self._idle_finishes += 1
-        if self._idle_finishes > 1 or self.syncs == 0:
-            self._agree(_WITHOUT_BACKWARD, self.syncs)
+        """``finish_grad_sync()`` with no backward since the last sync: an optimizer's ``step()``. Agreed
+        every time, before the optimizer's own collectives: a rank that skipped its step (an exception
+        caught after backward) would otherwise pair them with its next backward's reductions (gloo
+        aborts), and one that steps once more would wait in them."""
+        self.steps += 1
+        self._agree(_STEP, self.syncs, self.steps)
 
     def close(self) -> None:
         """Compare nothing from now on (the wrapper is closed); the side group stays, shared by the
         other wrappers on the same DP group."""
         self._check_group, self._ranks = None, []
 
-    def _agree(self, kind: int, syncs: int) -> None:
+    def _in_no_sync(self) -> int:
+        micro = self._micro()
+        return int(micro is not None and not micro.is_last_microbatch)
+
+    def _agree(self, kind: int, syncs: int, steps: int, *, no_sync: int = 0) -> None:
         if self._check_group is None:
             return
+        row = (kind, syncs, self.backwards, self.forwards, self._model, steps, self.local, no_sync)
+        first = self.syncs == 0 and self.steps <= (kind == _STEP)  # the first step may keep ranks apart longer
         try:
-            table = gather_ints(self._check_group, [kind, syncs, self.backwards, self.forwards, self._model])
-        except RuntimeError as error:  # gloo's timeout (or a closed connection): the others never came
-            raise GradSyncDivergedError(_unanswered(kind, self._ranks, group_timeout(self._check_group))) from error
+            table = gather_rows(self._check_group, self._ranks, row, bound_s=bound_for(self._check_group, first, self.timeout))
+        except CheckUnanswered as unanswered:
+            raise tell_peers(GradSyncDivergedError(_unanswered(row, self._ranks, unanswered))) from None
         rows = [table[rank] for rank in self._ranks]
         if len(set(rows)) > 1:
-            raise GradSyncDivergedError(_explain(rows, self._ranks))
+            raise tell_peers(GradSyncDivergedError(_explain(rows, self._ranks)))
 
 
 def check_same_wrap(group: dist.ProcessGroup | None, fingerprint: dict[str, str]) -> None:
@@ -157,60 +183,85 @@ def _another_wrap(wraps: list[list[tuple[str, str]]], ranks: list[int]) -> Value
 
 def _explain(rows: list[tuple[int, ...]], ranks: list[int]) -> str:
     """Which ranks differ from the most common row, how, and what usually causes it."""
-    usual = Counter(rows).most_common(1)[0][0]
-    odd = [i for i, row in enumerate(rows) if row != usual]  # (a tie: the first rank's row is the usual one)
+    usual = dict(zip(_FIELDS, Counter(rows).most_common(1)[0][0]))
+    odd = [i for i, row in enumerate(rows) if dict(zip(_FIELDS, row)) != usual]  # (a tie: the first rank's is usual)
+    others = [rank for i, rank in enumerate(ranks) if i not in odd]
+    they = f"DP rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
     lines = []
     for i in odd:
         row = dict(zip(_FIELDS, rows[i]))
-        ref = dict(zip(_FIELDS, usual))
-        lines.append(f"rank {ranks[i]} (DP rank {i}): " + _difference(row, ref))
-    return (
-        "the data-parallel ranks diverged before a grad sync; "
-        + "; ".join(lines)
-        + f" (the other DP ranks of {ranks}: {_describe(dict(zip(_FIELDS, usual)))}). Every DP rank must run the "
-        "same forwards, backward()s, no_sync() blocks and optimizer steps. Run forwards you do not train on "
-        "under torch.no_grad(); detect_desync=False turns this check off"
-    )
+        lines.append(f"rank {ranks[i]} (DP rank {i}) {_describe(row)}; {they} {_describe(usual)}: "
+                     f"{_difference(row, usual, ranks[i], they)}")
+    return "the data-parallel ranks diverged: " + "; ".join(lines) + ". " + _FIX
 
 
-def _unanswered(kind: int, ranks: list[int], timeout) -> str:
-    """The check found no partner: say who had left (called ``shutdown()``) where the store knows."""
-    me = dist.get_rank()
-    what = "a step() with no backward since the last grad sync" if kind == _WITHOUT_BACKWARD else "a grad sync"
+def _unanswered(values: tuple[int, ...], ranks: list[int], unanswered: CheckUnanswered) -> str:
+    """The check found no partner: what this rank was doing, and what it knows of the others."""
+    me, row = dist.get_rank(), dict(zip(_FIELDS, values))
     others = [r for r in ranks if r != me]
-    head = f"rank {me} waited {timeout} at the DP ranks' check before {what}; DP ranks {others} never came"
-    gone = ranks_in_shutdown(others)
-    if gone:
-        return (f"{head}: ranks {gone} had already called shutdown(). Rank {me} ran {what} they did not: an extra "
-                "step() or backward() on this rank, or on theirs a no_sync() block, a skipped backward() or a loop "
-                "left early. Every DP rank must run the same forwards, backward()s, no_sync() blocks and steps")
-    return (f"{head}: either rank {me} ran {what} they did not (an extra step() or backward(), or they skipped "
-            "one, used no_sync() or left the loop), or they are stuck in another collective or gone")
+    head = (f"rank {me} (DP rank {ranks.index(me)}) {_describe(row)}, but DP ranks {others} did not come to the "
+            f"DP ranks' check (waited {unanswered.waited_s:.1f} s)")
+    what = "step()" if row["kind"] in (_STEP, _STEP_SYNC) else "backward()"
+    if unanswered.failed:
+        return head + ": " + "; ".join(f"rank {r} failed: {m}" for r, m in sorted(unanswered.failed.items()))
+    if unanswered.left:
+        return (f"{head}: ranks {unanswered.left} had already called shutdown(): rank {me} ran a {what} they did not "
+                f"(an extra {what} on rank {me}, or a skipped one or a loop left early on theirs). " + _FIX)
+    if unanswered.error:
+        return f"{head}: they are gone, failed or exited (gloo: {unanswered.error})"
+    return (f"{head}: rank {me} ran a {what} they did not (an extra {what} on rank {me}), or they skipped one, "
+            f"or they wait in another collective (a step() rank {me} skipped?) or are gone. " + _FIX)
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _describe(row: dict[str, int]) -> str:
-    if row["kind"] == _WITHOUT_BACKWARD:
-        return f"a step() with no backward since grad sync #{row['syncs']}"
+    local = f" ({row['local']} under no_sync())" if row["local"] else ""
+    if row["kind"] == _STEP:
+        return (f"called step() a {_ordinal(row['steps'])} time, with {row['forwards']} forward(s) and no backward "
+                f"since grad sync #{row['syncs']}")
+    if row["kind"] == _STEP_SYNC:
+        return (f"called step() a {_ordinal(row['steps'])} time, finishing grad sync #{row['syncs']} after "
+                f"{row['backwards']} backward pass(es){local} and {row['forwards']} forward(s)")
     if row["kind"] == _BEFORE_BACKWARD:
-        return (f"backward pass {row['backwards'] + 1} of grad sync #{row['syncs']} after {row['forwards']} "
-                "forward(s)")
-    return (f"grad sync #{row['syncs']} after {row['backwards']} backward pass(es) and {row['forwards']} "
-            "forward(s)")
+        return (f"starts backward pass {row['backwards'] + 1}{' under no_sync()' if row['no_sync'] else ''} of grad "
+                f"sync #{row['syncs']} after {row['forwards']} forward(s), {row['steps']} step()s so far")
+    return (f"finishes grad sync #{row['syncs']} after {row['backwards']} backward pass(es){local} and "
+            f"{row['forwards']} forward(s), {row['steps']} step()s so far")
 
 
-def _difference(row: dict[str, int], ref: dict[str, int]) -> str:
+def _difference(row: dict[str, int], ref: dict[str, int], rank: int, they: str) -> str:
+    """What the odd rank did that the others did not, as far as the rows tell."""
     if row["model"] != ref["model"]:
-        return "checks another model's grad sync (wrappers created in another order?)"
-    if row["kind"] != ref["kind"]:
-        if row["kind"] == _WITHOUT_BACKWARD:
-            return (f"{_describe(row)}: it skipped a backward() or called step() once more than the others")
-        if ref["kind"] == _WITHOUT_BACKWARD:
-            return f"{_describe(row)}, while the others called step() without a backward (they skipped it)"
-        return f"{_describe(row)}, while the others are at {_describe(ref)}: a skipped or extra backward()"
-    if row["syncs"] != ref["syncs"]:
-        return f"{_describe(row)}: it ran {'more' if row['syncs'] > ref['syncs'] else 'fewer'} grad syncs"
-    if row["forwards"] != ref["forwards"]:
-        return (f"{row['forwards']} forward(s) with grad since the last sync against {ref['forwards']}: a forward "
-                "without backward (a skipped backward()?)")
+        return "it checks another model's grad sync (wrappers created in another order?)"
+    if _pending(row) != _pending(ref):
+        who = f"rank {rank}" if _pending(row) > _pending(ref) else they
+        return f"{who} skipped a backward() (a forward with grad whose backward never ran)"
+    if row["no_sync"] != ref["no_sync"]:
+        entered = (f"rank {rank}", they) if row["no_sync"] else (they, f"rank {rank}")
+        return (f"{entered[0]} entered no_sync() for this backward, {entered[1]} did not: enter it on every rank "
+                "or on none")
+    if row["local"] != ref["local"]:
+        return (f"rank {rank} entered no_sync() for {row['local']} backward(s) of this grad sync, {they} for "
+                f"{ref['local']}: enter it on every rank or on none")
+    if _surplus(row) > _surplus(ref):
+        return f"rank {rank} called step() once more than {they}, or skipped a backward() they ran"
+    if _surplus(row) < _surplus(ref):
+        return (f"rank {rank} skipped a step() {they} called (an exception caught and the loop gone on, or a step "
+                f"skipped on rank {rank}), or {they} called one more")
+    if row["kind"] != ref["kind"] or row["syncs"] != ref["syncs"]:
+        return f"rank {rank} skipped a backward() {they} ran, or ran one more"
     return (f"{row['backwards']} backward pass(es) in this sync against {ref['backwards']}: no_sync() or "
             "set_is_last_microbatch() on some ranks only?")
+
+
+def _pending(row: dict[str, int]) -> int:
+    """Forwards with grad whose backward has not run (the one a kind-3 check is about to run excepted)."""
+    return row["forwards"] - row["backwards"] - (row["kind"] == _BEFORE_BACKWARD)
+
+
+def _surplus(row: dict[str, int]) -> int:
+    """Steps beyond the grad syncs done (one being finished in backward is not done yet): equal on ranks in step."""
+    return row["steps"] - (row["syncs"] - (row["kind"] in (_AFTER_BACKWARD, _BEFORE_BACKWARD)))

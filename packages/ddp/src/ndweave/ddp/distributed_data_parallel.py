@@ -92,12 +92,15 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             starts equal whatever its seed.
         finish_grad_sync_in_backward: call :meth:`finish_grad_sync` at the end of the backward of the
             last micro-batch (like torch's DDP), so ``.grad`` is ready when ``backward()`` returns.
-        detect_desync: before each grad sync waits, compare the DP ranks' counts of forwards,
-            backwards and syncs (one five-int ``all_gather`` on a gloo group of the DP ranks), so a rank
-            that skipped a ``backward()``, stepped once more or entered ``no_sync()`` alone raises
-            :class:`~ndweave.ddp.GradSyncDivergedError` on every rank instead of a hang or a silently
-            wrong average (see ``desync.py``). ``False``: no check (the process-group timeout bounds
-            such a hang).
+        detect_desync: before each grad sync waits and each ``step()``, compare the DP ranks' counts
+            (one small ``all_gather`` on a gloo group of the DP ranks), so a rank that skipped a
+            ``backward()`` or a ``step()``, stepped once more or entered ``no_sync()`` alone raises
+            :class:`~ndweave.ddp.GradSyncDivergedError` on every rank, naming it, within
+            ``desync_timeout`` instead of a hang, a gloo abort or a silently wrong average (see
+            ``desync.py``). ``False``: no check.
+        desync_timeout: seconds a rank waits at that check for peers that do not come (after the first
+            step; before it, the DP group's timeout). A job whose ranks do work of their own between
+            steps for longer (rank 0 alone writing files) raises it.
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         broadcast_params: bool = True,
         finish_grad_sync_in_backward: bool = True,
         detect_desync: bool = True,
+        desync_timeout: float = 60.0,
     ) -> None:
         _check_not_wrapped(module)
         _check_bucket_size(bucket_size)
@@ -185,7 +189,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         self._step_open = False
         self._callback_queued = False
         self._counters = SyncCounters(self.data_parallel_group, [f"{n}:{tuple(p.shape)}" for n, p in synced],
-                                      enabled=detect_desync)
+                                      enabled=detect_desync, micro=self, timeout=desync_timeout)
         self._closed = False
         self._hooks = []
         for slot in self._slots:

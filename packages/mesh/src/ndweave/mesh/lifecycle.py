@@ -60,8 +60,9 @@ import torch.distributed as dist
 
 from ndweave.mesh.torch_compat import default_store, find_group, group_device_types, group_timeout, live_groups
 
-__all__ = ["DEFAULT_TIMEOUT", "ShutdownError", "as_timedelta", "collective_timeout", "destroy_side_group",
-           "new_side_group", "ranks_in_shutdown", "shutdown", "side_group"]
+__all__ = ["DEFAULT_TIMEOUT", "ShutdownError", "announce_failure", "as_timedelta", "collective_timeout",
+           "destroy_side_group", "failed_ranks", "forget_announcement", "new_side_group", "ranks_in_shutdown",
+           "shutdown", "side_group"]
 
 #: The collective timeout of every group ndweave creates when none is given (see the module docstring).
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -69,9 +70,14 @@ DEFAULT_TIMEOUT = timedelta(seconds=300)
 _KEY = "ndweave/shutdown/"
 _ARRIVED = "arrived"
 _ABORT = "abort: "
+# Counters of announcements (any, failures): a rank polling for its peers reads one counter per poll,
+# and a rank's own key only once it moved, so the polls cost the store one request each at any scale.
+_ANNOUNCED, _FAILED = "ndweave/announced", "ndweave/failed"
 # Shutdown polls the gloo worker threads this often, with the GIL free in between, and returns once
 # they were idle this many times in a row (or after _SETTLE_LIMIT_S).
 _SETTLE_POLL_S, _SETTLE_QUIET, _SETTLE_LIMIT_S = 0.002, 3, 2.0
+# Shutdown looks for its peers in the store at most this many seconds apart (sooner at first).
+_PEER_POLL_S = 0.25
 _GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
 
 
@@ -144,9 +150,45 @@ def ranks_in_shutdown(ranks: list[int]) -> list[int]:
     collective timed out, the peers that had left the training loop. ``[]`` when the store is gone."""
     try:
         store = default_store()
+        if not store.add(_ANNOUNCED, 0):
+            return []
         return [r for r in ranks if store.check([f"{_KEY}{r}"])]
     except (dist.DistError, RuntimeError):
         return []
+
+
+def failed_ranks(ranks: list[int]) -> dict[int, str]:
+    """Which of ``ranks`` announced a failure (:func:`announce_failure`, ``shutdown(abort=True)``), with
+    the error each gave, read from the default group's store. ``{}`` when the store is gone."""
+    try:
+        store = default_store()
+        if not store.add(_FAILED, 0):
+            return {}
+        present = [r for r in ranks if store.check([f"{_KEY}{r}"])]
+        states = store.multi_get([f"{_KEY}{r}" for r in present]) if present else []
+    except (dist.DistError, RuntimeError):
+        return {}
+    return {r: s.decode()[len(_ABORT):] for r, s in zip(present, states) if s.decode().startswith(_ABORT)}
+
+
+def announce_failure(message: str) -> None:
+    """Tell the other ranks, through the default group's store, that this rank fails with ``message``
+    (what ``shutdown(abort=True)`` says for the error in flight): a peer waiting in :func:`shutdown`
+    raises :class:`ShutdownError` naming this rank and ``message`` at once, and ndweave's checks that
+    wait for this rank stop waiting. For an error a peer could otherwise only learn of by a timeout
+    (a check that found its peers gone). No collective; nothing when there is no process group."""
+    if dist.is_available() and dist.is_initialized():
+        _announce(_ABORT + message)
+
+
+def forget_announcement() -> None:
+    """Remove what this rank announced (:func:`announce_failure`, :func:`shutdown`) from the store: for
+    a process that goes on in the same process group after a failure it handled (the test harness's
+    ranks, between tests). No collective."""
+    try:
+        default_store().delete_key(f"{_KEY}{dist.get_rank()}")
+    except (dist.DistError, RuntimeError):
+        pass
 
 
 def shutdown(*closeables: Any, timeout: timedelta | float | None = None, abort: bool = False) -> None:
@@ -228,7 +270,11 @@ def _close_all(closeables: Sequence[Any]) -> list[tuple[BaseException, str]]:
 
 def _announce(state: str) -> None:
     try:
-        default_store().set(f"{_KEY}{dist.get_rank()}", state[:2000])
+        store = default_store()
+        store.set(f"{_KEY}{dist.get_rank()}", state[:2000])
+        store.add(_ANNOUNCED, 1)
+        if state.startswith(_ABORT):
+            store.add(_FAILED, 1)
     except (dist.DistError, RuntimeError):  # the store went with its host: nobody is left to tell
         pass
 
@@ -236,10 +282,18 @@ def _announce(state: str) -> None:
 def _wait_for_peers(world: int, wait: timedelta) -> tuple[list[int], dict[int, str]]:
     """Ranks that did not announce themselves within ``wait``, and those that announced a failure."""
     store, keys = default_store(), [f"{_KEY}{r}" for r in range(world)]
-    try:
-        store.wait(keys, wait)
-    except (dist.DistError, RuntimeError):
-        pass  # who is missing is read below
+    deadline, pause = time.monotonic() + wait.total_seconds(), 0.002
+    others = [r for r in range(world) if r != dist.get_rank()]
+    # polled (store.wait() in slices would log a warning per slice): a peer that announced a failure
+    # ends the wait at once, for the others may never come
+    while time.monotonic() < deadline:
+        try:
+            if store.check(keys) or failed_ranks(others):
+                break
+        except (dist.DistError, RuntimeError):
+            break  # the store went with its host: who is missing is read below
+        time.sleep(pause)
+        pause = min(2 * pause, _PEER_POLL_S)
     try:
         present = [r for r in range(world) if store.check([keys[r]])]
         states = dict(zip(present, (v.decode() for v in store.multi_get([keys[r] for r in present]))))

@@ -46,8 +46,9 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("NDWEAVE_TEST_TIMEOUT", "180"))
 #: Once one rank has died, how long the others get to finish (and say how they saw the death).
 FAILURE_GRACE_S = 10.0
 #: Once one rank has raised, how long the others get to reply (a rank raising the same error a moment
-#: later reports its own) and to dump their stacks before they are killed.
-STOP_AFTER_RAISE_S = 0.5
+#: later reports its own; one waiting at an ndweave check learns of the failure from the store, where
+#: the raising rank announced it, within a second) and to dump their stacks before they are killed.
+STOP_AFTER_RAISE_S = 1.5
 _START_TIMEOUT_S = 300.0
 #: A pool whose ranks hold more process groups than this (each with a polling gloo thread) is
 #: started afresh before its next task.
@@ -195,17 +196,27 @@ class _Pool:
 
     def _failures(self, replies: dict[int, Reply]) -> list[RankFailure]:
         """Every failed rank: those that raised or died first, in the order they failed, then those
-        still running (stopped because another raised, or timed out), with their stacks."""
+        still running (stopped because another raised, or timed out), with their stacks. Each one after
+        the first names the first failure (a rank that raised after a peer died reports gloo's "Connection
+        reset by peer": the death is the cause), so every rank's report says what went wrong, and where."""
         failures = []
-        failed = sorted((rep.failed_at, rank) for rank, rep in replies.items() if rep.status in ("err", "died"))
-        for _, rank in failed:
+        # a death first: the parent notices it after the peers' gloo errors it causes ("Connection reset")
+        failed = sorted((rep.status != "died", rep.failed_at, rank) for rank, rep in replies.items()
+                        if rep.status in ("err", "died"))
+        first = ""
+        for _, _, rank in failed:
             rep = replies[rank]
-            failures.append(RankFailure(rank, "raised" if rep.status == "err" else "died", rep.payload, rep.output))
+            kind = "raised" if rep.status == "err" else "died"
+            cause = _cause(kind, rep.payload)
+            detail = rep.payload if not first else f"after {first}, this rank {kind}:\n{rep.payload}"
+            failures.append(RankFailure(rank, kind, detail, rep.output))
+            first = first or f"rank {rank} {cause}"
         running = [r for r in range(self.world_size) if r not in replies]
         kind = "stopped" if any(f.kind == "raised" for f in failures) else "timed out"
         stacks = self._dump_stacks(running) if running else {}
         for rank in running:
-            what = "stack when it was stopped" if kind == "stopped" else "stack at the time out"
+            what = (f"stopped after {first}; its stack then" if kind == "stopped" and first
+                    else "stack when it was stopped" if kind == "stopped" else "stack at the time out")
             failures.append(RankFailure(rank, kind, f"{what}:\n" + stacks.get(rank, "(none)")))
         return failures
 
@@ -352,6 +363,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _cause(kind: str, detail: str) -> str:
+    """A failure in a few words: ``raised ValueError: bad batch``, ``died (the process exited with code 3)``."""
+    lines = [line for line in detail.strip().splitlines() if line.strip()]
+    if kind == "died":
+        return f"died ({lines[0]})" if lines else "died"
+    last = next((line for line in reversed(lines) if not line.startswith(" ")), "")
+    return f"raised {last[:300]}" if last else "raised"
 
 
 def _tail(path: str, chars: int) -> str:

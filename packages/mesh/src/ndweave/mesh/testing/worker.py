@@ -182,9 +182,13 @@ def _after_task(cfg: WorkerConfig, failed: bool) -> None:
     import torch.distributed as dist
 
     from ndweave.mesh import DEVICE_MESH
-    from ndweave.mesh.lifecycle import shutdown
+    from ndweave.mesh.lifecycle import forget_announcement, shutdown
 
     DEVICE_MESH.reset()
+    if cfg.init_process_group and dist.is_initialized() and not failed:
+        # the pool's store outlives the test: a failure announced and handled in it must not reach the next
+        # (after a failed test the pool is killed, and the announcement is what its peers report meanwhile)
+        forget_announcement()
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     if not cfg.init_process_group and dist.is_initialized():
@@ -194,6 +198,18 @@ def _after_task(cfg: WorkerConfig, failed: bool) -> None:
     elif cfg.init_process_group and not dist.is_initialized():
         raise RuntimeError("the test destroyed the pool's process group (shutdown() or destroy_process_group()): "
                            "give a test that ends the job @distributed(..., init_process_group=False)")
+
+
+def _announce(error: BaseException) -> None:
+    """Tell the other ranks through the store that this one failed, and why (as ``shutdown(abort=True)``
+    would): one waiting at an ndweave check or in ``shutdown()`` raises an error naming this rank at
+    once, rather than being stopped without a word."""
+    import torch.distributed as dist
+
+    from ndweave.mesh.lifecycle import announce_failure
+
+    if dist.is_initialized():
+        announce_failure(f"{type(error).__name__}: {error}")
 
 
 def _live_group_count() -> int:
@@ -228,8 +244,9 @@ def worker_main(cfg: WorkerConfig, conn) -> None:
                     fn = resolve_function(task.fn)
                     result = fn(*task.args, **task.kwargs)
                 reply = Reply("ok", result)
-            except BaseException:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
+            except BaseException as error:  # noqa: BLE001 - every failure, SystemExit included, goes to the parent
                 reply = Reply("err", traceback.format_exc(), failed_at=time.time())
+                _announce(error)
         reply = dataclasses.replace(reply, output=out.getvalue(), warnings=tuple(_rank_warnings(caught)))
         try:
             _after_task(cfg, failed=reply.status == "err")
