@@ -82,3 +82,38 @@ class TupleLM(nn.Module):
         for layer in self.layers:
             x = layer(x, rope, pos=pos, mask=mask)
         return {"logits": self.head(x)}
+
+
+class TorchEncoderLM(nn.Module):
+    """A small causal LM on torch's own ``nn.TransformerEncoder`` (whose forward reads attributes of
+    its layers, so a placeholder cannot stand in for one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        # no biases: the key's gets no gradient in exact arithmetic (softmax ignores a shift), only noise
+        layer = nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, dropout=0.0, batch_first=True, bias=False)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        return self.head(self.encoder(self.emb(ids), mask=mask, is_causal=True))
+
+
+def x_transformers_lm() -> nn.Module:
+    from x_transformers import Decoder, TransformerWrapper
+
+    return TransformerWrapper(num_tokens=VOCAB, max_seq_len=SEQ, attn_layers=Decoder(dim=WIDTH, depth=2, heads=2))
+
+
+def litgpt_lm() -> nn.Module:  # (registers its head before its embedding)
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    return GPT(Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=WIDTH))
+
+
+#: decoders written with other libraries, as their users build them (x-transformers and litgpt are
+#: test dependencies: absent, their tests skip)
+OTHER_LIBRARIES = {"torch": TorchEncoderLM, "x_transformers": x_transformers_lm, "litgpt": litgpt_lm}

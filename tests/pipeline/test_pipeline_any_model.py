@@ -14,7 +14,7 @@ import torch
 from ndweave.mesh import init_device_mesh
 from ndweave.mesh.testing import assert_close, distributed
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, PipelineStageError, construct_pipeline_stage, generate
-from pipeline_any_models import AttrLM, TupleLM
+from pipeline_any_models import OTHER_LIBRARIES, AttrLM, TupleLM
 from pipeline_models import SEQ, TinyLM, assert_same_training, batches, loss_fn, train_pipeline, train_reference
 from test_pipeline_faults import Faulty
 
@@ -66,6 +66,27 @@ def test_every_schedule_on_models_without_layer_containers_and_multi_value_cuts(
 
 
 # ------------------------------------------------------------------ forward only: evaluation and generation
+@pytest.mark.parity
+@pytest.mark.parametrize("library", sorted(OTHER_LIBRARIES))
+def test_decoders_written_with_other_libraries_train_like_one_process(library):
+    """torch's own ``nn.TransformerEncoder`` (its forward checks ``isinstance(mask, Tensor)``),
+    x-transformers (layers as ``[norm, block, residual]`` lists its forward unpacks; ``autocast`` on
+    its tensors' device, which fails on meta) and litgpt (an ``nn.Identity`` made inside its forward),
+    given one micro-batch: PP=2, 1F1B."""
+    if library != "torch":
+        pytest.importorskip(library)  # (test dependencies, not the package's)
+    _other_library_parity(library)
+
+
+@distributed(world_size=2, timeout=300)
+def _other_library_parity(library: str) -> None:
+    model, data, expected = _one_process(OTHER_LIBRARIES[library])
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("PP",))
+    plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=4)
+    actual = train_pipeline(model, plan, mesh, data, loss=lm_loss, example_inputs=data[0][0][:2])
+    assert_same_training(actual, expected, library)
+
+
 @pytest.mark.parity
 @distributed(world_size=2, timeout=300)
 def test_evaluation_is_the_one_process_loss_and_logits_between_training_steps():

@@ -16,7 +16,7 @@ from torch import nn
 from ndweave.mesh import init_device_mesh
 from ndweave.mesh import fake_world
 from ndweave.pipeline import PipelineParallelPlan, SharedParam, StagePlaceholder, construct_pipeline_stage
-from pipeline_any_models import AttrLM, TupleLM
+from pipeline_any_models import OTHER_LIBRARIES, AttrLM, TupleLM
 from pipeline_models import SEQ, VOCAB, WIDTH, Block, TinyLM
 
 IDS = torch.zeros(2, SEQ, dtype=torch.long)  # an example micro-batch: only shape and dtype matter
@@ -177,42 +177,13 @@ def test_without_example_inputs_a_forward_that_reads_its_input_as_ids_is_refused
     assert _stages(model, 2)[1].stage_io[1] is not None  # with them: the traced cut
 
 
-class TorchEncoderLM(nn.Module):
-    """A small causal LM on torch's own ``nn.TransformerEncoder`` (whose forward reads attributes of
-    its layers, so a placeholder cannot stand in for one)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, batch_first=True), 2,
-                                             enable_nested_tensor=False)
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
-        return self.head(self.encoder(self.emb(ids), mask=mask, is_causal=True))
-
-
-def _x_transformers() -> nn.Module:
-    from x_transformers import Decoder, TransformerWrapper
-
-    return TransformerWrapper(num_tokens=VOCAB, max_seq_len=SEQ, attn_layers=Decoder(dim=WIDTH, depth=2, heads=2))
-
-
-def _litgpt() -> nn.Module:  # (registers its head before its embedding)
-    from litgpt.config import Config
-    from litgpt.model import GPT
-
-    return GPT(Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=WIDTH))
-
-
 @pytest.mark.parametrize("library", ["torch", "x_transformers", "litgpt"])
 def test_without_example_inputs_decoders_of_other_libraries_are_refused_at_construction(library):
     """Told at construction (before: x-transformers stopped in stage 0's forward at 'cannot unpack
     non-iterable', litgpt in stage 1's at a shape error, torch's at a missing 'self_attn')."""
     if library != "torch":
         pytest.importorskip(library)  # (test dependencies, not the package's)
-    model = {"torch": TorchEncoderLM, "x_transformers": _x_transformers, "litgpt": _litgpt}[library]()
+    model = OTHER_LIBRARIES[library]()
     with pytest.raises(ValueError, match=r"cannot be pipelined without example_inputs: .* fails on (the model's "
                                          r"input|what stage 0 hands it) \(\w+: .*\); pass example_inputs="):
         _stages(model, 2, example=None)

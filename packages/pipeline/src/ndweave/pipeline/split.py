@@ -60,12 +60,27 @@ def traced_layers(model: nn.Module, split_points: Sequence[str] | None) -> list[
         _walk(model, "", layers)
     else:
         layers = [name for name, _ in model.named_children()]
+    layers = _callable_layers(model, layers)
     for point in split_points or ():
         _check_names(model, point)
         while (owner := next((fqn for fqn in layers if point.startswith(fqn + ".")), None)) is not None:
             at = layers.index(owner)
             layers[at:at + 1] = [f"{owner}.{name}" for name, _ in model.get_submodule(owner).named_children()]
     return layers
+
+
+def _callable_layers(model: nn.Module, layers: list[str]) -> list[str]:
+    """``layers`` with each ``ModuleList`` / ``ModuleDict`` among them replaced by its entries, again
+    and again: a forward never calls those containers, only what they hold (x-transformers' layers
+    are lists ``[norms, block, residual]`` its forward unpacks)."""
+    out: list[str] = []
+    for fqn in layers:
+        module = model.get_submodule(fqn)
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            out += _callable_layers(model, [f"{fqn}.{name}" for name, _ in module.named_children()])
+        else:
+            out.append(fqn)
+    return out
 
 
 def _walk(module: nn.Module, prefix: str, layers: list[str], refuse_params: bool = False,

@@ -15,6 +15,7 @@ count, and hand back graph modules instead of the user's layers.)
 
 from __future__ import annotations
 
+import builtins
 import functools
 import inspect
 import os
@@ -27,11 +28,14 @@ import torch
 from torch import fx, nn
 from torch.fx.proxy import Attribute, Proxy
 
+from ndweave.mesh.torch_compat import FakeTensorMode
+
 __all__ = ["ForwardGraph", "trace_forward"]
 
 # torch's argument parser takes ``torch.ones(T, T)`` only with int sizes, not proxies (fx alone fails
 # there too); during a trace these record a node when a size is traced
 _FACTORIES = ("empty", "eye", "full", "ones", "rand", "randn", "zeros")
+_CALLABLE = builtins.callable
 
 
 def _is_torch_machinery(filename: str) -> bool:
@@ -65,24 +69,40 @@ def trace_forward(model: nn.Module, example_inputs: Sequence[Any], layers: Seque
 
     ``example_inputs`` may be real or ``meta`` tensors (only their shapes and dtypes are used); the
     model may live on any device, ``meta`` included, and is left as it was."""
-    tracer = _ValueTracer(set(layers), tuple(example_inputs))
-    try:
-        graph = tracer.trace(model)
-    except Exception as error:
-        raise type(error)(f"tracing {type(model).__name__}.forward for the pipeline failed: {error}") from error
+    failures = []
+    for fake in (False, True):
+        tracer = _ValueTracer(set(layers), tuple(example_inputs), FakeTensorMode(allow_non_fake_inputs=True) if fake
+                              else None)
+        try:
+            graph = tracer.trace(model)
+            break
+        except Exception as error:  # noqa: BLE001 (the model's own code failing is the answer)
+            failures.append(f"{'on fake tensors' if fake else 'on meta'}: {error}")
+            cause = error
+    else:
+        raise type(cause)(f"tracing {type(model).__name__}.forward for the pipeline failed: "
+                          f"{'; '.join(failures)}") from cause
     _drop_dead_code(graph)
     return ForwardGraph(graph, tracer.values, tracer.constants)
 
 
-def _to_meta(value: Any) -> Any:
+def _to_meta(value: Any, fake_mode: FakeTensorMode | None = None) -> Any:
+    """A tensor's stand-in for the trace: on ``meta``, or with ``fake_mode`` a fake tensor on the CPU
+    (the fallback for forwards that use their tensors' device: ``torch.autocast(x.device.type)`` fails
+    on "meta")."""
     if isinstance(value, torch.Tensor):
         # requires_grad kept: what the forward does with it (``x.retain_grad()``) is answered as for real
-        return torch.empty(value.shape, dtype=value.dtype, device="meta", requires_grad=value.requires_grad)
+        if fake_mode is None:
+            return torch.empty(value.shape, dtype=value.dtype, device="meta", requires_grad=value.requires_grad)
+        with fake_mode:
+            return torch.empty(value.shape, dtype=value.dtype, device="cpu", requires_grad=value.requires_grad)
     return value
 
 
 class _ValueProxy(Proxy):
     """A proxy that answers what Python needs concretely (``len``, ``int``, ``range``) from its value."""
+
+    _is_param = False  # (read by ``isinstance(x, nn.Parameter)``; found here, it traces nothing)
 
     def __len__(self) -> int:
         return len(self.tracer.value(self))
@@ -96,16 +116,26 @@ class _ValueProxy(Proxy):
     def __getattr__(self, name: str) -> _ValueAttribute:
         return _ValueAttribute(self, name)
 
+    @property
+    def __class__(self) -> type:
+        """A traced tensor passes the forward's ``isinstance(x, torch.Tensor)`` (torch's own
+        ``TransformerEncoder`` checks its mask so); ``type(x)`` and fx's checks still see a proxy."""
+        state = vars(self)  # (not ``self.node``: an attribute's is made when first read, by a trace)
+        node, tracer = state.get("node", state.get("_node")), state.get("tracer")
+        value = tracer.values.get(node) if node is not None and tracer is not None else None
+        return type(value) if isinstance(value, torch.Tensor) else type(self)
+
 
 class _ValueAttribute(Attribute, _ValueProxy):
     """``x.shape``, ``x.device``, ...: fx's lazy attribute, with the same concrete answers."""
 
 
 class _ValueTracer(fx.Tracer):
-    def __init__(self, layers: set[str], example_inputs: tuple) -> None:
+    def __init__(self, layers: set[str], example_inputs: tuple, fake_mode: FakeTensorMode | None = None) -> None:
         super().__init__(autowrap_functions=())
         self.layers = layers
         self.example_inputs = example_inputs
+        self.fake_mode = fake_mode
         self.values: dict[fx.Node, Any] = {}
         self.constants: dict[str, torch.Tensor] = {}
         self._computing = False  # running a value: module calls and attributes are the real ones
@@ -132,11 +162,19 @@ class _ValueTracer(fx.Tracer):
         originals = {name: getattr(torch, name) for name in _FACTORIES}
         for name, factory in originals.items():
             setattr(torch, name, self._recording(factory))
+        # ``callable(x)`` of a traced value answers for the value: every fx proxy is callable, and a
+        # forward's ``default(x, fallback)`` (x-transformers: ``arg() if callable(arg) else arg``)
+        # would call a tensor
+        builtins.callable = self._callable
         try:
             return super().trace(root, concrete_args)
         finally:
+            builtins.callable = _CALLABLE
             for name, factory in originals.items():
                 setattr(torch, name, factory)
+
+    def _callable(self, obj: Any) -> bool:
+        return _CALLABLE(self.value(obj) if isinstance(obj, _ValueProxy) and obj.node in self.values else obj)
 
     def _recording(self, factory):
         @functools.wraps(factory)
@@ -155,6 +193,10 @@ class _ValueTracer(fx.Tracer):
 
     def call_module(self, module, forward, args, kwargs):
         if self._computing:
+            return forward(*args, **kwargs)
+        try:
+            self.path_of_module(module)
+        except NameError:  # made by the forward as it runs (litgpt's ``nn.Identity()`` head clamp): inlined
             return forward(*args, **kwargs)
         return super().call_module(module, forward, args, kwargs)
 
@@ -181,7 +223,8 @@ class _ValueTracer(fx.Tracer):
         return proxy
 
     def _concrete(self, args: Any) -> Any:
-        return fx.node.map_aggregate(args, lambda a: self.values[a.node] if isinstance(a, Proxy) else _to_meta(a))
+        return fx.node.map_aggregate(args, lambda a: self.values[a.node] if isinstance(a, Proxy)
+                                     else _to_meta(a, self.fake_mode))
 
     def _compute(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
         if kind == "call_function":
@@ -190,21 +233,23 @@ class _ValueTracer(fx.Tracer):
             return getattr(args[0], target)(*args[1:], **kwargs)
         if kind == "call_module":
             module = self.root.get_submodule(target)
-            state = {name: _to_meta(t) for name, t in (*module.named_parameters(remove_duplicate=False),
-                                                       *module.named_buffers(remove_duplicate=False))}
+            tensors = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+            state = {name: _to_meta(t, self.fake_mode) for name, t in tensors}
             return torch.func.functional_call(module, state, args, kwargs, tie_weights=False, strict=False)
         if kind == "get_attr":
-            return _to_meta(functools.reduce(getattr, target.split("."), self.root))
+            return _to_meta(functools.reduce(getattr, target.split("."), self.root), self.fake_mode)
         return None
 
     def create_arg(self, a: Any):
+        if isinstance(a, Proxy):  # first: a traced tensor passes isinstance(a, torch.Tensor) (_ValueProxy)
+            return a.node
         # a tensor the forward made from no inputs: kept here, not set on the user's model as fx would
         if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and a not in self.tensor_attrs:
             name = f"_pipeline_constant{len(self.constants)}"
             self.constants[name] = a
             self.tensor_attrs[a] = name
             node = self.create_node("get_attr", name, (), {})
-            self.values[node] = _to_meta(a)
+            self.values[node] = _to_meta(a, self.fake_mode)
             return node
         return super().create_arg(a)
 
@@ -231,7 +276,7 @@ class _ValueTracer(fx.Tracer):
         for index, example in enumerate(self.example_inputs):
             name = positional[index] if index < len(positional) else f"input_{index}"
             proxy = self.create_proxy("placeholder", name, (), {})
-            self.values[proxy.node] = _to_meta(example)
+            self.values[proxy.node] = _to_meta(example, self.fake_mode)
             proxies.append(proxy)
         root = self.root
         return (lambda *inputs: root_fn(root, *inputs)), proxies
