@@ -31,9 +31,6 @@ MAX_PARAMETERS = 10_000_000  # (tiny ones have ~0.1M; BLT's byte-patch embedding
 #: the model types "auto" does not yet match, and why (the dmodule README's table): counted as failures
 #: by the 90% test, reported as xfail here so that the suite stays green while the list is honest
 KNOWN_FAILURES = {
-    "ctrl": "a plain position-encoding tensor meets the DTensor residual stream",
-    "moshi": "a plain position-encoding tensor meets the DTensor residual stream",
-    "xglm": "a plain position-encoding tensor meets the DTensor residual stream",
     "jetmoe": "cannot trace on meta: its routing splits by token counts read from the data",
     "big_bird": "a full-width reshape the planner does not recognise",
     "cpmant": "its inner model returns a ModelOutput, whose output is planned by position",
@@ -43,8 +40,7 @@ KNOWN_FAILURES = {
 }
 #: ... and those that fail in one mode only
 MODE_FAILURES = {
-    "tp": {"nanochat": "its residual is handed on plain (a norm's output the columns take) and meets the "
-                       "attention's DTensor output"},
+    "tp": {},
     "tp_sp": {"llama4_text": "a KeyError inside DTensor"},
 }
 

@@ -37,7 +37,7 @@ def test_attention_asked_for_its_weights_stays_replicated():
 
     d = derive(Weights(), example_inputs=((torch.zeros(2, 8, 16),), {}))
     assert any("need_weights=True" in line for line in d.replicated)
-    assert d.plan()["patch"] == {"attn": ["replicated_local"]}
+    assert d.plan()["patch"] == {"": ["replicate_plain"], "attn": ["replicated_local"]}  # (every auto plan: the root)
 
 
 @pytest.mark.parity

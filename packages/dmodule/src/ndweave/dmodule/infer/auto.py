@@ -28,6 +28,7 @@ from ndweave.dmodule.infer.attention import emit_torch_attention, find_torch_att
 from ndweave.dmodule.infer.emit import block_module, emit_blocks, emit_embeddings, emit_experts, emit_replicated
 from ndweave.dmodule.infer.entries import Entries
 from ndweave.dmodule.infer.experts import Experts, expert_lists, find_experts
+from ndweave.dmodule.infer.inputs import Guess, guesses, what_was_read
 from ndweave.dmodule.infer.linears import find_embeddings, find_linears
 from ndweave.dmodule.infer.modules import Boundaries
 from ndweave.dmodule.infer.partials import partial_outputs
@@ -38,7 +39,6 @@ from ndweave.mesh.torch_compat import FakeTensorMode
 
 __all__ = ["Derivation", "auto_plan", "derive", "guess_inputs"]
 
-_BATCH, _SEQ = 2, 8
 # Tensor methods that only set autograd's flags on a tensor, in place, and hand it back unchanged. A
 # forward hook may run one inside a module's call: transformers' gradient checkpointing puts
 # ``output.requires_grad_(True)`` on the input embeddings (so that checkpointed layers take an input
@@ -130,18 +130,21 @@ def _signature(block: Block, b: Boundaries, twin: nn.Module) -> tuple:
 
 
 def guess_inputs(model: nn.Module) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` on meta for a trace: token ids ``(2, 8)`` when the model holds an
-    ``nn.Embedding`` (wherever it is registered: some register their head first), else activations
-    ``(2, 8, in_features)`` when its first module with parameters is an ``nn.Linear``. Anything else
-    needs ``example_inputs=`` (any device: only shapes are used)."""
-    if any(isinstance(m, nn.Embedding) for m in model.modules()):
-        return (torch.zeros(_BATCH, _SEQ, dtype=torch.long, device="meta"),), {}
-    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
-    if isinstance(first, nn.Linear):
-        return (torch.zeros(_BATCH, _SEQ, first.in_features, dtype=first.weight.dtype, device="meta"),), {}
-    raise ValueError(f"auto plan: cannot guess the inputs of {type(model).__name__} (its first module with "
-                     f"parameters is a {type(first).__name__}); pass example_inputs=(args, kwargs) with tensors of "
-                     "the shapes it takes (any device: only shapes are read)")
+    """``(args, kwargs)`` on meta for a trace: the first of :func:`~ndweave.dmodule.infer.inputs.guesses`
+    (a decoder LM's token ids ``(2, 8)``; a vision model's ``pixel_values`` sized from its config; an
+    encoder-decoder's ids and decoder ids ...). :func:`derive` tries the others in turn where it fails.
+    Raises when nothing can be guessed: then pass ``example_inputs=`` (any device: only shapes are used)."""
+    first = _guesses(model)[0]
+    return first.args, first.kwargs
+
+
+def _guesses(model: nn.Module) -> list[Guess]:
+    found = guesses(model)
+    if not found:
+        raise ValueError(f"auto plan: cannot guess the inputs of {type(model).__name__} ({what_was_read(model)}); "
+                         "pass example_inputs=(args, kwargs) with tensors of the shapes it takes (any device: only "
+                         "shapes are read)")
+    return found
 
 
 def _without_autograd_flags(recorded: Trace) -> Trace:
@@ -165,21 +168,28 @@ def _shape_only(obj: Any, fake_mode: FakeTensorMode | None = None) -> Any:
 def _trace_without_data(model: nn.Module, example_inputs: tuple[tuple, dict] | None) -> tuple[Trace, nn.Module]:
     """The trace of one forward of a meta copy of ``model``, or where that fails, of a fake copy
     (fake CPU tensors: a forward may use its tensors' device, ``torch.autocast(x.device.type)``, which
-    fails on "meta"), and the copy traced. Meta first: it is faster."""
-    failures = []
-    for fake in (False, True):
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
-        twin = meta_copy(model, fake_mode)
-        args, kwargs = _shape_only(example_inputs if example_inputs is not None else guess_inputs(twin), fake_mode)
-        try:
-            with torch.no_grad():
-                return trace(twin, *args, **kwargs), twin
-        except Exception as error:  # noqa: BLE001 (any failure of the model's code is the answer)
-            failures.append(f"on {'fake' if fake else 'meta'}: {type(error).__name__}: {error}")
-            cause = error
-    raise ValueError(f"auto plan: {type(model).__name__}'s forward failed on inputs "
-                     f"{[tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]} ({'; '.join(failures)}); "
-                     "pass example_inputs=(args, kwargs) it accepts") from cause
+    fails on "meta"), and the copy traced. Meta first: it is faster. Without ``example_inputs``, each
+    guess in turn (see :func:`guess_inputs`), the first that runs kept: a wrong guess fails the forward."""
+    candidates = [Guess(*example_inputs)] if example_inputs is not None else _guesses(model)
+    tried = []
+    for inputs in candidates:
+        failures = []
+        for fake in (False, True):
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+            twin = meta_copy(model, fake_mode)  # (a fresh copy each time: a failed forward may have left state)
+            args, kwargs = _shape_only((inputs.args, inputs.kwargs), fake_mode)
+            try:
+                with torch.no_grad():
+                    return trace(twin, *args, **kwargs), twin
+            except Exception as error:  # noqa: BLE001 (any failure of the model's code is the answer)
+                why = str(error) if len(candidates) == 1 else (str(error).strip().splitlines() or [""])[0][:240]
+                failures.append(f"on {'fake' if fake else 'meta'}: {type(error).__name__}: {why}")
+                cause = error
+        tried.append(f"{inputs.describe()} ({'; '.join(failures)})")
+    raise ValueError(f"auto plan: {type(model).__name__}'s forward failed on "
+                     + (f"inputs {tried[0]}" if len(tried) == 1 else
+                        f"each of {len(tried)} guessed inputs: " + "; ".join(f"[{i}] {t}" for i, t in enumerate(tried)))
+                     + "; pass example_inputs=(args, kwargs) it accepts") from cause
 
 
 def derive(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = False,

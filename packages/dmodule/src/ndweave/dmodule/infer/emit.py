@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from ndweave.dmodule.experts.parallel import EXPERT_PATCH
-from ndweave.dmodule.infer.entries import Entries
+from ndweave.dmodule.infer.entries import Entries, Entry
 from ndweave.dmodule.infer.experts import Experts
 from ndweave.dmodule.infer.linears import Embedding, Linear
 from ndweave.dmodule.infer.modules import Argument, Boundaries, common_ancestor, is_within
@@ -83,9 +83,13 @@ def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.
             if column.op in block.gathered:
                 why = "column-wise: its output is the model's output, gathered there"
             entries.param(column.weight, shard(column.out_dim), f"{why} ({where})")
-            for bias in (column.bias, block.biases.get(column.op)):
-                if bias is not None:
-                    entries.param(bias, shard(0), f"bias of a {why} ({where})")
+            if column.bias is not None:
+                entries.param(column.bias, shard(0), f"bias of a {why} ({where})")
+            outside = block.biases.get(column.op)  # a bias its caller adds to its output
+            if outside is not None and column.op in block.gathered:
+                entries.param(outside, [Replicate()], f"added by {where} to the gathered logits: replicated")
+            elif outside is not None:
+                entries.param(outside, shard(0), f"bias of a {why} ({where})")
             if column.op in block.gathered:
                 value = [[Shard(-1)]] if loss_parallel else [_local([Replicate()])]
                 entries.add("forward", column.module, "output", value,
@@ -107,10 +111,16 @@ def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.
                 entries.add("forward", row.module, "input", [[Shard(-1)]],
                             "takes this rank's features back as a DTensor (the local tensors of "
                             f"{where})")
-            entries.add("forward", row.module, "output", [_stream(sequence_parallel)],
-                        "row-wise output: the partial sums reduce-scattered on the sequence (SP)" if sequence_parallel
-                        else "row-wise output: the partial sums all-reduced, once")
-        if local:
+            call = b.calls.get(row.module)  # (its module's output: GPT-2's Conv1D multiplies a 2-D view)
+            out = b.trace.values[call.outputs[0]] if call is not None and call.outputs else b.trace.values[row.y]
+            on_sequence = sequence_parallel and len(out.shape) == 3
+            entries.add("forward", row.module, "output", [_stream(on_sequence)],
+                        "row-wise output: the partial sums reduce-scattered on the sequence (SP)" if on_sequence
+                        else "row-wise output: the partial sums all-reduced, once" + (
+                            " (not (batch, seq, hidden): a pooled head's output stays whole under SP)"
+                            if sequence_parallel else ""))
+        gathered_only = not block.rows and all(c.op in block.gathered for c in block.columns)
+        if local and not gathered_only:  # (a head gathered at its own output: nothing after it sees a shard)
             check = {"name": "tp_divides", "args": {"sizes": sorted(block.sizes)}}
             entries.add("patch", block_module(block), "", check,
                         "checks that the tensor-parallel size divides every sharded size (heads) of the block")
@@ -168,6 +178,9 @@ def _emit_column_input(entries: Entries, column: Linear, b: Boundaries, sequence
         return  # DTensor's layer_norm backward reduces the columns' partial input gradient itself
     if receiver is None:
         return
+    if producer is not None and b.call_counts.get(producer, 0) > 1:
+        # (called again elsewhere, a dropout: its output plan would hand that call's output on plain too)
+        producer = None
     if producer is not None:
         if not _free(entries, producer, [_local([Replicate()])]):
             return  # its output is laid out already (an embedding feeding the columns directly)
@@ -189,10 +202,19 @@ def emit_embeddings(entries: Entries, embeddings: list[Embedding], b: Boundaries
     """Entries for the embedding lookups; returns a line for each left replicated, with why."""
     notes = []
     inputs = set(b.trace.inputs)
-    for emb in embeddings:
+    entries.context = (b, model)
+
+    def vocab_parallel(emb: Embedding) -> bool:
         call = b.calls.get(emb.module)
         linear = call is not None and follow_partials(b.trace, {emb.op: emb.y}, call)[0] is not None
-        if b.chain(emb.ids)[-1] in inputs and isinstance(model.get_submodule(emb.module), nn.Embedding) and linear:
+        return b.chain(emb.ids)[-1] in inputs and isinstance(model.get_submodule(emb.module), nn.Embedding) and linear
+
+    # one placement per table, from all of its lookups: a table shared by a lookup that cannot be
+    # vocab-parallel (a decoder's ids made from the input ids) is replicated for every lookup
+    able = {emb.op: vocab_parallel(emb) for emb in embeddings}
+    shared_with_replicated = {emb.weight for emb in embeddings if not able[emb.op]}
+    for emb in embeddings:
+        if able[emb.op] and emb.weight not in shared_with_replicated:
             entries.param(emb.weight, [Shard(0)], "vocab-parallel embedding: each rank holds a block of rows")
             if len(b.ops_in(emb.module)) == 1:  # its forward is the lookup alone
                 entries.add("patch", emb.module, "", "vocab_parallel_embedding",
@@ -204,8 +226,10 @@ def emit_embeddings(entries: Entries, embeddings: list[Embedding], b: Boundaries
                         "the partial lookups reduce-scattered on the sequence (SP)" if sequence_parallel
                         else "the partial lookups all-reduced")
             continue
-        notes.append(f"{emb.weight}: replicated (" + ("an embedding of ids other than the model's input ids)"
-                     if b.chain(emb.ids)[-1] not in inputs else "its module's forward is not linear in the lookup)"))
+        notes.append(f"{emb.weight}: replicated (" + (
+            "shared with a lookup that cannot be vocab-parallel: one placement for every use)" if able[emb.op]
+            else "an embedding of ids other than the model's input ids)" if b.chain(emb.ids)[-1] not in inputs
+            else "its module's forward is not linear in the lookup)"))
         arg = b.argument(emb.module, emb.ids)
         if len(b.ops_in(emb.module)) == 1 and arg is not None:
             entries.add("forward", emb.module, "input", input_value(arg, [Replicate()]),
@@ -232,6 +256,7 @@ def emit_replicated(entries: Entries, replicated: list[str], called: set[str], k
     weights FQNs in ``replicated``) and no sharded parameter nor a module of ``kept`` (experts
     divided over EP): they then run on plain tensors. Only modules whose forward ran (in
     ``called``) take it: a ``ModuleList`` is never called itself."""
+    _replicate_shared(entries, replicated)
     sharded = {f"{e.module}.{e.leaf}" for e in entries.items if e.section == "parameter"}
     chosen: list[str] = []
     for weight in replicated:
@@ -239,7 +264,7 @@ def emit_replicated(entries: Entries, replicated: list[str], called: set[str], k
         best = None
         while module:
             holds = any(is_within(p.rpartition(".")[0], module) for p in sharded) or \
-                any(is_within(k, module) for k in kept)
+                any(is_within(k, module) for k in kept) or _holds_tied(entries, module, sharded)
             if holds:
                 break
             best = module if module in called else best
@@ -249,3 +274,80 @@ def emit_replicated(entries: Entries, replicated: list[str], called: set[str], k
     for fqn in chosen:
         entries.add("patch", fqn, "", "replicated_local",
                     "holds only replicated parameters: runs on plain local tensors, the same on every rank")
+    if entries.context is not None:
+        _emit_stems(entries, *entries.context)
+    entries.add("patch", "", "", "replicate_plain",
+                "a plain tensor the model computes or is given (positions, masks, pixel values, an adapter's branch) "
+                "that meets a DTensor is taken as Replicate at that op (off after a first forward that needs none)")
+
+
+_VOCAB_PATCHES = ("vocab_parallel_embedding", "vocab_parallel_forward")
+
+
+def _replicate_shared(entries: Entries, replicated: list[str]) -> None:
+    """One placement per parameter, from all of its uses: a weight left replicated for one use (a tied
+    LM head with a bias added between its linears) that another use made vocab-parallel (the
+    embedding of the encoder and the decoder) is replicated everywhere; those lookups then run on
+    the whole table (their ids taken as Replicate), their output plans unchanged."""
+    for weight in replicated:
+        names = set(entries.aliases.get(weight, [weight]))
+        for first, aliases in entries.aliases.items():
+            if weight in aliases:
+                names.update(aliases)
+        modules = {name.rpartition(".")[0] for name in names}
+        laid = [e for e in entries.items if e.section == "parameter" and f"{e.module}.{e.leaf}" in names
+                and e.value != [Replicate()]]
+        if not laid or any(not e.why.startswith("vocab-parallel") for e in laid):
+            continue  # (only a vocab-parallel lookup is undone: a block's column or row keeps its layout)
+        why = (f"replicated: shared by {len(names)} names ({', '.join(sorted(names))}), one of whose uses is left "
+               "replicated; one placement for every use")
+        kept = []
+        for e in entries.items:
+            if e.section == "parameter" and f"{e.module}.{e.leaf}" in names:
+                e = Entry(e.section, e.module, e.leaf, [Replicate()], why)
+            elif e.section == "patch" and e.module in modules and e.value in _VOCAB_PATCHES:
+                continue
+            kept.append(e)
+        entries.items[:] = kept
+
+
+def _emit_stems(entries: Entries, b: Boundaries, model: nn.Module) -> None:
+    """``replicated_local`` on the outermost modules with parameters, none sharded and nothing planned
+    inside, whose every call ends before the first op that uses a sharded parameter: what runs before
+    the stream (a conv stem, a patch embedding, a feature extractor; all of a model nothing of which
+    is sharded but its head) runs on plain local tensors, whatever ops it uses (DTensor has no rule
+    for some: pooling and activation backwards, weight norm), and hands the stream a Replicate value."""
+    sharded = {f"{e.module}.{e.leaf}" for e in entries.items if e.section == "parameter" and e.value != [Replicate()]}
+    start = next((op.index for op in b.trace.ops
+                  if any(b.trace.values[v].param in sharded for v in op.inputs)), None)
+    planned = {e.module for e in entries.items if e.module}
+    calls: dict[str, list] = {}
+    for call in b.trace.calls:
+        calls.setdefault(call.fqn, []).append(call)
+    chosen: list[str] = []
+    for fqn in sorted(calls, key=lambda f: f.count(".")):
+        if not fqn or any(is_within(fqn, c) for c in chosen) or any(is_within(p, fqn) or is_within(fqn, p)
+                                                                    for p in planned):
+            continue
+        if start is not None and any(call.end_op > start for call in calls[fqn]):
+            continue
+        params = [n for n, _ in model.get_submodule(fqn).named_parameters()]
+        if params and not any(f"{fqn}.{n}" in sharded for n in params):
+            chosen.append(fqn)
+    for fqn in chosen:
+        entries.add("patch", fqn, "", "replicated_local",
+                    "runs before the stream with only replicated parameters (a stem, a patch embedding): on plain "
+                    "local tensors, the same on every rank, its output Replicate")
+
+
+def _holds_tied(entries: Entries, module: str, sharded: set[str]) -> bool:
+    """Whether ``module`` holds, under its own name, a parameter tied to one the plan lays out."""
+    if entries.context is None:
+        return False
+    model = entries.context[1]
+    groups = {n: names for names in entries.aliases.values() for n in names}
+    try:
+        own = [f"{module}.{n}" for n, _ in model.get_submodule(module).named_parameters(remove_duplicate=False)]
+    except AttributeError:
+        return False
+    return any(alias in sharded for name in own for alias in groups.get(name, [name]))

@@ -49,6 +49,8 @@ class Entries:
 
     aliases: dict[str, list[str]] = field(default_factory=dict)
     """Parameter FQN -> every FQN of it (tied weights): an entry for one is written for each."""
+    context: Any = None
+    """What the emitters share (the trace's boundaries and the traced copy), set by the first one."""
 
     def get(self, section: str, module: str, leaf: str) -> Entry | None:
         return next((e for e in self.items if (e.section, e.module, e.leaf) == (section, module, leaf)), None)

@@ -50,8 +50,10 @@ class Boundaries:
         self.consumers = trace.consumers()
         self.calls: dict[str, ModuleCall] = {}
         self.returned_by: dict[int, str] = {}  # value id -> innermost module returning it
+        self.call_counts: dict[str, int] = {}  # module -> how many times the forward called it
         for call in trace.calls:  # children return before their parents: the first is innermost
             self.calls.setdefault(call.fqn, call)
+            self.call_counts[call.fqn] = self.call_counts.get(call.fqn, 0) + 1
             for vid in call.outputs:
                 self.returned_by.setdefault(vid, call.fqn)
 

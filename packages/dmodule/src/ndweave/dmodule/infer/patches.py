@@ -15,6 +15,13 @@
   ``Replicate`` DTensors. Every rank computes the same thing, with no communication, whatever ops
   the forward uses (DTensor has no rule for some: ``nonzero``, ``topk`` on indices, ...) and
   whatever plain tensors it meets (rotary tables, masks).
+- ``replicate_plain()``: on the root (``get_plan("auto")`` writes it there): a plain tensor the model
+  computes or is given (positions, masks, rotary tables, pixel values, an adapter's plain branch)
+  that meets a DTensor in a torch call is converted at that call, ``DTensor.from_local(t, mesh,
+  [Replicate()])``: every rank holds it whole (differentiable: its gradient comes back whole, any
+  partial sum reduced). Scoped to the root's forward (a ``TorchFunctionMode``, never process-global,
+  above autograd); the first forward that converts nothing turns it off for good, so a model whose
+  plan hands every value over itself (the decoder LMs) pays one forward of checks and nothing after.
 - ``local_block(partial=[...])``: a module whose column- and row-wise linears run inside its own
   forward (experts as 3-D weights): it runs whole on this rank's shards; its inputs are handed in
   whole (their gradients partial sums, reduced on the way back), its parameters as local shards, and
@@ -37,6 +44,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 from contextlib import contextmanager
@@ -46,12 +54,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.overrides import TorchFunctionMode
 
 from ndweave.dmodule.patches import register_patch
 from ndweave.mesh.torch_compat import StridedShard, own_buffers, own_parameters, tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["divide_attributes", "fused_colwise", "local_block", "partial_grad_params", "replicated_local",
-           "tp_divides", "vocab_parallel_forward"]
+__all__ = ["divide_attributes", "fused_colwise", "local_block", "partial_grad_params", "replicate_plain",
+           "replicated_local", "tp_divides", "vocab_parallel_forward"]
 
 
 def _tp_size(device_mesh: DeviceMesh, fqn: str, what: str) -> int:
@@ -150,6 +159,69 @@ def replicated_local(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> No
             raise ValueError(f"replicated_local on {fqn!r}: {name} is laid out {table[name].placements}; the patch is "
                              "for modules whose tensors are all replicated")
     _run_locally(module, device_mesh, tensors, lambda flat: [False] * len(flat), partial_grad=False)
+
+
+class _ReplicatePlain(TorchFunctionMode):
+    """Converts the plain tensor operands of a torch call that also takes a DTensor to ``Replicate``
+    DTensors on that DTensor's mesh (0-d ones are left: DTensor takes them as scalars itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.converted = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        flat, spec = tree_flatten((args, kwargs))
+        mesh = next((x.device_mesh for x in flat if isinstance(x, DTensor)), None)
+        if mesh is not None and any(_plain(x) for x in flat):
+            self.converted += 1
+            replicate = [Replicate()] * mesh.ndim
+            flat = [DTensor.from_local(x, mesh, replicate, run_check=False) if _plain(x) else x for x in flat]
+            args, kwargs = tree_unflatten(flat, spec)
+        return func(*args, **kwargs)
+
+
+def _plain(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.dim() > 0
+
+
+@register_patch("replicate_plain")
+def replicate_plain(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> None:
+    """Run ``module``'s forward converting plain tensors that meet DTensors (see the module docstring)."""
+    forward = module.forward  # (bound: another patch may have replaced it already)
+    state = {"on": True, "first": True}
+
+    def converting_forward(*args: Any, **kwargs: Any) -> Any:
+        if not state["on"]:
+            return forward(*args, **kwargs)
+        mode = _ReplicatePlain()
+        with mode:
+            out = forward(*args, **kwargs)
+        if state["first"]:  # (a model that needed it once keeps it: a later call may take another branch)
+            state["on"], state["first"] = mode.converted > 0, False
+        return out
+
+    def gathering_forward(*args: Any, **kwargs: Any) -> Any:
+        return _gather_sequence(converting_forward(*args, **kwargs))
+
+    module.forward = gathering_forward
+
+
+def _gather_sequence(output: Any) -> Any:
+    """``output`` with every DTensor sharded on a dim other than its last (the sequence, under SP) or
+    ``Partial`` made whole (``Replicate``); a shard on the last dim (logits over the vocabulary for
+    ``loss_parallel``) is left as it is."""
+    def leaf(x: Any) -> Any:
+        if isinstance(x, DTensor) and any(p.is_partial() or p.is_shard() and p.dim % x.ndim != x.ndim - 1
+                                          for p in x.placements):
+            return x.redistribute(x.device_mesh, [p if p.is_shard() and p.dim % x.ndim == x.ndim - 1 else Replicate()
+                                                  for p in x.placements])
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            changes = {f.name: _gather_sequence(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
+            if any(v is not getattr(x, k) for k, v in changes.items()):
+                return dataclasses.replace(x, **changes)
+        return x
+    return tree_map(leaf, output)
 
 
 @register_patch("local_block")
