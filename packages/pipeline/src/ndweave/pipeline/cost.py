@@ -23,7 +23,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Schedu
 
 from ndweave.mesh import torch_compat
 from ndweave.pipeline.construct import ModelCut, cut_model
-from ndweave.pipeline.engine import _first_tensor
+from ndweave.pipeline.stage_io import first_tensor
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
 from ndweave.pipeline.program import stage_program
 from ndweave.pipeline.report import count_saved_bytes
@@ -239,7 +239,7 @@ def stage_activations(model: nn.Module, plan: PipelineParallelPlan, pp_size: int
                 output = chunk(*values)
                 sent = stage_program(chunk).sent
                 if stage == resolved.num_stages - 1 and loss_fn is not None:
-                    loss_fn(_first_tensor(output), torch.zeros_like(first)).backward()  # as the engine calls it
+                    loss_fn(first_tensor(output), torch.zeros_like(first)).backward()  # as the engine calls it
                 else:
                     outputs = [t for t in sent if t.requires_grad]
                     torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ndweave.mesh.torch_compat import FakeTensorMode
+from ndweave.pipeline.stage_io import first_tensor
 
 __all__ = ["check_stages_run"]
 
@@ -56,8 +57,9 @@ def check_stages_run(model: nn.Module, chunk_of: Callable[[int], nn.Module], num
                     f"{_where(e)}); pass example_inputs= (one micro-batch) to construct_pipeline_stage, which cuts "
                     "the forward where its layers run"
                 ) from None
-            x = _first_tensor(out)
-            if x is None:
+            try:
+                x = first_tensor(out)
+            except TypeError:
                 return  # (the engine says what a stage must output)
 
 
@@ -80,13 +82,6 @@ def _guess_inputs(model: nn.Module) -> torch.Tensor | None:
     if embedding is None:
         return None
     return torch.zeros(_GUESS_SHAPE, dtype=torch.long, device=embedding.weight.device)
-
-
-def _first_tensor(output) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output
-    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
-    return next((v for v in values if isinstance(v, torch.Tensor)), None)
 
 
 def _first_line(e: BaseException) -> str:

@@ -44,6 +44,7 @@ from ndweave.pipeline.evaluate import evaluate_batch
 from ndweave.pipeline.faults import Blame, Failure, FailureRecord, PipelineStageError, detach_traceback
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
 from ndweave.pipeline.program import stage_program
+from ndweave.pipeline.stage_io import first_tensor
 from ndweave.pipeline.report import ActivationMeter, PipelineReport, build_stage_reports, gather_report
 from ndweave.pipeline.ties import HookGate, TiedGradSync, check_shared_params
 from ndweave.pipeline.timeline import ScheduleTimeline, TimelineRecorder
@@ -336,9 +337,9 @@ class _StageModule(nn.Module):
             # what the graph sent, not what a wrapper's output hook made of it (use_local_output turns a
             # replicated DTensor into a plain tensor, which the next stage could not tell from one that
             # always was plain: torch carries a DTensor across with its placements)
-            return _first_tensor(out) if self.last else self.program.sent
+            return first_tensor(out) if self.last else self.program.sent
         out = self.chunk(**{self.input_name: args[0]}) if self.input_name else self.chunk(*args)
-        return _first_tensor(out)
+        return first_tensor(out)
 
     def _sent(self, out: torch.Tensor) -> torch.Tensor:
         if self.p2p_dtype is not None and not self.last and out.is_floating_point():
@@ -366,18 +367,6 @@ def _takes_targets(loss_fn) -> bool:
         return True
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return any(p.kind == p.VAR_POSITIONAL for p in params) or len(positional) != 1
-
-
-def _first_tensor(output):
-    """The tensor a stage hands on: the output itself, or the first tensor in a tuple / list / dict /
-    HF ``ModelOutput`` (``(logits, loss)`` -> logits)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            return value
-    raise TypeError(f"a pipeline stage must output a tensor (or a tuple/list/dict holding one); got {type(output).__name__}")
 
 
 def _engine_group(pp_mesh: DeviceMesh) -> dist.ProcessGroup:

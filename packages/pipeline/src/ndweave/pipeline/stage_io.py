@@ -23,7 +23,7 @@ import torch
 from ndweave.mesh.torch_compat import tree_flatten, tree_unflatten
 from ndweave.pipeline.order import ExecutionOrder, describe_node, leaf_kind
 
-__all__ = ["CrossingValue", "StageIO", "build_stage_io"]
+__all__ = ["CrossingValue", "StageIO", "build_stage_io", "first_tensor"]
 
 
 @dataclass(frozen=True)
@@ -112,3 +112,14 @@ def build_stage_io(order: ExecutionOrder, cut: int, stage: int, before: str) -> 
         values.append(CrossingValue(node.name, describe_node(node), spec, kinds, constants))
     return StageIO(stage, before, tuple(values))
 
+
+def first_tensor(output: Any) -> torch.Tensor:
+    """The tensor a stage hands on: the output itself, or the first tensor in a tuple / list / dict /
+    HF ``ModelOutput`` (``(logits, loss)`` -> logits)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+    raise TypeError(f"a pipeline stage must output a tensor (or a tuple/list/dict holding one); got {type(output).__name__}")
