@@ -291,12 +291,13 @@ def run_case(case: str, model: nn.Module, inputs: dict, target: torch.Tensor) ->
 
 
 def first_batch_that_runs(case: str, model: nn.Module) -> int:
-    """The index in ``batch_candidates`` of the first batch ``model`` runs (forward and loss) on one
-    process; raises the first candidate's error where none runs."""
+    """The index in ``batch_candidates`` of the first batch ``model`` trains on (forward, loss and
+    backward, in eval mode) on one process; raises the first candidate's error where none does."""
     first_error = None
     for index, (inputs, target) in enumerate(batch_candidates(case, model, 0)):
         try:
-            run_case(case, model, inputs, target)
+            run_case(case, model, inputs, target)[1].backward()
+            model.zero_grad()
             return index
         except Exception as error:  # noqa: BLE001
             first_error = first_error or error

@@ -156,6 +156,13 @@ def test_dtensor_internals():
     assert isinstance(strided, DTensor)
 
 
+def test_dtensor_lacks_backward_rule_names_the_ops_whose_backward_dtensor_raises_on():
+    # (torch 2.13: pooling's and hardswish's backward have no DTensor rule; gelu's has one; linear and
+    # embedding decompose, so autograd never runs linear_backward or embedding_backward)
+    assert tc.dtensor_lacks_backward_rule("avg_pool2d") and tc.dtensor_lacks_backward_rule("hardswish")
+    assert not any(map(tc.dtensor_lacks_backward_rule, ("gelu", "linear", "embedding", "mm", "no_such_op")))
+
+
 def test_state_dicts_flatten_as_dcp_saves_them():
     t = torch.ones(2)
     flat, paths = tc.flatten_state_dict({"model": {"fc.weight": t}, "opt": {"param_groups": [{"lr": 0.1, "params": ["a"]}]},

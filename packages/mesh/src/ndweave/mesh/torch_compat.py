@@ -43,6 +43,7 @@ __all__ = [
     "DynamicOutputShapeException",
     "adopt_mesh_state",
     "all_to_all_single",
+    "dtensor_lacks_backward_rule",
     "flash_attention_cpu",
     "flash_attention_cpu_ops",
     "non_persistent_buffer_names",
@@ -115,6 +116,8 @@ PRIVATE_TORCH: dict[str, str] = {
     "Tensor._is_view": "is_view: pipelining detach_()es stage outputs, which autograd refuses for a view",
     "Tensor/UntypedStorage._cdata": "storage_id: a storage's address, which tells meta storages apart",
     "DTensor._local_tensor": "local_tensor, dtensor_over: the local shard with no autograd node",
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator": "dtensor_lacks_backward_rule: which "
+                                                                           "aten ops DTensor has a rule for",
     "torch.distributed.tensor.placement_types._StridedShard": "StridedShard: a fused weight's pieces, each sharded",
     "torch.distributed.tensor.Shard._custom_chunk": "custom_chunk: a dim cut as Shard cuts it",
     "Shard/_StridedShard._split_tensor": "split_tensor: every rank's piece under one placement",
@@ -406,6 +409,19 @@ def non_persistent_buffer_names(module: torch.nn.Module) -> set[str]:
     """The names of ``module``'s own buffers left out of its ``state_dict()`` (``persistent=False``;
     ``Module._non_persistent_buffers_set``, torch's own set)."""
     return module._non_persistent_buffers_set
+
+
+def dtensor_lacks_backward_rule(op_name: str) -> bool:
+    """Whether autograd runs ``aten.<op_name>`` as itself and its backward ``aten.<op_name>_backward``
+    too (neither decomposed: ``linear``'s backward is ``mm``'s), and DTensor has no sharding rule for that
+    backward (``avg_pool2d``, ``hardswish``): on DTensors the forward runs and the backward raises, so a
+    patch runs such an op on local tensors instead. False where there is no such op."""
+    ops = [getattr(getattr(torch.ops.aten, name, None), "default", None) for name in (op_name, f"{op_name}_backward")]
+    if None in ops or any(op.has_kernel_for_dispatch_key("CompositeImplicitAutograd") for op in ops):
+        return False
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    return not any(ops[1] in table for table in (propagator.op_strategy_funcs, propagator.op_to_rules,
+                                                 propagator.op_single_dim_strategy_funcs))
 
 
 def op_schema(func: Callable) -> torch.FunctionSchema | None:

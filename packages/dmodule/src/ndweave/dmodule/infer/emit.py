@@ -63,7 +63,8 @@ def input_value(arg: Argument, value: Any) -> Any:
 
 
 def _pieces(block: Block, column: Linear) -> int:
-    return len(block.pieces.get(column.op, ())) or 1
+    base = next((a.base for a in block.adapters if a.up is column), column)  # (an adapter's: its base's pieces)
+    return len(block.pieces.get(base.op, ())) or 1
 
 
 def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.Module, *,
@@ -75,6 +76,8 @@ def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.
             continue
         local = block.reshaping or bool(block.pieces)
         where = block_module(block) or "<root>"
+        branch_ups = {a.up.op for a in block.adapters}
+        joined_rows = {lin.op: a for a in block.adapters if a.down in block.rows for lin in (a.base, a.down)}
         for column in block.columns:
             k = _pieces(block, column)
             shard = (lambda d: [StridedShard(d, split_factor=k)]) if k > 1 else (lambda d: [Shard(d)])
@@ -97,11 +100,13 @@ def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.
                             else "logits gathered and handed on plain, so the model's own loss runs unchanged")
             elif k > 1:
                 entries.add("patch", column.module, "", {"name": "fused_colwise", "args": {"pieces": k}},
-                            f"computes its fused output on this rank's [piece_r | ...] and hands it on plain")
+                            "computes its fused output on this rank's [piece_r | ...] and hands it on plain")
             elif local:
                 entries.add("forward", column.module, "output", [_local([Shard(-1)])],
                             f"this rank's features handed on plain: {where} reshapes or attends on local tensors")
-            _emit_column_input(entries, column, b, sequence_parallel)
+            if column.op not in branch_ups:  # (its input is the adapter's replicated down projection's output)
+                _emit_column_input(entries, column, b, sequence_parallel)
+        _emit_adapters(entries, block, b, sequence_parallel)
         for row in block.rows:
             entries.param(row.weight, [Shard(row.in_dim)],
                           f"row-wise: takes the features the columns of {where} split; its output is a partial sum")
@@ -111,6 +116,8 @@ def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.
                 entries.add("forward", row.module, "input", [[Shard(-1)]],
                             "takes this rank's features back as a DTensor (the local tensors of "
                             f"{where})")
+            if row.op in joined_rows:
+                continue  # (its partial sum is added to the adapter's: reduced once, at the adapter's module)
             call = b.calls.get(row.module)  # (its module's output: GPT-2's Conv1D multiplies a 2-D view)
             out = b.trace.values[call.outputs[0]] if call is not None and call.outputs else b.trace.values[row.y]
             on_sequence = sequence_parallel and len(out.shape) == 3
@@ -132,6 +139,27 @@ def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.
         for owner, leaves in owners.items():
             entries.add("patch", owner, "", {"name": "partial_grad_params", "args": {"names": leaves}},
                         f"works on this rank's heads inside {where}: its parameters' gradients are partial sums")
+
+
+def _emit_adapters(entries: Entries, block: Block, b: Boundaries, sequence_parallel: bool) -> None:
+    """A low-rank branch runs with its base (``adapters``): its other projection replicated, its partial
+    gradient summed by ``finish_grad_sync()``; after a row-wise base, the two partial sums are reduced
+    once, at the module adding them."""
+    for adapter in block.adapters:
+        column = adapter.up in block.columns
+        replicated = adapter.down if column else adapter.up
+        entries.param(replicated.weight, [Replicate()],
+                      f"an adapter's {'down' if column else 'up'} projection, replicated beside the "
+                      f"{'column' if column else 'row'}-wise {adapter.base.module}: the branch costs no collective")
+        if replicated.bias is not None:
+            entries.param(replicated.bias, [Replicate()], "its bias, likewise")
+        if column:
+            continue
+        out = b.trace.values[b.ops[adapter.join].outputs[0]]
+        on_sequence = sequence_parallel and len(out.shape) == 3
+        entries.add("forward", adapter.module, "output", [_stream(on_sequence)],
+                    f"{adapter.base.module}'s and its adapter's partial sums, added, then "
+                    + ("reduce-scattered on the sequence (SP)" if on_sequence else "all-reduced, once"))
 
 
 def _shard(block: Block, column: Linear) -> Any:

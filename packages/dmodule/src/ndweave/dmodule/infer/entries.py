@@ -39,11 +39,15 @@ class Entries:
     items: list[Entry] = field(default_factory=list)
 
     def add(self, section: str, module: str, leaf: str, value: Any, why: str) -> None:
-        for e in self.items:
+        for i, e in enumerate(self.items):
             if (e.section, e.module, e.leaf) == (section, module, leaf) and section != "patch":
-                if e.value != value:
+                if e.value == value:
+                    return
+                merged = _merged(e.value, value)
+                if merged is None:
                     raise ValueError(f"{section} {module}.{leaf}: two patterns disagree ({e.why}: {e.value}; "
                                      f"{why}: {value})")
+                self.items[i] = Entry(section, module, leaf, merged, e.why if e.why == why else f"{e.why}; {why}")
                 return
         self.items.append(Entry(section, module, leaf, value, why))
 
@@ -71,6 +75,20 @@ class Entries:
                 else:
                     plan[section][key] = value
         return plan
+
+
+def _merged(first: Any, second: Any) -> Any:
+    """Two input plans for different arguments of one module (joint attention's two streams, each the
+    input of its own column-wise linears) as one, or ``None`` where they lay out one argument twice."""
+    if isinstance(first, dict) and isinstance(second, dict):
+        same = all(first[k] == second[k] for k in first.keys() & second.keys())
+        return {**first, **second} if same else None
+    if isinstance(first, list) and isinstance(second, list):
+        merged = [a if b is None or a == b else b if a is None else ... for a, b in zip(first, second)]
+        longer = first if len(first) > len(second) else second
+        merged += longer[len(merged):]
+        return None if ... in merged else merged
+    return None
 
 
 def _pattern(fqn: str) -> str:

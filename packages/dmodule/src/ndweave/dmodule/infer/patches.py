@@ -19,9 +19,12 @@
   computes or is given (positions, masks, rotary tables, pixel values, an adapter's plain branch)
   that meets a DTensor in a torch call is converted at that call, ``DTensor.from_local(t, mesh,
   [Replicate()])``: every rank holds it whole (differentiable: its gradient comes back whole, any
-  partial sum reduced). Scoped to the root's forward (a ``TorchFunctionMode``, never process-global,
-  above autograd); the first forward that converts nothing turns it off for good, so a model whose
-  plan hands every value over itself (the decoder LMs) pays one forward of checks and nothing after.
+  partial sum reduced). A call DTensor has no rule for (a boolean mask index, ``unique``), or none
+  for its backward (pooling, ``hardswish``), runs on the whole values as local tensors (``Replicate``
+  out, the same on every rank; a shard gathered first). Scoped to the root's forward (a
+  ``TorchFunctionMode``, never process-global, above autograd); the first forward that converts
+  nothing turns it off for good, so a model whose plan hands every value over itself (the decoder
+  LMs) pays one forward of checks and nothing after.
 - ``local_block(partial=[...])``: a module whose column- and row-wise linears run inside its own
   forward (experts as 3-D weights): it runs whole on this rank's shards; its inputs are handed in
   whole (their gradients partial sums, reduced on the way back), its parameters as local shards, and
@@ -57,7 +60,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.overrides import TorchFunctionMode
 
 from ndweave.dmodule.patches import register_patch
-from ndweave.mesh.torch_compat import StridedShard, own_buffers, own_parameters, tree_flatten, tree_map, tree_unflatten
+from ndweave.mesh.torch_compat import (StridedShard, dtensor_lacks_backward_rule, own_buffers, own_parameters, tree_flatten,
+                                       tree_map, tree_unflatten)
 
 __all__ = ["divide_attributes", "fused_colwise", "local_block", "partial_grad_params", "replicate_plain",
            "replicated_local", "tp_divides", "vocab_parallel_forward"]
@@ -163,22 +167,99 @@ def replicated_local(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> No
 
 class _ReplicatePlain(TorchFunctionMode):
     """Converts the plain tensor operands of a torch call that also takes a DTensor to ``Replicate``
-    DTensors on that DTensor's mesh (0-d ones are left: DTensor takes them as scalars itself)."""
+    DTensors on that DTensor's mesh (0-d ones are left: DTensor takes them as scalars itself); runs a
+    call on the whole values, locally, where DTensor has no rule for it or for its backward
+    (``local``: the functions found so, kept across calls)."""
 
-    def __init__(self) -> None:
+    def __init__(self, local: dict[Any, bool]) -> None:
         super().__init__()
         self.converted = 0
+        self.local = local
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         flat, spec = tree_flatten((args, kwargs))
         mesh = next((x.device_mesh for x in flat if isinstance(x, DTensor)), None)
-        if mesh is not None and any(_plain(x) for x in flat):
+        if mesh is None:
+            return func(*args, **kwargs)
+        if any(_plain(x) for x in flat):
             self.converted += 1
             replicate = [Replicate()] * mesh.ndim
             flat = [DTensor.from_local(x, mesh, replicate, run_check=False) if _plain(x) else x for x in flat]
             args, kwargs = tree_unflatten(flat, spec)
-        return func(*args, **kwargs)
+        if _in_place(func) or any(isinstance(x, DTensor) and x.device_mesh != mesh for x in flat):
+            return func(*args, **kwargs)
+        if getattr(func, "__name__", "") == "mean" and _over_shards(args, kwargs):
+            # DTensor's mean over a sharded dim is a Partial(avg), whose backward meets the Partial(sum)
+            # gradients of the stream and fails: the sum over those dims, divided, is the same mean
+            self.converted += 1
+            x, dims, keepdim, dtype = _mean_args(args, kwargs)
+            count = math.prod(x.shape[d] for d in dims)
+            return torch.sum(x, dim=dims, keepdim=keepdim, dtype=dtype) / count
+        if len({p.reduce_op for x in flat if isinstance(x, DTensor) for p in x.placements if p.is_partial()}) > 1:
+            # a mean over the sequence-sharded stream (Partial(avg)) meeting a Partial(sum), which DTensor
+            # cannot convert into each other: both reduced first
+            self.converted += 1
+            flat = [_reduced(x) if isinstance(x, DTensor) else x for x in flat]
+            args, kwargs = tree_unflatten(flat, spec)
+        if func not in self.local:
+            name = getattr(func, "__name__", "")  # (1-d pooling runs as 2-d: avg_pool1d's backward is avg_pool2d's)
+            self.local[func] = any(map(dtensor_lacks_backward_rule, {name, name.replace("1d", "2d")}))
+        if self.local[func] and torch.is_grad_enabled() and any(x.requires_grad for x in flat if isinstance(x, DTensor)):
+            self.converted += 1
+            return _run_local(func, flat, spec, mesh)
+        try:
+            return func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError):  # (no rule for the op itself: a data-dependent one)
+            try:
+                out = _run_local(func, flat, spec, mesh)
+            except Exception:  # noqa: BLE001 (not DTensor's doing: the original error is the one to see)
+                pass
+            else:
+                self.converted += 1
+                return out
+            raise
+
+
+def _mean_args(args: tuple, kwargs: dict) -> tuple[Any, list[int], bool, Any]:
+    """``(x, dims, keepdim, dtype)`` of a ``mean`` call (``x.mean()``, ``x.mean(1, keepdim=True)``, ...)."""
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis"))  # (numpy's name works too)
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    dims = list(range(x.ndim)) if dim is None else [dim] if isinstance(dim, int) else list(dim)
+    return x, [d % x.ndim for d in dims], keepdim, kwargs.get("dtype")
+
+
+def _over_shards(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``mean`` call reduces a DTensor over a dim it is sharded on."""
+    if not args or not isinstance(args[0], DTensor) or (len(args) > 1 and not isinstance(args[1], (int, list, tuple))):
+        return False
+    x, dims, _, _ = _mean_args(args, kwargs)
+    return any(p.is_shard() and p.dim % x.ndim in dims for p in x.placements)
+
+
+def _reduced(x: DTensor) -> DTensor:
+    if not any(p.is_partial() for p in x.placements):
+        return x
+    return x.redistribute(x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements])
+
+
+def _in_place(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.startswith("__") or name in ("__setitem__", "__iadd__", "__imul__")
+
+
+def _run_local(func: Any, flat: list, spec: Any, mesh: DeviceMesh) -> Any:
+    """``func`` on the whole values of its DTensors (each made ``Replicate``: a shard gathered, a partial
+    sum reduced), its tensors returned ``Replicate``: the same on every rank, differentiable (a partial
+    gradient coming back is summed on the way in, as at any ``Replicate`` boundary)."""
+    replicate = [Replicate()] * mesh.ndim
+    local = [x.redistribute(mesh, replicate).to_local(grad_placements=replicate) if isinstance(x, DTensor) else x
+             for x in flat]
+    args, kwargs = tree_unflatten(local, spec)
+    out = func(*args, **kwargs)
+    return tree_map(lambda t: DTensor.from_local(t, mesh, replicate, run_check=False)
+                    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t, out)
 
 
 def _plain(x: Any) -> bool:
@@ -190,11 +271,12 @@ def replicate_plain(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> Non
     """Run ``module``'s forward converting plain tensors that meet DTensors (see the module docstring)."""
     forward = module.forward  # (bound: another patch may have replaced it already)
     state = {"on": True, "first": True}
+    local: dict[Any, bool] = {}  # function -> whether it runs on local tensors (no DTensor rule)
 
     def converting_forward(*args: Any, **kwargs: Any) -> Any:
         if not state["on"]:
             return forward(*args, **kwargs)
-        mode = _ReplicatePlain()
+        mode = _ReplicatePlain(local)
         with mode:
             out = forward(*args, **kwargs)
         if state["first"]:  # (a model that needed it once keeps it: a later call may take another branch)

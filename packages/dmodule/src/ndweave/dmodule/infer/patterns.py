@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ndweave.dmodule.infer.adapters import Adapter, find_adapters
 from ndweave.dmodule.infer.cuts import Cut, Pieces, Unsupported, base_name
 from ndweave.dmodule.infer.linears import Linear, find_linears
 from ndweave.dmodule.infer.modules import is_within
@@ -69,6 +70,8 @@ class Block:
     which then runs on this rank's shards as a whole (``local_block``); else ``None``."""
     partial_outputs: list[bool] | None = None
     """For a container: which tensors it returns are partial sums (set when it is verified)."""
+    adapters: list[Adapter] = field(default_factory=list)
+    """Low-rank branches added to the outputs of its linears (``adapters``): each runs with its base."""
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,11 @@ def find_blocks(trace: Trace, excluded: dict[int, str] | None = None) -> tuple[l
     """The sharded blocks of ``trace`` and the linears left replicated (see the module docstring);
     ``excluded``: op index -> why, for linears known not to be column-wise."""
     linears = find_linears(trace)
+    adapters = find_adapters(trace, linears)
     excluded = dict(excluded or {})
     as_row: dict[int, str] = {}  # a row-wise linear of a failed block: that block's reason is its own
     while True:
-        blocks = _walk(trace, linears, excluded)
+        blocks = _walk(trace, linears, excluded, adapters)
         failed = [b for b in blocks if b.failure]
         if not failed:
             break
@@ -99,6 +103,7 @@ def find_blocks(trace: Trace, excluded: dict[int, str] | None = None) -> tuple[l
     failures = [Failure(linears[i], as_row.get(i, reason)) for i, reason in excluded.items()]
     # a linear neither in a block nor failed is replicated too (a row of a failed block, say)
     placed = {lin.op for b in blocks for lin in (*b.columns, *b.rows)} | set(excluded)
+    placed |= {lin.op for b in blocks for a in b.adapters for lin in (a.down, a.up)}  # (the replicated one)
     failures += [Failure(lin, as_row.get(i, "its input is not sharded and its output is not either"))
                  for i, lin in linears.items() if i not in placed]
     return blocks, sorted(failures, key=lambda f: f.linear.op)
@@ -145,6 +150,7 @@ class _Blocks:
             into.inner_params |= block.inner_params
             into.reshaping = into.reshaping or block.reshaping
             into.container = into.container or block.container
+            into.adapters += block.adapters
         for block in out.values():
             block.ops.sort()
             block.columns.sort(key=lambda lin: lin.op)
@@ -152,7 +158,8 @@ class _Blocks:
         return [b for b in out.values() if b.columns]
 
 
-def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str]) -> list[Block]:
+def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str], adapters: list[Adapter]
+          ) -> list[Block]:
     shapes = {vid: v.shape for vid, v in trace.values.items()}
     # value id -> the parameter it is, or is made from alone (a norm's ``1 + weight.float()``)
     params = {vid: v.param for vid, v in trace.values.items() if v.param is not None}
@@ -175,8 +182,18 @@ def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str]) ->
     # modules that are one linear each (nn.Linear, Conv1D): their own reshapes are not the model's
     per_module = Counter(lin.module for lin in linears.values())
     linear_modules = {m for m, n in per_module.items() if n == 1}
+    # a low-rank branch follows its base (see ``adapters``): the down projection of a column-wise base
+    # and the up projection of a row-wise one run replicated, the other one like the base
+    branches = {lin.op: a for a in adapters for lin in (a.down, a.up) if a.base.op not in excluded}
+    joins = {a.join: a for a in adapters if a.base.op not in excluded}
     for op in trace.leaves():
         lin = linears.get(op.index)
+        adapter = branches.get(op.index)
+        if adapter is not None:
+            placed = adapter.base.y if adapter.base.y in cut_of else adapter.base.x  # (column, else row)
+            if placed in cut_of and lin is (adapter.down if placed == adapter.base.y else adapter.up):
+                uf.blocks[uf.find(block_of[placed])].adapters.append(adapter)
+                continue
         if lin is not None:
             if lin.weight in by_weight:  # an expert's weight multiplied once per expert: one block
                 uf.union({by_weight[lin.weight]} | ({block_of[lin.x]} if lin.x in block_of else set()))
@@ -236,6 +253,9 @@ def _walk(trace: Trace, linears: dict[int, Linear], excluded: dict[int, str]) ->
             continue
         for out, cut in result.items():
             mark(out, bid, cut)
+        joined = joins.get(op.index)
+        if joined is not None and joined.base.op in {origin.get(v) for v in op.inputs}:
+            origin[op.outputs[0]] = joined.base.op  # (base + adapter: still the base's own features)
         source = op.inputs[0] if op.inputs else None
         if source in origin and base_name(op.name) in _KEEPS_FEATURES and len(op.outputs) == 1:
             out = op.outputs[0]

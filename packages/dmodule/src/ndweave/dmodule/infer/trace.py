@@ -23,9 +23,9 @@ It runs the model for real: trace a meta copy (:func:`meta_copy`) and the forwar
 and no memory. A forward that needs a real device (``torch.autocast(x.device.type)`` fails on
 "meta") runs on a fake copy instead, ``meta_copy(model, fake_mode=...)``: fake CPU tensors, with real
 dtypes, shapes and device but no data. On meta and fake tensors the few data-dependent calls a model
-may make (``.item()``, ``bool(t)``, ``x in t``, ``.tolist()``, ``nonzero``) get a stand-in answer (0,
-``False``, zeros, every position) and are listed in ``Trace.guesses``: shapes stay right, values and
-branches may not.
+may make (``.item()``, ``bool(t)``, ``x in t``, ``.tolist()``, ``nonzero``, a boolean mask index,
+``unique``) get a stand-in answer (0, ``False``, zeros, every position, one value) and are listed in
+``Trace.guesses``: shapes stay right, values and branches may not.
 
 One trace serves several analyses: tensor-parallel plans (dataflow between linears), pipeline
 cuts (module order, values crossing a boundary) and activation memory (value shapes).
@@ -312,6 +312,8 @@ class _Recorder(TorchFunctionMode):
             return torch.zeros(t.shape, dtype=torch.long).tolist()
         if base == "where":  # torch.where(cond): nonzero as a tuple
             return tuple(t.new_empty(t.numel(), dtype=torch.long) for _ in range(t.dim()))
+        if base in ("unique", "unique_consecutive"):  # every value the same: one (a check that they agree passes)
+            return t.reshape(-1)[:1]
         return t.new_empty((t.numel(), t.dim()), dtype=torch.long)  # nonzero
 
     def _meta_indices(self, name: str, args: tuple) -> tuple:
@@ -322,10 +324,14 @@ class _Recorder(TorchFunctionMode):
         index = args[1] if isinstance(args[1], tuple) else (args[1],)
         scalar = [_holds_no_data(i) and i.dim() == 0 and not i.is_floating_point()
                   and i.dtype != torch.bool for i in index]
-        if not any(scalar):
+        # a boolean mask (``hidden[eos_mask, :]``): every position taken, as the nonzero guess does; a
+        # real all-True mask, whose count torch reads, indexes a meta or fake tensor
+        mask = [_holds_no_data(i) and i.dim() > 0 and i.dtype == torch.bool for i in index]
+        if not any(scalar) and not any(mask):
             return args
         self.trace.guesses.append(f"{name} with a meta index in {self._module() or '<root>'}")
-        index = tuple(0 if s else i for s, i in zip(scalar, index))
+        index = tuple(0 if s else torch.ones(i.shape, dtype=torch.bool) if m else i
+                      for s, m, i in zip(scalar, mask, index))
         return (args[0], index if isinstance(args[1], tuple) else index[0], *args[2:])
 
     # ------------------------------------------------------------------------------------ values
@@ -369,7 +375,7 @@ class _Recorder(TorchFunctionMode):
 
 _NO_GUESS = object()
 _FUNCTIONAL = (F.__name__, F.linear.__module__)  # F.* written in Python, and those torch binds from C
-_DATA_DEPENDENT = {"item", "__bool__", "__contains__", "tolist", "nonzero", "where"}
+_DATA_DEPENDENT = {"item", "__bool__", "__contains__", "tolist", "nonzero", "where", "unique", "unique_consecutive"}
 
 
 def _holds_no_data(t: Any) -> bool:
@@ -402,6 +408,8 @@ def _first_names(model: nn.Module) -> dict[nn.Module, str]:
 def _name(func: Callable) -> str:
     """``"F.linear"``, ``"torch.matmul"``, ``"Tensor.view"``: where the function lives, shortened."""
     qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    if "<locals>" in qualname:  # (torch.unique_consecutive is boolean_dispatch's local ``fn``, named after it)
+        qualname = getattr(func, "__name__", qualname)
     owner, _, base = qualname.rpartition(".")
     if owner in ("TensorBase", "Tensor"):
         return f"Tensor.{base}"
