@@ -31,19 +31,9 @@ from typing import Any
 
 import torch
 
+from ndweave.mesh.contracts import rank_slice
+
 __all__ = ["DataPosition", "PositionSampler", "rank_slice"]
-
-
-def rank_slice(global_batch_size: int, dp_rank: int, dp_size: int) -> slice:
-    """The part of a global batch DP rank ``dp_rank`` of ``dp_size`` trains on: the ``dp_rank``-th of
-    ``dp_size`` equal contiguous slices (``ValueError`` unless the sizes divide)."""
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank {dp_rank} lies outside a data-parallel size of {dp_size}")
-    if global_batch_size % dp_size:
-        raise ValueError(f"a global batch of {global_batch_size} samples does not split over {dp_size} data-parallel "
-                         f"ranks; use a global batch size divisible by {dp_size}")
-    per_rank = global_batch_size // dp_size
-    return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from ndweave.mesh.contracts.data_parallel import (
     DataParallelWrapper,
     GradReduction,
     MicroBatchControl,
+    rank_slice,
     uses_distributed_optimizer,
 )
 from ndweave.mesh.contracts.grad_buckets import (
@@ -65,6 +66,7 @@ __all__ = [
     "merge_state_dicts",
     "move_param_into",
     "padded_bucket_numel",
+    "rank_slice",
     "reduce_partial_grads",
     "removed_modules",
     "reshard_pieces",

@@ -42,7 +42,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from ndweave.mesh.contracts.grad_buckets import GradBucket
 
-__all__ = ["DataParallelWrapper", "GradReduction", "MicroBatchControl", "uses_distributed_optimizer"]
+__all__ = ["DataParallelWrapper", "GradReduction", "MicroBatchControl", "rank_slice", "uses_distributed_optimizer"]
 
 #: How a data-parallel wrapper combines the ranks' grads: their mean or their sum.
 GradReduction = Literal["mean", "sum"]
@@ -118,3 +118,21 @@ def uses_distributed_optimizer(wrapper: DataParallelWrapper) -> bool:
             "sharded optimizer in all its buckets or in none"
         )
     return kinds == {True}
+
+
+def rank_slice(global_batch_size: int, dp_rank: int, dp_size: int) -> slice:
+    """The part of a global batch DP rank ``dp_rank`` of ``dp_size`` trains on: the ``dp_rank``-th of
+    ``dp_size`` equal contiguous slices (``ValueError`` unless the sizes divide). The one rule every
+    ndweave data source splits global batches by (``ndweave.checkpoint.DataPosition``,
+    ``ndweave.data.TokenStream``), so their positions agree at any DP size.
+
+    >>> rank_slice(8, 1, 4)
+    slice(2, 4, None)
+    """
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} lies outside a data-parallel size of {dp_size}")
+    if global_batch_size % dp_size:
+        raise ValueError(f"a global batch of {global_batch_size} samples does not split over {dp_size} data-parallel "
+                         f"ranks; use a global batch size divisible by {dp_size}")
+    per_rank = global_batch_size // dp_size
+    return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
