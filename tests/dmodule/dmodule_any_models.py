@@ -167,8 +167,12 @@ def build_any(case: str) -> nn.Module:
         class_name, kwargs = DIFFUSERS[name]
         return getattr(diffusers, class_name)(**kwargs)
     if registry == "peft":
-        from dmodule_auto_models import build_hf
         from peft import LoraConfig, get_peft_model
+
+        try:
+            from dmodule_auto_models import build_hf
+        except ImportError:  # (imported from another test folder: tests/ is on the path, not tests/dmodule)
+            from dmodule.dmodule_auto_models import build_hf
 
         family, kind = name.rsplit("_", 1)
         # init_lora_weights=False: B random (not zero), so the adapters' gradients and outputs are not trivially zero
@@ -336,6 +340,7 @@ def check_any_parity(case: str, *, sequence_parallel: bool = False, steps: int =
             if ref_p.grad is None:  # (a parameter the loss does not reach, a frozen base weight under PEFT)
                 assert params[fqn].grad is None, f"{case} step {step}: {fqn} got a gradient one process does not"
             else:
+                assert params[fqn].grad is not None, f"{case} step {step}: {fqn} got no gradient, one process does"
                 assert_close(params[fqn].grad, ref_p.grad, name=f"{case} step {step} {fqn}.grad", tol=tol)
         for optimizer in (ref_opt, opt):
             optimizer.step()

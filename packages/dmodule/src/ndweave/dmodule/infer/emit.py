@@ -84,7 +84,7 @@ def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.
             why = (f"column-wise: fused output cut into {k} equal pieces, each rank keeps its share of each"
                    if k > 1 else "column-wise: its output features are split over the ranks")
             if column.op in block.gathered:
-                why = "column-wise: its output is the model's output, gathered there"
+                why = _GATHERED
             entries.param(column.weight, shard(column.out_dim), f"{why} ({where})")
             if column.bias is not None:
                 entries.param(column.bias, shard(0), f"bias of a {why} ({where})")
@@ -254,6 +254,7 @@ def emit_embeddings(entries: Entries, embeddings: list[Embedding], b: Boundaries
                         "the partial lookups reduce-scattered on the sequence (SP)" if sequence_parallel
                         else "the partial lookups all-reduced")
             continue
+        entries.whole_tables.append(emb.weight)
         notes.append(f"{emb.weight}: replicated (" + (
             "shared with a lookup that cannot be vocab-parallel: one placement for every use)" if able[emb.op]
             else "an embedding of ids other than the model's input ids)" if b.chain(emb.ids)[-1] not in inputs
@@ -284,7 +285,7 @@ def emit_replicated(entries: Entries, replicated: list[str], called: set[str], k
     weights FQNs in ``replicated``) and no sharded parameter nor a module of ``kept`` (experts
     divided over EP): they then run on plain tensors. Only modules whose forward ran (in
     ``called``) take it: a ``ModuleList`` is never called itself."""
-    _replicate_shared(entries, replicated)
+    _replicate_shared(entries, [*replicated, *entries.whole_tables])
     sharded = {f"{e.module}.{e.leaf}" for e in entries.items if e.section == "parameter"}
     chosen: list[str] = []
     for weight in replicated:
@@ -310,6 +311,8 @@ def emit_replicated(entries: Entries, replicated: list[str], called: set[str], k
 
 
 _VOCAB_PATCHES = ("vocab_parallel_embedding", "vocab_parallel_forward")
+_GATHERED = "column-wise: its output is the model's output, gathered there"
+_UNDONE = ("vocab-parallel", _GATHERED)  # layouts that can become Replicate with nothing else changed
 
 
 def _replicate_shared(entries: Entries, replicated: list[str]) -> None:
@@ -325,8 +328,8 @@ def _replicate_shared(entries: Entries, replicated: list[str]) -> None:
         modules = {name.rpartition(".")[0] for name in names}
         laid = [e for e in entries.items if e.section == "parameter" and f"{e.module}.{e.leaf}" in names
                 and e.value != [Replicate()]]
-        if not laid or any(not e.why.startswith("vocab-parallel") for e in laid):
-            continue  # (only a vocab-parallel lookup is undone: a block's column or row keeps its layout)
+        if not laid or any(not e.why.startswith(_UNDONE) for e in laid):
+            continue  # (a vocab-parallel lookup or a gathered LM head is undone; a block's column or row is not)
         why = (f"replicated: shared by {len(names)} names ({', '.join(sorted(names))}), one of whose uses is left "
                "replicated; one placement for every use")
         kept = []

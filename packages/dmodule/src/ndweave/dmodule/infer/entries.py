@@ -55,6 +55,8 @@ class Entries:
     """Parameter FQN -> every FQN of it (tied weights): an entry for one is written for each."""
     context: Any = None
     """What the emitters share (the trace's boundaries and the traced copy), set by the first one."""
+    whole_tables: list[str] = field(default_factory=list)
+    """Embedding tables a lookup needs whole (not vocab-parallel): one placement for every use."""
 
     def get(self, section: str, module: str, leaf: str) -> Entry | None:
         return next((e for e in self.items if (e.section, e.module, e.leaf) == (section, module, leaf)), None)

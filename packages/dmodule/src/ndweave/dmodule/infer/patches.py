@@ -205,6 +205,10 @@ class _ReplicatePlain(TorchFunctionMode):
         if func not in self.local:
             name = getattr(func, "__name__", "")  # (1-d pooling runs as 2-d: avg_pool1d's backward is avg_pool2d's)
             self.local[func] = any(map(dtensor_lacks_backward_rule, {name, name.replace("1d", "2d")}))
+        if getattr(func, "__name__", "") in _SPATIAL and not all(p.is_replicate() for x in flat
+                                                                  if isinstance(x, DTensor) for p in x.placements):
+            self.converted += 1  # (DTensor's convolution of a sharded image halo-exchanges for one layout only)
+            return _run_local(func, flat, spec, mesh)
         if self.local[func] and torch.is_grad_enabled() and any(x.requires_grad for x in flat if isinstance(x, DTensor)):
             self.converted += 1
             return _run_local(func, flat, spec, mesh)
@@ -236,6 +240,11 @@ def _over_shards(args: tuple, kwargs: dict) -> bool:
         return False
     x, dims, _, _ = _mean_args(args, kwargs)
     return any(p.is_shard() and p.dim % x.ndim in dims for p in x.placements)
+
+
+# convolutions: a sequence-sharded stream reshaped into an image (patch merging between stages) is
+# sharded along its height, which DTensor's convolution does not take (it halo-exchanges a width shard)
+_SPATIAL = frozenset(("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"))
 
 
 def _reduced(x: DTensor) -> DTensor:

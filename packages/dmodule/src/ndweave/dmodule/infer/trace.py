@@ -273,6 +273,8 @@ class _Recorder(TorchFunctionMode):
         else:
             result = func(*self._meta_indices(name, args), **kwargs)
         outputs = tuple(self.ids(result, producer=index))
+        if name == "Tensor.__setitem__" and args and isinstance(args[0], torch.Tensor):
+            outputs = tuple(self.ids(args[0]))  # (in place, returning None: its target is what flows on)
         if not outputs:  # size(), dim(), ...: nothing flows on from it
             if self.trace.ops[-1].index == index:
                 self.trace.ops.pop()
