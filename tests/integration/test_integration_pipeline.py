@@ -13,7 +13,6 @@ grads only in its shard ranges, so they are checked through the parameters they 
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -154,13 +153,9 @@ def test_hf_llama_split_by_fqn_with_zoo_plan_inside_stages():
         ref_losses.append(loss.detach())
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("PP", "TP"))
-    # untraced, later stages get the hidden states as HF's inputs_embeds and recompute the mask and the
-    # rotary tables; traced, the mask, the (cos, sin) tables and the position ids cross the cut with them
-    for how in ({"stage_input_name": "inputs_embeds"}, {"example_inputs": data[0][0][:2]}):
-        with warnings.catch_warnings():  # stage_input_name is deprecated (StageIO only), still tested until removed
-            warnings.simplefilter("ignore", DeprecationWarning)
-            plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=2, split_points=["model.layers.1"],
-                                        stage_input_name=how.get("stage_input_name"))
+    # traced: the mask, the (cos, sin) tables and the position ids cross the cut with the hidden states
+    for how in ({"example_inputs": data[0][0][:2]},):
+        plan = PipelineParallelPlan(schedule_type="1f1b", num_microbatches=2, split_points=["model.layers.1"])
         module = construct_pipeline_stage(copy.deepcopy(reference), plan, mesh, example_inputs=how.get("example_inputs"))
         module[0] = parallelize_module(module[0], mesh["TP"], get_plan("hf_llama", module[0]))
         losses = _train(module, mesh, plan, _basic_optimizer, data)

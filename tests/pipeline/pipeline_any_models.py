@@ -101,6 +101,25 @@ class TorchEncoderLM(nn.Module):
         return self.head(self.encoder(self.emb(ids), mask=mask, is_causal=True))
 
 
+class ReusedLM(nn.Module):
+    """One block called first and last (ALBERT's layer sharing: its weights used on two stages), and a
+    weight of the root's that the forward adds after every block (read on every stage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.shared = Block()
+        self.block1, self.block2, self.block3 = Block(), Block(), Block()
+        self.bias = nn.Parameter(torch.linspace(-0.5, 0.5, WIDTH))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.shared(self.wte(idx)) + self.bias
+        for block in (self.block1, self.block2, self.block3):
+            x = block(x) + self.bias
+        return self.head(self.shared(x))
+
+
 def x_transformers_lm() -> nn.Module:
     from x_transformers import Decoder, TransformerWrapper
 

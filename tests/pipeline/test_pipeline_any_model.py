@@ -14,7 +14,7 @@ import torch
 from ndweave.mesh import init_device_mesh
 from ndweave.mesh.testing import assert_close, distributed
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, PipelineStageError, construct_pipeline_stage, generate
-from pipeline_any_models import OTHER_LIBRARIES, AttrLM, TupleLM
+from pipeline_any_models import OTHER_LIBRARIES, AttrLM, ReusedLM, TupleLM
 from pipeline_models import SEQ, TinyLM, assert_same_training, batches, loss_fn, train_pipeline, train_reference
 from test_pipeline_faults import Faulty
 
@@ -63,6 +63,21 @@ def test_every_schedule_on_models_without_layer_containers_and_multi_value_cuts(
             plan = PipelineParallelPlan(schedule_type=schedule, virtual_chunks=virtual, num_microbatches=4)
             actual = train_pipeline(model, plan, mesh, data, loss=lm_loss, example_inputs=data[0][0][:2])
             assert_same_training(actual, expected, f"{model_class.__name__} PP=4 {schedule} v={virtual}")
+
+
+@pytest.mark.parity
+@distributed(world_size=2, timeout=300)
+def test_a_block_called_on_two_stages_and_a_weight_read_on_every_stage_train_like_one_process():
+    """Each stage that uses them holds a copy (summed grads, equal values, as tied weights), instead
+    of the cut being refused; V-shaped and looped schedules hold two stages' copies on one rank."""
+    model, data, expected = _one_process(ReusedLM)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("PP",))
+    for schedule, virtual, points in [("1f1b", 1, ["block2"]), ("1f1b", 1, None), ("interleaved_1f1b", 2, None),
+                                      ("zbv_zero_bubble", 2, None)]:
+        plan = PipelineParallelPlan(schedule_type=schedule, virtual_chunks=virtual, num_microbatches=4,
+                                    split_points=points)
+        actual = train_pipeline(model, plan, mesh, data, loss=lm_loss, example_inputs=data[0][0][:2])
+        assert_same_training(actual, expected, f"ReusedLM {schedule} v={virtual} split at {points or 'uniform'}")
 
 
 # ------------------------------------------------------------------ forward only: evaluation and generation

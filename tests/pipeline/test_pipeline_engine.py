@@ -187,11 +187,11 @@ def test_the_engines_stage_overrides_the_methods_torch_compat_pins():
     from torch.distributed.pipelining import PipelineStage
 
     from ndweave.mesh.torch_compat import PIPELINE_STAGE_OVERRIDES
-    from ndweave.pipeline.engine import _Stage
+    from ndweave.pipeline.stages import Stage
 
-    ours = _Stage.__mro__[:_Stage.__mro__.index(PipelineStage)]  # _Stage, PipelineStageBase
+    ours = Stage.__mro__[:Stage.__mro__.index(PipelineStage)]  # Stage, PipelineStageBase
     overridden = {name for cls in ours for name, value in vars(cls).items()
                   if inspect.isfunction(value) and not name.startswith("__") and hasattr(PipelineStage, name)}
     assert overridden == set(PIPELINE_STAGE_OVERRIDES)
     for name, params in PIPELINE_STAGE_OVERRIDES.items():
-        assert tuple(inspect.signature(getattr(_Stage, name)).parameters)[1:] == params, name
+        assert tuple(inspect.signature(getattr(Stage, name)).parameters)[1:] == params, name

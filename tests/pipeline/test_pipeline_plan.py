@@ -114,7 +114,8 @@ def test_shared_modules_tie_weights_the_model_does_not():
     assert stage.shared_params == [SharedParam(("wte.weight", "head.weight"), (0, 1))]
 
 
-def test_stage_input_name_is_deprecated_for_traced_stage_io():
-    """One way to say what crosses a cut: ``example_inputs=`` (traced, ``StageIO``); the keyword warns."""
-    with pytest.warns(DeprecationWarning, match=r"stage_input_name=\) is deprecated.*example_inputs="):
+def test_stage_input_name_is_gone_for_traced_stage_io():
+    """One way to say what crosses a cut: ``example_inputs=`` (traced, ``StageIO``); the keyword
+    deprecated in 0.7 is removed."""
+    with pytest.raises(TypeError, match="stage_input_name"):
         PipelineParallelPlan(split_points=["layers.1"], stage_input_name="inputs_embeds")

@@ -30,6 +30,7 @@ from ndweave.mesh.torch_compat import local_tensor, own_parameters, own_submodul
 from ndweave.pipeline.chain import Chain, chained_children, run_chain_stage
 from ndweave.pipeline.cut import TracedCut
 from ndweave.pipeline.dry_run import check_stages_run
+from ndweave.pipeline.inputs import ModelInputs
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
 from ndweave.pipeline.program import run_as_stage, stage_program
 from ndweave.pipeline.split import assign_stages, holds_layer_container, model_layers
@@ -114,7 +115,8 @@ class PipeModule(nn.Module):
     def forward(self, *args, chunk_id: int | None = None, **kwargs):
         """Run one chunk directly (veScale's ``forward(x, chunk_id=)``): ``chunk_id`` indexes this
         rank's chunks and may be left out when there is one. A traced chunk takes what its stage
-        receives (the model's inputs on the first stage, ``stage_io``'s tensors later) and returns what
+        receives (the model's inputs on the first stage, positional or by keyword, ``stage_io``'s
+        tensors later) and returns what
         it sends (a tensor, or a tuple when several cross; the model's output on the last stage).
         Training runs through ``PipeEngine``."""
         if chunk_id is None and len(self.chunks) > 1:
@@ -164,7 +166,7 @@ class PipeModule(nn.Module):
 
 def construct_pipeline_stage(model: nn.Module, plan: PipelineParallelPlan,
                              mesh: ParallelMesh | DeviceMesh | None = None, *,
-                             example_inputs: torch.Tensor | tuple | None = None) -> PipeModule:
+                             example_inputs: ModelInputs | None = None) -> PipeModule:
     """This rank's stage chunk(s) of ``model`` under ``plan``, over the ``"PP"`` dim of ``mesh``
     (default: the default ``DEVICE_MESH``)::
 
@@ -172,19 +174,25 @@ def construct_pipeline_stage(model: nn.Module, plan: PipelineParallelPlan,
         module[0]                        # the GPT with other stages' blocks replaced by placeholders
         [n for n, _ in module.named_parameters()]   # original FQNs: "transformer.h.2.attn.q_proj.weight"
 
-    ``example_inputs``: the model's positional inputs for one micro-batch (a tensor or a tuple; real
-    or ``meta``, only shapes and dtypes are used). With them the root ``forward`` is traced once and
-    cut where the layers *run*: any model, split points naming any module, the work the forward does
-    between layers run once on the stage that owns it, several values between stages
-    (``module.stage_io``). Without them the model is cut in registration order and every stage runs
-    the whole root ``forward`` (its layers in containers, later stages taking the hidden states).
+    ``example_inputs``: the model's inputs for one micro-batch, real or ``meta`` (only shapes and
+    dtypes are used): a tensor, a tuple (positional) or a dict of keyword arguments of the forward
+    (``{"input_ids": ids, "attention_mask": mask}``; parameters left out keep their defaults, and a
+    value that is no tensor, such as ``use_cache=False``, is fixed in the trace). With them the root
+    ``forward`` is traced once and cut where the layers *run*: any model, split points naming any
+    module, the work the forward does between layers run once on the stage that owns it, several
+    values between stages (``module.stage_io``); a layer or weight the forward uses on several stages
+    (an encoder's and a decoder's shared embedding, a relative-position table every layer reads) is
+    held by each, kept equal as tied weights are. The engine's batches then take the same inputs.
+    Without them the model is cut in registration order and every stage runs the whole root
+    ``forward`` (its layers in containers, later stages taking the hidden states).
     """
     pp_mesh = resolve_mesh(mesh, "PP")
     resolved = resolve_plan(plan, pp_mesh.size())
     mine = resolved.stages_of(pp_mesh.get_local_rank())
     cut = cut_model(model, plan, resolved, example_inputs, pp_mesh.device_type)
     chunks = [cut.chunk(model, stage) for stage in mine]
-    shared = find_shared_params(model, cut.stage_layers, plan.shared_modules)
+    copies = cut.traced.copies if cut.traced is not None else {}
+    shared = find_shared_params(model, cut.stage_layers, plan.shared_modules, copies)
     return PipeModule(chunks, mine, cut.stage_layers, resolved, shared, cut.stage_io, cut.seconds)
 
 
@@ -206,12 +214,13 @@ class ModelCut(NamedTuple):
             if self.chain is None or stage == 0:
                 return chunk
             return run_chain_stage(chunk, self.chain, self.stage_layers[stage][0])
-        return run_as_stage(_build_chunk(model, self.layers, self.stage_layers, stage, self.traced.unread_params(stage)),
-                            self.traced.programs[stage])
+        chunk = _build_chunk(model, self.layers, self.stage_layers, stage, self.traced.unread_params(stage),
+                             self.traced.borrowed[stage])
+        return run_as_stage(chunk, self.traced.programs[stage])
 
 
 def cut_model(model: nn.Module, plan: PipelineParallelPlan, resolved: ResolvedPlan,
-              example_inputs: torch.Tensor | tuple | None, device_type: str) -> ModelCut:
+              example_inputs: ModelInputs | None, device_type: str) -> ModelCut:
     """The stages of ``model`` under ``plan`` (traced with ``example_inputs``, else by registration order)."""
     _check_shared_modules(model, plan)
     if example_inputs is None:
@@ -223,17 +232,17 @@ def cut_model(model: nn.Module, plan: PipelineParallelPlan, resolved: ResolvedPl
         stage_layers = assign_stages(model, resolved.num_stages, plan.split_points, layers)
         cut = ModelCut(layers, stage_layers, [None] * resolved.num_stages, None, None, chain)
         if chain is None:  # (a chain runs each stage from its first layer: nothing to try)
-            check_stages_run(model, lambda stage: cut.chunk(model, stage), resolved.num_stages,
-                             plan.stage_input_name)
+            check_stages_run(model, lambda stage: cut.chunk(model, stage), resolved.num_stages)
         return cut
     traced = TracedCut(model, resolved.num_stages, plan, example_inputs, device_type)
     return ModelCut(traced.layers, traced.stage_layers, traced.stage_io, traced.stage_seconds, traced)
 
 
 def _build_chunk(model: nn.Module, layers: list[str], stage_layers: list[list[str]], stage: int,
-                 unread_params: list[str] = ()) -> nn.Module:
+                 unread_params: list[str] = (), borrowed: list[str] = ()) -> nn.Module:
     stage_of = {fqn: s for s, held in enumerate(stage_layers) for fqn in held}
-    removed = [fqn for fqn in layers if stage_of[fqn] != stage and _has_params(model.get_submodule(fqn))]
+    removed = [fqn for fqn in layers
+               if stage_of[fqn] != stage and fqn not in borrowed and _has_params(model.get_submodule(fqn))]
     root = _skeleton(model)
     copies: dict[str, nn.Module] = {"": root}
     aliases: dict[int, list[str]] = {}  # a module held under several names (veScale's FourMLP: mlp1 and sequence.0)

@@ -23,6 +23,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Schedu
 
 from ndweave.mesh import torch_compat
 from ndweave.pipeline.construct import ModelCut, cut_model
+from ndweave.pipeline.inputs import ModelInputs, split_inputs
 from ndweave.pipeline.stage_io import first_tensor
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
 from ndweave.pipeline.program import stage_program
@@ -33,7 +34,7 @@ __all__ = ["StageActivations", "held_saved_bytes", "microbatches_in_flight", "re
 
 
 def stage_param_names(model: nn.Module, plan: PipelineParallelPlan, pp_size: int, *,
-                      example_inputs: torch.Tensor | tuple | None = None) -> list[list[str]]:
+                      example_inputs: ModelInputs | None = None) -> list[list[str]]:
     """The FQNs of the parameters each stage holds (index: stage; a tied weight under each FQN its
     stage uses) when ``construct_pipeline_stage(model, plan, mesh, example_inputs=...)`` runs over a
     PP dim of ``pp_size`` ranks. PP rank ``r`` holds the stages ``resolve_plan(plan, pp_size).stages_of(r)``
@@ -55,7 +56,7 @@ def stage_param_names(model: nn.Module, plan: PipelineParallelPlan, pp_size: int
 
 
 def saved_bytes_by_stage(model: nn.Module, plan: PipelineParallelPlan, pp_size: int,
-                         example_inputs: torch.Tensor | tuple) -> list[int]:
+                         example_inputs: ModelInputs) -> list[int]:
     """The bytes one micro-batch's forward saves for backward on each stage (index: stage), counted as
     the engine's ``stage_report`` counts them (every tensor autograd saves, once per storage,
     parameters left out), with ``example_inputs`` one micro-batch on meta. The stages' forwards run
@@ -72,16 +73,17 @@ def saved_bytes_by_stage(model: nn.Module, plan: PipelineParallelPlan, pp_size: 
     cut = cut_model(model, plan, resolved, example_inputs, "meta")
     if cut.traced is None:
         raise ValueError("saved_bytes_by_stage: pass example_inputs (the traced cut's stages hand each other values)")
-    values = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    args, kwargs = split_inputs(example_inputs)
     saved = []
     with torch.enable_grad():
         for stage in range(resolved.num_stages):
             chunk = cut.chunk(model, stage)
             with count_saved_bytes(chunk) as counted:
-                chunk(*values)
+                chunk(*args, **kwargs)
             saved.append(counted[0])
             # what the next stage receives: a fresh buffer there, as a P2P receive makes it
-            values = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in stage_program(chunk).sent)
+            args, kwargs = tuple(t.detach().clone().requires_grad_(t.is_floating_point())
+                                 for t in stage_program(chunk).sent), {}
     return saved
 
 
@@ -195,7 +197,7 @@ class StageActivations:
     the parameters: the saved tensors plus the temporaries of the op running at the peak."""
 
 
-def stage_activations(model: nn.Module, plan: PipelineParallelPlan, pp_size: int, example_inputs: torch.Tensor | tuple,
+def stage_activations(model: nn.Module, plan: PipelineParallelPlan, pp_size: int, example_inputs: ModelInputs,
                       *, prepare: Callable[[nn.Module], nn.Module] | None = None,
                       loss_fn: Callable[..., torch.Tensor] | None = None,
                       cut: ModelCut | None = None) -> list[StageActivations]:
@@ -221,8 +223,8 @@ def stage_activations(model: nn.Module, plan: PipelineParallelPlan, pp_size: int
                          f"{resolved.num_stages}; cut the model under this plan")
     if cut.traced is None:
         raise ValueError("stage_activations: pass example_inputs (the traced cut's stages hand each other values)")
-    values = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    first = values[0]
+    args, kwargs = split_inputs(example_inputs)
+    first = first_tensor((*args, *kwargs.values()))
     out = []
     with torch.enable_grad():
         for stage in range(resolved.num_stages):
@@ -235,8 +237,8 @@ def stage_activations(model: nn.Module, plan: PipelineParallelPlan, pp_size: int
                 # of the peak, the inputs (which the stage's forward may save) kept in it
                 memory.track_external(chunk)
                 before = memory.current_bytes("meta")
-                memory.track_external(*[t for t in values if isinstance(t, torch.Tensor)])
-                output = chunk(*values)
+                memory.track_external(*[t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)])
+                output = chunk(*args, **kwargs)
                 sent = stage_program(chunk).sent
                 if stage == resolved.num_stages - 1 and loss_fn is not None:
                     loss_fn(first_tensor(output), torch.zeros_like(first)).backward()  # as the engine calls it
@@ -247,7 +249,7 @@ def stage_activations(model: nn.Module, plan: PipelineParallelPlan, pp_size: int
                 hook.remove()
             out.append(StageActivations(counted[0], memory.peak_bytes("meta") - before))
             # what the next stage receives: a fresh buffer there, as a P2P receive makes it
-            values = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in sent)
+            args, kwargs = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in sent), {}
     return out
 
 

@@ -21,60 +21,75 @@ __all__ = ["TracedCut"]
 class TracedCut:
     """A traced model cut into stages: each stage's layers (``stage_layers``), what it receives
     (``stage_io``), the part of the forward it runs (``programs``), the parameters outside the layers
-    it owns (``unread_params``) and, split by time, its measured seconds (``stage_seconds``)."""
+    it owns (``unread_params``) and, split by time, its measured seconds (``stage_seconds``).
+
+    A layer or a parameter the forward uses on several stages (a module called by both an encoder
+    and a decoder, DeBERTa's relative embeddings read by every layer) is held by each of them: the
+    first holds it (``stage_layers``), the others a copy (``borrowed``), and ``copies`` names each
+    such parameter's stages, kept equal as tied weights are (:mod:`~ndweave.pipeline.ties`)."""
 
     def __init__(self, model: nn.Module, num_stages: int, plan: PipelineParallelPlan, example_inputs,
                  device_type: str) -> None:
-        example = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
         self.layers = traced_layers(model, plan.split_points)
-        order = ExecutionOrder(trace_forward(model, example, self.layers))
+        forward = trace_forward(model, example_inputs, self.layers)
+        order = ExecutionOrder(forward)
         timed = plan.split_points is None and plan.split_method == "time"
-        seconds = layer_seconds(model, order.forward, example, device_type) if timed else None
+        seconds = layer_seconds(model, forward, forward.inputs, device_type) if timed else None
         cuts = cut_traced(model, order, num_stages, plan.split_points, seconds)
-        self.stage_layers = self._layers_by_stage(model, order, cuts, num_stages)
-        self.stage_seconds = [sum(seconds[fqn] for fqn in held if fqn in seconds) for held in self.stage_layers] \
-            if seconds else None
-        self.stage_io = [None] + [build_stage_io(order, cuts[s], s, self.stage_layers[s][0]) for s in range(1, num_stages)]
+        self.stage_io = [None] + [build_stage_io(order, cuts[s], s, _first_layer(order, cuts, s))
+                                  for s in range(1, num_stages)]
         self.programs = [StageProgram(order, cuts, s, self.stage_io[s], self.stage_io[s + 1] if s + 1 < num_stages else None)
                          for s in range(num_stages)]
-        self._own_params = self._params_read_by_stage(model)
+        reads = [{n.target for n in p.graph.nodes if n.op == "get_attr"} for p in self.programs]
+        self.stage_layers, self.borrowed = self._layers_by_stage(model, order, cuts, num_stages, reads)
+        self.stage_seconds = [sum(seconds[fqn] for fqn in held if fqn in seconds) for held in self.stage_layers] \
+            if seconds else None
+        self.copies: dict[str, tuple[int, ...]] = {}
+        """Parameter FQN -> the stages holding a copy of it (only those held by more than one)."""
+        self._readers = self._params_read_by_stage(model, reads)
 
-    def _layers_by_stage(self, model: nn.Module, order: ExecutionOrder, cuts: list[int],
-                         num_stages: int) -> list[list[str]]:
+    def _layers_by_stage(self, model: nn.Module, order: ExecutionOrder, cuts: list[int], num_stages: int,
+                         reads: list[set[str]]) -> tuple[list[list[str]], list[list[str]]]:
+        """Each stage's layers, and the layers it uses but another stage holds (called on several
+        stages, or their parameters read there by the forward itself)."""
         held: list[list[str]] = [[] for _ in range(num_stages)]
-        for fqn, calls in order.calls.items():
-            stages = sorted({order.stage_of(cuts, call) for call in calls})
-            if len(stages) > 1 and next(model.get_submodule(fqn).parameters(), None) is not None:
-                raise ValueError(f"layer {fqn!r} runs on stages {stages} (the forward calls it {len(calls)} times) "
-                                 "but its parameters can live on one; choose split points that keep its calls together")
-            held[stages[0]].append(fqn)
-        held[0] += [fqn for fqn in self.layers if fqn not in order.calls]  # never called: kept by the first
-        return held
+        borrowed: list[list[str]] = [[] for _ in range(num_stages)]
+        for fqn in self.layers:
+            callers = {order.stage_of(cuts, call) for call in order.calls.get(fqn, ())}
+            readers = {stage for stage, names in enumerate(reads) if any(n.startswith(fqn + ".") for n in names)}
+            users = sorted(callers | readers) or [0]  # never used: kept by the first
+            held[users[0]].append(fqn)
+            if next(model.get_submodule(fqn).parameters(), None) is None:
+                continue  # (no parameters: every stage keeps it anyway)
+            for stage in users[1:]:
+                borrowed[stage].append(fqn)
+        order_of: dict[str, int] = {}  # execution order, then the layers never called
+        for fqn in [*order.layers, *self.layers]:
+            order_of.setdefault(fqn, len(order_of))
+        return [sorted(h, key=order_of.get) for h in held], borrowed
 
-    def _params_read_by_stage(self, model: nn.Module) -> dict[str, int]:
-        """Parameters outside every layer (owned by the root, read by its forward): the stage reading each.
-        A layer's weight the root forward reads directly must be read on the layer's stage."""
-        reads = {p.stage: {n.target for n in p.graph.nodes if n.op == "get_attr"} for p in self.programs}
-        stage_of = {fqn: s for s, held in enumerate(self.stage_layers) for fqn in held}
-        for stage, names in reads.items():
-            for name in names:
-                layer = next((fqn for fqn in self.layers if name.startswith(fqn + ".")), None)
-                if layer is not None and stage_of[layer] != stage:
-                    raise ValueError(
-                        f"the forward reads {name!r} on stage {stage}, but its layer {layer!r} is on stage "
-                        f"{stage_of[layer]}; use the layer there (a tied head as a module sharing the weight, "
-                        "found across stages) or split so that both are on one stage")
+    def _params_read_by_stage(self, model: nn.Module, reads: list[set[str]]) -> dict[str, list[int]]:
+        """The stages reading each parameter outside every layer (owned by the root, read by its
+        forward: each reader holds a copy; none: the first stage); and ``copies`` filled in."""
         outside = [name for name, _ in model.named_parameters()
                    if not any(name.startswith(layer + ".") for layer in self.layers)]
-        owner: dict[str, int] = {}
-        for name in outside:
-            readers = [stage for stage, names in reads.items() if name in names]
-            if len(readers) > 1:
-                raise ValueError(f"parameter {name!r} is read by the forward on stages {readers}; a weight outside "
-                                 "the layers can live on one stage: move the split points or the weight into a layer")
-            owner[name] = readers[0] if readers else 0
-        return owner
+        readers = {name: [stage for stage, names in enumerate(reads) if name in names] or [0] for name in outside}
+        holders = {fqn: [s] for s, held in enumerate(self.stage_layers) for fqn in held}
+        for stage, layers in enumerate(self.borrowed):
+            for fqn in layers:
+                holders[fqn].append(stage)
+        for fqn, stages in holders.items():
+            if len(stages) > 1:
+                for name, _ in model.get_submodule(fqn).named_parameters(prefix=fqn):
+                    self.copies[name] = tuple(sorted(stages))
+        self.copies.update({name: tuple(stages) for name, stages in readers.items() if len(stages) > 1})
+        return readers
 
     def unread_params(self, stage: int) -> list[str]:
-        """Parameters outside the layers that ``stage`` does not own (dropped from its chunk)."""
-        return [name for name, owner in self._own_params.items() if owner != stage]
+        """Parameters outside the layers that ``stage`` does not read (dropped from its chunk)."""
+        return [name for name, stages in self._readers.items() if stage not in stages]
+
+
+def _first_layer(order: ExecutionOrder, cuts: list[int], stage: int) -> str:
+    """The layer stage ``stage`` begins with (the first called after its cut)."""
+    return next(fqn for fqn, calls in order.calls.items() if order.stage_of(cuts, calls[0]) == stage)

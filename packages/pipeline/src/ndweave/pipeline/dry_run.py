@@ -31,8 +31,7 @@ __all__ = ["check_stages_run"]
 _GUESS_SHAPE = (1, 4)
 
 
-def check_stages_run(model: nn.Module, chunk_of: Callable[[int], nn.Module], num_stages: int,
-                     input_name: str | None) -> None:
+def check_stages_run(model: nn.Module, chunk_of: Callable[[int], nn.Module], num_stages: int) -> None:
     """Run each stage's chunk (``chunk_of(stage)``) after the one before, as the engine does, on a
     guessed micro-batch; raise where a stage cannot run on what the stage before hands it."""
     guess = _guess_inputs(model)
@@ -47,7 +46,7 @@ def check_stages_run(model: nn.Module, chunk_of: Callable[[int], nn.Module], num
         for stage in range(num_stages):
             chunk = chunk_of(stage)
             try:
-                out = chunk(**{input_name: x}) if stage and input_name else chunk(x)
+                out = chunk(x)
             except Exception as e:  # noqa: BLE001  (any failure here is the cut's)
                 given = f"what stage {stage - 1} hands it" if stage else "the model's input"
                 raise ValueError(

@@ -13,7 +13,7 @@ group. The engine adds what composition needs:
   counting split weight-gradient steps too), so the wrapper accumulates until then and launches its
   sync from the last one. Zero-bubble's weight step computes grads with ``autograd.grad`` and adds
   them to ``.grad`` by hand, past the hooks wrappers accumulate with; the engine hands them to
-  autograd's own accumulation instead (see :class:`_Stage`).
+  autograd's own accumulation instead (see :class:`~ndweave.pipeline.stages.Stage`).
 * **Shared weights** (``ties.py``): grads of a weight held by several stages are summed across them
   before the data-parallel sync.
 * **Faults** (``faults.py``): the engine communicates on a process group of its own over the PP
@@ -31,21 +31,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.utils.checkpoint import checkpoint
+from torch.distributed.tensor import DTensor
 
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import DataParallelWrapper, finish_grad_sync
 from ndweave.mesh.lifecycle import destroy_side_group, new_side_group
-from ndweave.mesh.torch_compat import PipelineStageBase, abort_group, group_timeout, is_view, pipeline_stage_kwargs
+from ndweave.mesh.torch_compat import abort_group, group_timeout, pipeline_stage_kwargs
 from ndweave.pipeline.agree import BatchShapes, agree_on_batch, agree_on_plan
 from ndweave.pipeline.construct import PipeModule, chunk_device
 from ndweave.pipeline.evaluate import evaluate_batch
 from ndweave.pipeline.faults import Blame, Failure, FailureRecord, PipelineStageError, detach_traceback
+from ndweave.pipeline.inputs import (InputLayout, ModelInputs, check_inputs, check_same_inputs, check_targets,
+                                     flatten_inputs, input_shapes, split_inputs)
 from ndweave.pipeline.plan import PipelineParallelPlan, ResolvedPlan, resolve_plan
 from ndweave.pipeline.program import stage_program
-from ndweave.pipeline.stage_io import first_tensor
 from ndweave.pipeline.report import ActivationMeter, PipelineReport, build_stage_reports, gather_report
+from ndweave.pipeline.stages import Stage, StageModule, mesh_lookup
 from ndweave.pipeline.ties import HookGate, TiedGradSync, check_shared_params
 from ndweave.pipeline.timeline import ScheduleTimeline, TimelineRecorder
 
@@ -62,6 +63,7 @@ class PipeEngine:
         for x, y in batches:                    # x needed on the first stage, y on the last (else None)
             optimizer.zero_grad()
             loss = engine(x, y)                 # the same value on every PP rank
+            # several inputs: engine((ids, mask), y) or engine({"input_ids": ids, "attention_mask": mask}, y)
             optimizer.step()
         engine.close()                          # its process group and buffers released
 
@@ -96,8 +98,7 @@ class PipeEngine:
             resolved = resolve_plan(plan or module.resolved_plan.plan, pp_mesh.size())
             if resolved.num_stages != module.num_stages or resolved.stages_of(pp_mesh.get_local_rank()) != list(module.stage_indices):
                 raise ValueError("the plan and mesh give other stages than the module was built with; pass the same plan and mesh")
-            check_shared_params(module.chunks, module.stage_indices, module.shared_params,
-                                lambda stage: pp_ranks[resolved.stage_rank(stage)])
+            check_shared_params(module.chunks, module.stage_indices, module.shared_params)
             return resolved
 
         # before any stage talks to another: a PP rank built from another plan would wait forever, and
@@ -111,6 +112,7 @@ class PipeEngine:
         self.recorder = TimelineRecorder()
         self._meter = ActivationMeter(self.recorder)
         self._first_batch: BatchShapes | None = None
+        self._first_inputs: dict[str, tuple[int, ...]] | None = None  # every input's, on the first stage
         self._failure: Failure | None = None
         self._closed = False
         self._record = FailureRecord(engine_id, pp_mesh.get_local_rank(), pp_mesh.size())
@@ -122,8 +124,8 @@ class PipeEngine:
                                   group, self._gate)
         deferred = self._ties.chunk_indices()
         self.stages = [
-            _Stage(_StageModule(chunk, stage, resolved, self._blame), stage, resolved.num_stages,
-                   chunk_device(chunk, pp_mesh.device_type), group=group, **pipeline_stage_kwargs(_mesh_lookup(chunk)))
+            Stage(StageModule(chunk, stage, resolved, self._blame), stage, resolved.num_stages,
+                   chunk_device(chunk, pp_mesh.device_type), group=group, **pipeline_stage_kwargs(mesh_lookup(chunk)))
             for stage, chunk in zip(module.stage_indices, module.chunks)
         ]
         for index, stage in enumerate(self.stages):
@@ -133,16 +135,23 @@ class PipeEngine:
         self.schedule = cls(self.stages[0], **kwargs) if resolved.single_stage else cls(self.stages, **kwargs)
 
     # ------------------------------------------------------------------ one step
-    def __call__(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, inputs: ModelInputs | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Forward and backward of one mini-batch; returns the mean micro-batch loss (float64, detached).
 
-        Raises :class:`PipelineStageError` on every PP rank when the step raises on any of them."""
+        ``inputs`` (on the first stage): a tensor, a tuple of tensors (the forward's positional
+        arguments) or a dict name -> tensor (its keyword arguments), every tensor split into
+        micro-batches along dim 0; every step passes the same inputs (names, shapes) as the first.
+        Raises :class:`PipelineStageError` on every PP rank when the step raises on any of them, and
+        the same ``ValueError`` on every PP rank for a batch one of them refuses."""
         self._check_usable()
         first = 0 in self.module.stage_indices
         last = self.resolved.num_stages - 1 in self.module.stage_indices
+        layout = shapes_now = None
         try:
-            self._check_batch("inputs", inputs, needed=first)
-            self._check_batch("targets", targets, needed=last and self._loss_takes_targets)
+            if first:
+                layout, shapes_now = self._check_model_inputs(inputs, self._first_inputs)
+            if last and self._loss_takes_targets:
+                check_targets(targets, self.resolved.num_microbatches)
             if last and not self._loss_takes_targets and targets is not None:
                 raise ValueError("loss_fn takes the output alone (loss_fn(output)), yet targets were given; pass "
                                  "none, or a loss_fn(output, targets)")
@@ -152,13 +161,14 @@ class PipeEngine:
         self._blame.reset()
         try:
             # every PP rank sees every rank's check (one small gather per step), so all raise or none does
-            shapes = agree_on_batch(error, inputs if first else None, targets if last else None,
-                                    self._group, self._first_batch, self.pp_mesh.device_type)
+            shapes = agree_on_batch(error, flatten_inputs(inputs)[1][0] if first and error is None else None,
+                                    targets if last else None, self._group, self._first_batch, self.pp_mesh.device_type)
         except ValueError:
             raise  # a batch refused on every PP rank alike: the engine runs on
         except Exception as failed:  # a peer failed after its part of the last step
             self._fail(failed)
         self._first_batch = self._first_batch or shapes
+        self._first_inputs = self._first_inputs or shapes_now
         losses: list[torch.Tensor] = []
         self._ties.begin()
         try:
@@ -166,8 +176,8 @@ class PipeEngine:
             self._meter.start()
             if last and not self._loss_takes_targets:  # torch's schedule splits a target: give it rows to split
                 targets = torch.empty((self.resolved.num_microbatches, 0), device=self.stages[0].device)
-            self.schedule.step(*((inputs,) if first else ()), target=targets if last else None, losses=losses,
-                               return_outputs=False)
+            self.schedule.step(*(self._feed(inputs, layout) if first else ()), target=targets if last else None,
+                               losses=losses, return_outputs=False)
             self.recorder.stop()
             self._ties.finish(self._deliver)
             with self._blame.running("the data-parallel grad sync after the schedule (finish_grad_sync)"):
@@ -180,14 +190,15 @@ class PipeEngine:
             self._ties.cancel()
             raise
 
-    def evaluate(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None):
+    def evaluate(self, inputs: ModelInputs | None = None, targets: torch.Tensor | None = None):
         """Forward only (no backward, under ``no_grad``) of a mini-batch through the schedule::
 
             val_loss = engine.evaluate(x, y)   # the mean micro-batch loss (float64), on every PP rank
             logits = engine.evaluate(x)        # the last stage's outputs on its rank, None on the others
 
-        ``inputs`` on the first stage; ``targets`` on the last (none: the outputs, the micro-batches'
-        concatenated along dim 0). The chunks run in the mode they are in: call ``module.eval()``
+        ``inputs`` on the first stage (a tensor, a tuple or a dict, as in training); ``targets`` on the
+        last (none: the outputs, the micro-batches' concatenated along dim 0). The chunks run in the
+        mode they are in: call ``module.eval()``
         first to turn dropout off, ``module.train()`` after. Every evaluation batch has the first
         one's shape (it may differ from the training batch's)."""
         return evaluate_batch(self, inputs, targets)
@@ -246,18 +257,30 @@ class PipeEngine:
     def _chunk_of_stage(self, stage: int) -> nn.Module:
         return self.module.chunks[list(self.module.stage_indices).index(stage)]
 
-    def _check_batch(self, name: str, batch, *, needed: bool) -> None:
-        if not needed:
-            return
-        if not isinstance(batch, torch.Tensor) or batch.ndim == 0:
-            raise ValueError(f"it holds the {'first' if name == 'inputs' else 'last'} stage and needs {name}, a tensor "
-                             f"with the samples along dim 0; got {batch!r}")
-        m = self.resolved.num_microbatches
-        if batch.shape[0] % m:
-            raise ValueError(
-                f"{name} has {batch.shape[0]} samples along dim 0, which does not split into num_microbatches={m} "
-                "equal micro-batches; use a batch size divisible by it"
-            )
+    def _check_model_inputs(self, inputs, first: dict[str, tuple[int, ...]] | None):
+        """The first stage's check of ``inputs``: their layout and each one's shape. The first input's
+        shape is compared with the first batch's by :func:`agree_on_batch` on every rank (with the
+        targets'); the names, and the other inputs' shapes, here."""
+        layout = check_inputs(inputs, self.resolved.num_microbatches)
+        program = stage_program(self.module.chunks[0])  # (stage 0's: this rank holds the first stage)
+        if program is not None:  # a traced model: the inputs its trace took, by name
+            try:
+                program.bind(*split_inputs(inputs))
+            except TypeError as error:
+                raise ValueError(str(error)) from None
+        now = input_shapes(inputs)
+        if first is not None:
+            if list(now) != list(first):
+                check_same_inputs(now, first)  # (raises: other names)
+            check_same_inputs(dict(list(now.items())[1:]), dict(list(first.items())[1:]))
+        return layout, now
+
+    def _feed(self, inputs, layout: InputLayout) -> tuple[torch.Tensor, ...]:
+        """The flat tensors torch's schedule splits into micro-batches; the first stage's module
+        rebuilds the forward's arguments from them (``layout``)."""
+        for stage in self.stages:
+            stage.submod.layout = layout
+        return flatten_inputs(inputs)[1]
 
     def _deliver(self, index: int, params: list, grads: list) -> None:
         """Run one backward that adds ``grads`` into ``params`` of chunk ``index`` as its last micro-batch."""
@@ -301,63 +324,6 @@ class PipeEngine:
                                                  self.pp_mesh.get_local_rank()), self._group)
 
 
-class _StageModule(nn.Module):
-    """What a ``PipelineStage`` runs for one chunk: feeds the received activations the way the model
-    takes them, hands on what crosses the next cut (a traced chunk's ``StageIO`` tensors, else the
-    first tensor of the chunk's output), casts for ``p2p_dtype``, recomputes."""
-
-    def __init__(self, chunk: nn.Module, stage: int, resolved: ResolvedPlan, blame: Blame) -> None:
-        super().__init__()
-        self.chunk = chunk
-        self.program = stage_program(chunk)
-        self.stage = stage
-        self.blame = blame
-        self.micro_batch: int | None = None  # of the forward running (None: the first step's shape inference)
-        self.first = stage == 0
-        self.last = stage == resolved.num_stages - 1
-        self.input_name = None if self.first else resolved.plan.stage_input_name
-        self.p2p_dtype = resolved.plan.p2p_dtype
-        self.recompute = resolved.recomputes(stage)
-        self.compute_dtype = next((p.dtype for p in chunk.parameters() if p.is_floating_point()), None)
-        self.tp_mesh = next((p.device_mesh for p in chunk.parameters() if isinstance(p, DTensor)), None)
-
-    def forward(self, *args):
-        with self.blame.running("forward", self.stage, self.micro_batch):
-            if not self.first:
-                args = tuple(self._received(a) for a in args)
-            if self.recompute:
-                out = checkpoint(self._run, *args, use_reentrant=False)
-            else:
-                out = self._run(*args)
-            return tuple(self._sent(t) for t in out) if isinstance(out, tuple) else self._sent(out)
-
-    def _run(self, *args):
-        if self.program is not None:
-            out = self.chunk(*args)
-            # what the graph sent, not what a wrapper's output hook made of it (use_local_output turns a
-            # replicated DTensor into a plain tensor, which the next stage could not tell from one that
-            # always was plain: torch carries a DTensor across with its placements)
-            return first_tensor(out) if self.last else self.program.sent
-        out = self.chunk(**{self.input_name: args[0]}) if self.input_name else self.chunk(*args)
-        return first_tensor(out)
-
-    def _sent(self, out: torch.Tensor) -> torch.Tensor:
-        if self.p2p_dtype is not None and not self.last and out.is_floating_point():
-            out = out.to(self.p2p_dtype)
-        if is_view(out):  # torch's split backward detach_()es stage outputs, which a view refuses
-            out = out.clone()
-        return out
-
-    def _received(self, activation: torch.Tensor) -> torch.Tensor:
-        if activation.is_floating_point() and self.compute_dtype is not None and activation.dtype != self.compute_dtype:
-            activation = activation.to(self.compute_dtype)
-        if self.program is None and self.tp_mesh is not None and not isinstance(activation, DTensor):
-            # a tensor-parallel chunk handed on a replicated output as a plain tensor (DModule's
-            # use_local_output): it is Replicate over the TP mesh, and the next chunk's layers expect that
-            activation = DTensor.from_local(activation, self.tp_mesh, [Replicate()] * self.tp_mesh.ndim, run_check=False)
-        return activation
-
-
 def _takes_targets(loss_fn) -> bool:
     """Whether ``loss_fn`` is ``loss_fn(output, targets)``; ``False`` for a loss of the output alone
     (one positional parameter: veScale's ``loss_fn(output)``, a loss the model computed)."""
@@ -378,86 +344,3 @@ def _engine_group(pp_mesh: DeviceMesh) -> dist.ProcessGroup:
         return mesh_group
     return new_side_group(dist.get_process_group_ranks(mesh_group), desc="pipeline",
                           timeout=group_timeout(mesh_group, pp_mesh.device_type), backend=dist.get_backend(mesh_group))
-
-
-def _mesh_lookup(chunk: nn.Module):
-    """``get_mesh`` for torch's stage: find a DTensor activation's mesh among the chunk's meshes."""
-    meshes = {}
-    for p in chunk.parameters():
-        if isinstance(p, DTensor):
-            meshes.setdefault(tuple(p.device_mesh.mesh_dim_names or ()), p.device_mesh)
-
-    def get_mesh(dim_names, *_):
-        if tuple(dim_names or ()) in meshes:
-            return meshes[tuple(dim_names or ())]
-        raise KeyError(f"no mesh with dims {dim_names} among this stage's parameters' meshes {list(meshes)}")
-
-    return get_mesh
-
-
-class _Stage(PipelineStageBase):
-    """torch's ``PipelineStage`` plus data-parallel micro-batch control, hook-visible weight grads, the
-    schedule picture and, when an action raises, which one (the methods overridden are pinned in
-    ``ndweave.mesh.torch_compat.PIPELINE_STAGE_OVERRIDES``)."""
-
-    def configure(self, chunk: nn.Module, defer_sync: bool, gate: HookGate, recorder: TimelineRecorder,
-                  meter: ActivationMeter, blame: Blame) -> None:
-        self._data_parallel = chunk if isinstance(chunk, DataParallelWrapper) else None
-        self._defer_sync = defer_sync  # a shared weight's copy: the sync waits for the cross-stage sum
-        self._gate = gate
-        self._recorder = recorder
-        self._meter = meter
-        self._blame = blame
-
-    def shape_inference_buffer(self, arg, tensor):
-        # torch's shape inference runs a stage on uninitialized buffers: an int tensor crossing a cut
-        # (position ids) may index an embedding there, so it gets zeros instead of whatever was in memory
-        if not isinstance(arg, torch.Tensor) and not tensor.is_floating_point():
-            tensor.zero_()
-        return tensor
-
-    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
-        self.submod.micro_batch = fwd_chunk_id
-        with (self._recorder.action(self.stage_index, "F", fwd_chunk_id),
-              self._meter.forward(self.stage_index, fwd_chunk_id, self.submod)):
-            output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        if not self.is_last:
-            self._meter.output(self.stage_index, output)
-        return output
-
-    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        with (self._recorder.action(self.stage_index, "B" if full_backward else "I", bwd_chunk_id),
-              self._blame.running("backward" if full_backward else "input-grad backward", self.stage_index,
-                                  bwd_chunk_id)):
-            result = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-        if full_backward:
-            self._meter.release(self.stage_index, bwd_chunk_id)
-        return result
-
-    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        with (self._recorder.action(self.stage_index, "W", bwd_chunk_id),
-              self._blame.running("weight-grad backward", self.stage_index, bwd_chunk_id)):
-            result = super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
-        self._meter.release(self.stage_index, bwd_chunk_id)
-        return result
-
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-        if self._data_parallel is not None:
-            self._data_parallel.set_is_last_microbatch(last_backward and not self._defer_sync)
-        if backward_type != "weight" or self._data_parallel is None:
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        # torch's weight step: autograd.grad, then ``.grad += dw`` by hand. Take the dw it computed and
-        # accumulate it through autograd instead, so the wrapper's post-accumulate hooks (DDP's
-        # buckets) see it. (A chunk without a wrapper keeps torch's way: nothing hooks its grads.)
-        params = list(self.submod.parameters())
-        before = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        fresh = [(p, p.grad) for p in params if p.grad is not None]
-        for p, grad in zip(params, before):
-            p.grad = grad
-        if fresh:
-            with self._gate.pause():  # the capture hooks already saw these grads inside autograd.grad
-                torch.autograd.backward([p.view_as(p) for p, _ in fresh], [g for _, g in fresh])
-        return result

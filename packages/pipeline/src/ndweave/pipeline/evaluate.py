@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ndweave.pipeline.agree import every_pp_rank
+from ndweave.pipeline.inputs import ModelInputs, check_inputs, check_targets, input_shapes
 
 if TYPE_CHECKING:
     from ndweave.pipeline.engine import PipeEngine
@@ -23,37 +24,39 @@ if TYPE_CHECKING:
 __all__ = ["evaluate_batch"]
 
 
-def evaluate_batch(engine: PipeEngine, inputs: torch.Tensor | None, targets: torch.Tensor | None):
+def evaluate_batch(engine: PipeEngine, inputs: ModelInputs | None, targets: torch.Tensor | None):
     """What :meth:`PipeEngine.evaluate` returns: the mean micro-batch loss on every PP rank when the
     last stage is given ``targets``, else the last stage's outputs (the micro-batches' concatenated
     along dim 0) on the rank holding it and ``None`` on the others."""
     engine._check_usable()
     first = 0 in engine.module.stage_indices
     last = engine.resolved.num_stages - 1 in engine.module.stage_indices
-    inputs_shape, with_targets = _agree_on_batch(engine, inputs, targets, first, last)
-    _check_same_shape(engine, inputs_shape)
+    shapes, with_targets = _agree_on_batch(engine, inputs, targets, first, last)
+    _check_same_shape(engine, shapes)
     recording, engine.recorder.enabled = engine.recorder.enabled, False  # the timeline is training's
     engine._blame.reset()
     try:
-        return _run(engine, (inputs,) if first else (), targets if last else None, with_targets, inputs_shape[0], last)
+        args = engine._feed(inputs, check_inputs(inputs, engine.resolved.num_microbatches)) if first else ()
+        return _run(engine, args, targets if last else None, with_targets, next(iter(shapes.values()))[0], last)
     except Exception as failed:  # raised on every PP rank, as a training step's failure is
         engine._fail(failed)
     finally:
         engine.recorder.enabled = recording
 
 
-def _agree_on_batch(engine: PipeEngine, inputs, targets, first: bool, last: bool) -> tuple[tuple[int, ...], bool]:
-    """Every PP rank's batch check, the inputs' shape and whether the last stage has targets, on every
-    PP rank (one small gather): all raise, or all run the same schedule."""
+def _agree_on_batch(engine: PipeEngine, inputs, targets, first: bool,
+                    last: bool) -> tuple[dict[str, tuple[int, ...]], bool]:
+    """Every PP rank's batch check, each input's shape and whether the last stage has targets, on
+    every PP rank (one small gather): all raise, or all run the same schedule."""
     try:
-        if first:
-            engine._check_batch("inputs", inputs, needed=True)
+        if first:  # (the first evaluation's shapes are compared after the gather, on every rank)
+            engine._check_model_inputs(inputs, None)
         if last and targets is not None:
-            engine._check_batch("targets", targets, needed=True)
+            check_targets(targets, engine.resolved.num_microbatches)
         error = None
     except ValueError as local:
         error = str(local)
-    shapes = (tuple(inputs.shape) if first and error is None else None,
+    shapes = (input_shapes(inputs) if first and error is None else None,
               last and targets is not None and error is None)
     try:
         everyone = every_pp_rank((error, shapes), engine._group)
@@ -86,12 +89,16 @@ def _no_loss(output, target=None) -> torch.Tensor:
     return torch.zeros(())
 
 
-def _check_same_shape(engine: PipeEngine, shape: tuple[int, ...]) -> None:
+def _check_same_shape(engine: PipeEngine, shapes: dict[str, tuple[int, ...]]) -> None:
     """torch sized the stages' evaluation buffers at the first evaluation: keep that batch shape."""
-    first = engine.__dict__.setdefault("_first_eval_inputs", shape)
-    if shape != first:
+    first = engine.__dict__.setdefault("_first_eval_inputs", shapes)
+    if shapes != first:
         raise ValueError(
-            f"PipeEngine.evaluate: these inputs have shape {shape}, the first evaluation's had {first}; the "
-            "stages' buffers are sized at the first evaluation: keep one evaluation batch shape (a DataLoader "
-            "with drop_last=True)"
+            f"PipeEngine.evaluate: these inputs have shape {_shown(shapes)}, the first evaluation's had "
+            f"{_shown(first)}; the stages' buffers are sized at the first evaluation: keep one evaluation batch "
+            "shape (a DataLoader with drop_last=True)"
         )
+
+
+def _shown(shapes: dict[str, tuple[int, ...]]) -> object:
+    return shapes["inputs"] if list(shapes) == ["inputs"] else shapes  # one tensor: its shape alone

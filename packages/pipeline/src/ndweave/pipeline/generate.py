@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 from ndweave.mesh.torch_compat import local_shape_and_offset
 
 from ndweave.pipeline.agree import every_pp_rank
-from ndweave.pipeline.engine import PipeEngine, _mesh_lookup
+from ndweave.pipeline.engine import PipeEngine
+from ndweave.pipeline.stages import mesh_lookup
 
 __all__ = ["generate"]
 
@@ -87,6 +88,7 @@ def _relay(engine: PipeEngine, window: torch.Tensor) -> torch.Tensor | None:
         s = stage.stage_index
         if s == 0:
             args = (window,)
+            stage.submod.layout = None  # the window alone, whatever inputs training passed
         elif engine._rank_of_stage(s - 1) == me:
             args = handed
         else:
@@ -121,7 +123,7 @@ def _receive(engine: PipeEngine, stage, src: int) -> tuple:
     chunk = engine.module.chunks[list(engine.module.stage_indices).index(stage.stage_index)]
     received = []
     for shape, dtype, placements, dims, stride in box[0]:
-        mesh = None if placements is None else _mesh_lookup(chunk)(dims)
+        mesh = None if placements is None else mesh_lookup(chunk)(dims)
         local = shape if mesh is None else local_shape_and_offset(shape, mesh, placements)[0]
         buffer = torch.empty(local, dtype=dtype, device=stage.device)
         if buffer.numel():

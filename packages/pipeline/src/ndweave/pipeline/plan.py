@@ -7,7 +7,6 @@ pipeline-parallel size is known, so one plan serves every mesh shape.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -84,12 +83,6 @@ class PipelineParallelPlan:
     """dtype of the activations and their gradients sent between stages (e.g. ``torch.bfloat16``);
     ``None`` sends them as computed. Each stage computes in its parameters' dtype."""
 
-    stage_input_name: str | None = None
-    """Deprecated (removed in pipeline 0.8): pass ``example_inputs=`` to ``construct_pipeline_stage``
-    instead, so what crosses each cut is traced (:class:`~ndweave.pipeline.StageIO`: every tensor a
-    later stage needs, under the names the model uses). Keyword under which untraced stages after the
-    first receive the previous stage's output, e.g. ``"inputs_embeds"`` for HF models."""
-
     def __post_init__(self) -> None:
         if self.virtual_chunks < 1:
             raise ValueError(f"virtual_chunks must be >= 1, got {self.virtual_chunks}")
@@ -103,10 +96,6 @@ class PipelineParallelPlan:
             if isinstance(group, str) or len(group) < 2:
                 raise ValueError(f"each shared_modules group lists two or more FQNs; got {group!r}")
         schedule_class(self.schedule_type)  # unknown names fail here, not on the first step
-        if self.stage_input_name is not None:
-            warnings.warn("PipelineParallelPlan(stage_input_name=) is deprecated and removed in ndweave-pipeline 0.8: "
-                          "pass example_inputs= to construct_pipeline_stage, and what crosses each cut is traced "
-                          "(StageIO)", DeprecationWarning, stacklevel=3)
 
 
 @dataclass(frozen=True)

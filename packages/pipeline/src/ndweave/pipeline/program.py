@@ -4,7 +4,8 @@ A chunk of a traced model is still the user's model class (its config, methods a
 ``forward`` that runs this stage's nodes of the graph (``torch.fx.Interpreter`` over the chunk, so
 each layer call is a call of the chunk's own module, hooks and tensor parallelism included):
 
-* the first stage takes the model's own inputs; a later one the flat tensors of its
+* the first stage takes the model's own inputs (positional or by keyword, bound to the traced
+  forward's inputs by name); a later one the flat tensors of its
   :class:`~ndweave.pipeline.stage_io.StageIO`;
 * the last stage returns the model's output; an earlier one the flat tensors of the next cut.
 
@@ -22,6 +23,7 @@ from torch import fx, nn
 from ndweave.mesh.torch_compat import local_tensor, tree_flatten
 from ndweave.pipeline.order import ExecutionOrder
 from ndweave.pipeline.stage_io import StageIO
+from ndweave.pipeline.trace import input_name
 
 __all__ = ["StageProgram", "stage_program", "run_as_stage"]
 
@@ -39,15 +41,25 @@ class StageProgram:
         self.outputs = outputs
         """What this stage sends (``None`` on the last stage: it returns the model's output)."""
         self.graph = _stage_graph(order, cuts, stage)
+        self.input_names = tuple(node.target for node in self.graph.nodes if node.op == "placeholder") \
+            if inputs is None else ()
+        """The first stage's: the traced forward's inputs, in order (its placeholders)."""
+        self.positional = order.forward.positional
         used = {node.target for node in self.graph.nodes if node.op == "get_attr"}
         self.constants = {name: t for name, t in order.forward.constants.items() if name in used}
         self.sent: tuple[torch.Tensor, ...] = ()
         """The tensors the last call sent, as the graph computed them (before any wrapper's output
         hook, e.g. ``use_local_output``, turned a replicated DTensor into a plain tensor)."""
 
-    def run(self, chunk: nn.Module, args: tuple) -> Any:
-        device = _device(args, chunk)
-        values = list(args) if self.inputs is None else self.inputs.unflatten(args, device)
+    def run(self, chunk: nn.Module, args: tuple, kwargs: dict[str, Any] | None = None) -> Any:
+        device = _device((args, kwargs), chunk)
+        if self.inputs is None:
+            values = self.bind(args, kwargs or {})
+        elif kwargs:
+            raise TypeError(f"stage {self.stage} takes the tensors the stage before sends, positionally; got the "
+                            f"keyword inputs {list(kwargs)}")
+        else:
+            values = self.inputs.unflatten(args, device)
         out = _Interpreter(chunk, self.graph, self.constants, device).run(*values)
         if self.outputs is None:
             return out
@@ -55,6 +67,26 @@ class StageProgram:
         self.sent = tuple(t.clone() if any(t is a for a in args) else t
                           for t in self.outputs.flatten(out, device))
         return self.sent
+
+    def bind(self, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+        """The first stage's inputs in the traced order, from the forward's ``args`` and ``kwargs``
+        (bound by name, as the forward binds them)."""
+        if not kwargs and len(args) == len(self.input_names):
+            return list(args)
+        given = {input_name(self.positional, i): value for i, value in enumerate(args)}
+        for name, value in kwargs.items():
+            if name in given:
+                raise TypeError(f"the first stage got input {name!r} twice (positionally and by keyword)")
+            given[name] = value
+        missing = [name for name in self.input_names if name not in given]
+        unknown = [name for name in given if name not in self.input_names]
+        if missing or unknown:
+            raise TypeError(
+                f"the first stage was traced with the inputs {list(self.input_names)}; this batch "
+                + (f"lacks {missing}" if missing else "") + (" and " if missing and unknown else "")
+                + (f"has {unknown}, which the trace did not take" if unknown else "")
+                + ": pass the inputs example_inputs had (their names: the forward's parameters)")
+        return [given[name] for name in self.input_names]
 
     def code(self) -> str:
         """The stage's part of the forward as Python (what ``forward`` runs)."""
@@ -104,8 +136,8 @@ def _device(args: tuple, chunk: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _stage_forward(self: nn.Module, *args: Any) -> Any:
-    return stage_program(self).run(self, args)
+def _stage_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return stage_program(self).run(self, args, kwargs)
 
 
 def run_as_stage(chunk: nn.Module, program: StageProgram) -> nn.Module:

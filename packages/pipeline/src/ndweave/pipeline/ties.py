@@ -14,7 +14,7 @@ micro-batch and, told it is the last, launches its sync. So each copy ends with
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,13 +38,15 @@ class SharedParam:
     """The stages holding a copy, increasing; the first one's copy is the one counted in grad norms."""
 
 
-def find_shared_params(model: nn.Module, stage_layers: list[list[str]],
-                       shared_modules: Sequence[Sequence[str]]) -> list[SharedParam]:
-    """Weights on two or more stages: one tensor under several FQNs, and the groups the plan lists."""
+def find_shared_params(model: nn.Module, stage_layers: list[list[str]], shared_modules: Sequence[Sequence[str]],
+                       copies: Mapping[str, Sequence[int]] | None = None) -> list[SharedParam]:
+    """Weights on two or more stages: one tensor under several FQNs, the groups the plan lists, and
+    ``copies`` (parameter FQN -> the stages holding it, where the traced forward uses it on several)."""
+    copies = copies or {}
     groups: dict[int, list[str]] = {}
     for fqn, param in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(fqn)
-    merged = [names for names in groups.values() if len(names) > 1]
+    merged = [names for names in groups.values() if len(names) > 1 or any(n in copies for n in names)]
     for group in shared_modules:
         merged.extend(_pair_params(model, group))
     merged = _union(merged)
@@ -52,7 +54,10 @@ def find_shared_params(model: nn.Module, stage_layers: list[list[str]],
     shared = []
     for names in merged:
         stage_of_name = {fqn: stage_of[layer] for fqn in names for layer in stage_of if fqn.startswith(layer + ".")}
-        stages = sorted(set(stage_of_name.values()))
+        for fqn in names:  # a parameter of the root's or a borrowed layer's: its first holder
+            if fqn in copies:
+                stage_of_name.setdefault(fqn, min(copies[fqn]))
+        stages = sorted(set(stage_of_name.values()) | {s for fqn in names for s in copies.get(fqn, ())})
         if len(stages) > 1:  # names on the first stage first: the counted copy's name is fqns[0]
             names = sorted(names, key=lambda fqn: stage_of_name.get(fqn, stages[-1]))
             shared.append(SharedParam(tuple(names), tuple(stages)))
@@ -81,26 +86,23 @@ def _union(groups: list[list[str]]) -> list[list[str]]:
     return out
 
 
-def check_shared_params(chunks: Sequence[nn.Module], stage_indices: Sequence[int], shared: Sequence[SharedParam],
-                        rank_of_stage) -> None:
+def check_shared_params(chunks: Sequence[nn.Module], stage_indices: Sequence[int], shared: Sequence[SharedParam]) -> None:
     """Refuse shared weights this rank cannot hold; local, so the engine runs it before any communication."""
     for sp in shared:
         here = [s for s in sp.stages if s in stage_indices]
         if len(here) > 1:
-            ranks = sorted({rank_of_stage(s) for s in sp.stages})
-            _check_one_tensor_per_rank(sp, [chunks[list(stage_indices).index(s)] for s in here], here, ranks)
+            _check_one_tensor_per_rank(sp, [chunks[list(stage_indices).index(s)] for s in here], here)
 
 
-def _check_one_tensor_per_rank(sp: SharedParam, chunks: list[nn.Module], stages: list[int], ranks: list[int]) -> None:
-    """Copies in several stages of one rank (V-shaped schedules) work when they are one tensor, which
-    autograd sums, and nothing else takes part: refuse the rest."""
+def _check_one_tensor_per_rank(sp: SharedParam, chunks: list[nn.Module], stages: list[int]) -> None:
+    """Copies in several stages of one rank (V-shaped and looped schedules) work when they are one
+    tensor, which autograd sums (and whose sum the copies on other ranks exchange as one), and no
+    data-parallel wrapper takes part: refuse the rest."""
     why = None
     if any(isinstance(chunk, DataParallelWrapper) for chunk in chunks):
         why = "with data-parallel wrappers (each would sync it)"
     elif len({id(_find_param(chunk, sp.fqns)) for chunk in chunks}) > 1:
         why = "as separate tensors (shared_modules of an untied model)"
-    elif len(ranks) > 1:
-        why = "and on other ranks too"
     if why:
         raise NotImplementedError(
             f"shared weight {list(sp.fqns)} is in two stages {stages} of this rank (a V-shaped schedule) {why}; "

@@ -20,6 +20,7 @@ import functools
 import inspect
 import os
 import traceback
+import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,13 +30,27 @@ from torch import fx, nn
 from torch.fx.proxy import Attribute, Proxy
 
 from ndweave.mesh.torch_compat import FakeTensorMode
+from ndweave.pipeline.inputs import split_inputs
 
-__all__ = ["ForwardGraph", "trace_forward"]
+__all__ = ["ForwardGraph", "input_name", "trace_forward"]
 
 # torch's argument parser takes ``torch.ones(T, T)`` only with int sizes, not proxies (fx alone fails
 # there too); during a trace these record a node when a size is traced
 _FACTORIES = ("empty", "eye", "full", "ones", "rand", "randn", "zeros")
 _CALLABLE = builtins.callable
+
+
+@functools.cache
+def _recorded_functions() -> tuple[str, ...]:
+    """The factories, and every ``torch.*`` function torch's C++ argument parser reads: it takes a
+    traced tensor (which passes ``isinstance(x, Tensor)``, see ``_ValueProxy.__class__``) for a real
+    one where an overload wants a number, and crashes the process (``torch.pow(x, 2)``,
+    ``torch.where(mask, x, -inf)``). So these record their node before torch parses anything."""
+    # (torch's public lists of its functions; the C++-parsed ones are builtins: factories such as
+    # arange are in the ignored list, taking no tensor)
+    listed = [*torch.overrides.get_overridable_functions().get(torch, ()), *torch.overrides.get_ignored_functions()]
+    parsed = [f for f in listed if isinstance(f, types.BuiltinFunctionType) and getattr(torch, f.__name__, None) is f]
+    return tuple(sorted({f.__name__ for f in parsed if not f.__name__.startswith("_")} | set(_FACTORIES)))
 
 
 def _is_torch_machinery(filename: str) -> bool:
@@ -53,25 +68,34 @@ class ForwardGraph:
     """The traced root ``forward``: its graph, each node's example value, and the tensors it created."""
 
     graph: fx.Graph
-    """Placeholders (the model's positional inputs), ops, one ``call_module`` node per layer call, output."""
+    """Placeholders (the model's inputs: the positional ones, then the keyword tensors, each named by
+    the forward's parameter), ops, one ``call_module`` node per layer call, output."""
     values: dict[fx.Node, Any]
     """Each node's value on the example (``meta`` tensors, ints, tuples of them, ...)."""
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     """Tensors the forward created without inputs (``torch.ones(3)``), by the ``get_attr`` target naming them."""
+    inputs: tuple = ()
+    """The example's values of the placeholders, in their order (as given: real or ``meta``)."""
+    positional: tuple[str, ...] = ()
+    """The forward's positional parameter names (to bind a batch's positional inputs by)."""
 
     @property
     def nodes(self) -> list[fx.Node]:
         return list(self.graph.nodes)
 
 
-def trace_forward(model: nn.Module, example_inputs: Sequence[Any], layers: Sequence[str]) -> ForwardGraph:
-    """Trace ``model(*example_inputs)`` with the modules named in ``layers`` as opaque calls.
+def trace_forward(model: nn.Module, example_inputs: Any, layers: Sequence[str]) -> ForwardGraph:
+    """Trace ``model(*args, **kwargs)`` with the modules named in ``layers`` as opaque calls.
 
-    ``example_inputs`` may be real or ``meta`` tensors (only their shapes and dtypes are used); the
-    model may live on any device, ``meta`` included, and is left as it was."""
+    ``example_inputs``: a tensor, a tuple (positional) or a dict (keyword arguments, bound to the
+    forward's signature; parameters left out keep their defaults, and a value that is no tensor, e.g.
+    ``use_cache=False``, is passed as it is and fixed in the graph). Tensors may be real or ``meta``
+    (only their shapes and dtypes are used); the model may live on any device, ``meta`` included, and
+    is left as it was."""
+    args, kwargs = split_inputs(example_inputs)
     failures = []
     for fake in (False, True):
-        tracer = _ValueTracer(set(layers), tuple(example_inputs), FakeTensorMode(allow_non_fake_inputs=True) if fake
+        tracer = _ValueTracer(set(layers), args, kwargs, FakeTensorMode(allow_non_fake_inputs=True) if fake
                               else None)
         try:
             graph = tracer.trace(model)
@@ -80,10 +104,15 @@ def trace_forward(model: nn.Module, example_inputs: Sequence[Any], layers: Seque
             failures.append(f"{'on fake tensors' if fake else 'on meta'}: {error}")
             cause = error
     else:
+        # fx takes tensors, numbers and containers of them as a layer's arguments, not an object the
+        # forward made to hand its layers (HF's DynamicCache): the fix is the input that turns it off
+        hint = ("; a layer is handed an object that is no tensor (a cache?): pass example_inputs as a dict with "
+                "the keyword that turns it off (HF models: use_cache=False)"
+                if isinstance(cause, NotImplementedError) and "argument of type" in str(cause) else "")
         raise type(cause)(f"tracing {type(model).__name__}.forward for the pipeline failed: "
-                          f"{'; '.join(failures)}") from cause
+                          f"{'; '.join(failures)}{hint}") from cause
     _drop_dead_code(graph)
-    return ForwardGraph(graph, tracer.values, tracer.constants)
+    return ForwardGraph(graph, tracer.values, tracer.constants, tracer.inputs, tracer.positional)
 
 
 def _to_meta(value: Any, fake_mode: FakeTensorMode | None = None) -> Any:
@@ -113,8 +142,14 @@ class _ValueProxy(Proxy):
     def __index__(self) -> int:
         return int(self.tracer.value(self))
 
-    def __getattr__(self, name: str) -> _ValueAttribute:
-        return _ValueAttribute(self, name)
+    def __getattr__(self, name: str) -> Any:
+        attribute = _ValueAttribute(self, name)
+        if name != "dtype":  # (lazy: fx asks proxies for attributes of its own, which must make no node)
+            return attribute
+        # a dtype is the example's, fixed by the model's weights: the value itself, which torch's own
+        # functions take where they take no proxy (HF's masks: ``torch.finfo(embeds.dtype).min``)
+        value = self.tracer.values.get(attribute.node)
+        return value if isinstance(value, torch.dtype) else attribute
 
     @property
     def __class__(self) -> type:
@@ -131,10 +166,13 @@ class _ValueAttribute(Attribute, _ValueProxy):
 
 
 class _ValueTracer(fx.Tracer):
-    def __init__(self, layers: set[str], example_inputs: tuple, fake_mode: FakeTensorMode | None = None) -> None:
+    def __init__(self, layers: set[str], args: tuple, kwargs: dict[str, Any],
+                 fake_mode: FakeTensorMode | None = None) -> None:
         super().__init__(autowrap_functions=())
         self.layers = layers
-        self.example_inputs = example_inputs
+        self.args, self.kwargs = args, kwargs
+        self.inputs: tuple = ()
+        self.positional: tuple[str, ...] = ()
         self.fake_mode = fake_mode
         self.values: dict[fx.Node, Any] = {}
         self.constants: dict[str, torch.Tensor] = {}
@@ -156,10 +194,10 @@ class _ValueTracer(fx.Tracer):
     def trace(self, root, concrete_args=None):
         # torch caches the overridable functions it finds in ``torch``'s namespace the first time fx's
         # proxies ask (``torch.overrides.get_overridable_functions``, for the process's life): asked
-        # while the factories below are patched, it would keep the patches, and through them this
+        # while the functions below are patched, it would keep the patches, and through them this
         # tracer and the model it traced; asked before, it keeps torch's own
         torch.overrides.get_overridable_functions()
-        originals = {name: getattr(torch, name) for name in _FACTORIES}
+        originals = {name: getattr(torch, name) for name in _recorded_functions()}
         for name, factory in originals.items():
             setattr(torch, name, self._recording(factory))
         # ``callable(x)`` of a traced value answers for the value: every fx proxy is callable, and a
@@ -265,21 +303,39 @@ class _ValueTracer(fx.Tracer):
         return self.value(obj).keys()
 
     def create_args_for_root(self, root_fn, is_module, concrete_args=None):
-        """Placeholders for the example's positional inputs only (fx's own version cannot bind a
-        ``**kwargs`` forward, which HF models have)."""
-        params = list(inspect.signature(inspect.unwrap(root_fn)).parameters.values())[1:]
-        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if len(self.example_inputs) > len(positional) and not any(p.kind is p.VAR_POSITIONAL for p in params):
-            raise TypeError(f"forward takes {len(positional)} positional inputs ({positional}), the example "
-                            f"gives {len(self.example_inputs)}")
+        """Placeholders for the example's positional inputs, then its keyword tensors in the forward's
+        parameter order (fx's own version cannot bind a ``**kwargs`` forward, which HF models have)."""
+        signature = inspect.signature(inspect.unwrap(root_fn))
+        params = list(signature.parameters.values())[1:]
+        self.positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        if len(self.args) > len(self.positional) and not any(p.kind is p.VAR_POSITIONAL for p in params):
+            raise TypeError(f"forward takes {len(self.positional)} positional inputs ({list(self.positional)}), the "
+                            f"example gives {len(self.args)}")
+        try:
+            signature.bind_partial(None, *self.args, **self.kwargs)
+        except TypeError as error:
+            raise TypeError(f"the example inputs do not fit {type(self.root).__name__}.forward{signature}: {error}") \
+                from None
+        order = [p.name for p in params]  # keywords in the forward's order, any **kwargs after
+        keywords = sorted(self.kwargs, key=lambda k: order.index(k) if k in order else len(order))
+        traced = [k for k in keywords if isinstance(self.kwargs[k], torch.Tensor)]
+        fixed = {k: self.kwargs[k] for k in keywords if k not in traced}  # use_cache=False: as it is
+        names = [input_name(self.positional, i) for i in range(len(self.args))] + traced
+        self.inputs = (*self.args, *(self.kwargs[k] for k in traced))
         proxies = []
-        for index, example in enumerate(self.example_inputs):
-            name = positional[index] if index < len(positional) else f"input_{index}"
+        for name, example in zip(names, self.inputs):
             proxy = self.create_proxy("placeholder", name, (), {})
             self.values[proxy.node] = _to_meta(example, self.fake_mode)
             proxies.append(proxy)
-        root = self.root
-        return (lambda *inputs: root_fn(root, *inputs)), proxies
+        root, num_args = self.root, len(self.args)
+        return (lambda *inputs: root_fn(root, *inputs[:num_args], **dict(zip(traced, inputs[num_args:])),
+                                        **fixed)), proxies
+
+
+def input_name(positional: Sequence[str], index: int) -> str:
+    """The placeholder name of the forward's positional input ``index`` (``input_i`` past its named
+    parameters, into ``*args``)."""
+    return positional[index] if index < len(positional) else f"input_{index}"
 
 
 def _drop_dead_code(graph: fx.Graph) -> None:
