@@ -58,9 +58,7 @@ MODE_FAILURES: dict[str, dict[str, str]] = {
         "seq_cls/canine": "the output differs from one process",
     },
     "tp_sp": {
-        "masked_lm/squeezebert": "a full-width reshape the planner does not recognise",
         "seq_cls/canine": "a full-width reshape the planner does not recognise",
-        "seq_cls/squeezebert": "a full-width reshape the planner does not recognise",
     },
 }
 
