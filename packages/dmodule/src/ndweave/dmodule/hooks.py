@@ -140,6 +140,7 @@ class _ForwardPlan:
             self.plain_inputs[where] = (tuple(x.shape), str(x.dtype))
         return _layout(x, self.mesh, spec, where)
 
+    @torch.compiler.disable  # (a collective of Python objects, once: outside any compiled graph)
     def _check_plain_inputs(self) -> None:
         """On the first call only: every rank's plain inputs have one shape and dtype. ``from_local``
         trusts them without communication; a rank-dependent shape (a batch size read per rank) would
