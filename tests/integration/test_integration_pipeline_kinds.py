@@ -2,7 +2,9 @@
 as keyword arguments (``engine({"input_ids": ids, "attention_mask": mask}, targets)``), trained at
 PP=2 like one process (float64 strict: losses, every grad of every step, the final parameters):
 encoder classifiers, a vision classifier, encoder-decoders cut between their two stacks, CLIP,
-diffusers' DiT, PEFT LoRA adapters on a Llama."""
+diffusers' DiT, PEFT LoRA adapters on a Llama. (In the integration tests: their environment has
+transformers, diffusers and PEFT; the pipeline's own has x-transformers and litgpt, whose
+huggingface-hub pin transformers 5 cannot share.)"""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipelin
 from ndweave.pipeline.construct import cut_model
 from ndweave.pipeline.plan import resolve_plan
 from pipeline_kinds import TRACE_KEYWORDS, kind_run, train_one_process_kwargs, train_pipeline_kwargs
-from pipeline_models import assert_same_training
+from pipeline.pipeline_models import assert_same_training
 
 pytest.importorskip("transformers")  # (a test dependency, not the package's)
 
