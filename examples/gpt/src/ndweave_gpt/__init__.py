@@ -1,6 +1,7 @@
-"""ndweave's main job: a GPT (or a transformers model) trained on Shakespeare's bytes with pipeline x
-data x expert x tensor(+sequence) parallelism and a ZeRO optimizer over one device mesh, checkpointed,
-resumable on any other mesh. ``python -m ndweave_gpt --help`` lists its flags (:mod:`ndweave_gpt.config`).
+"""ndweave's main job: a GPT (or a transformers model) trained on Shakespeare's bytes (or your data,
+``--data``) with pipeline x data x expert x tensor(+sequence) parallelism and a ZeRO optimizer over one
+device mesh, checkpointed, resumable on any other mesh. ``python -m ndweave_gpt --help`` lists its flags
+(:mod:`ndweave_gpt.config`).
 
 The modules, one per concern: :mod:`~ndweave_gpt.config` (the flags, as frozen dataclasses),
 :mod:`~ndweave_gpt.build` (mesh, model, parallelize, optimizer), :mod:`~ndweave_gpt.state`
@@ -9,5 +10,5 @@ The modules, one per concern: :mod:`~ndweave_gpt.config` (the flags, as frozen d
 :mod:`~ndweave_gpt.data`, and ``cost/`` (``--estimate`` and ``--mesh auto``).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["__version__"]

@@ -6,6 +6,7 @@ parallelism and a ZeRO optimizer over one device mesh, checkpointed, resumable o
     hatch run train --mesh pp=2,dp=2,ep=2 --moe-experts 4    # MoE blocks, experts over EP (8 ranks)
     hatch run train --model hf:qwen2 --config small          # a transformers model (the zoo's plan, else auto)
     hatch run train --init-from llama-dir --export-hf out    # fine-tune a transformers folder, write it back
+    hatch run train --init-from llama-dir --data my.jsonl    # ... on your text, with its tokenizer (packed)
     hatch run train --mesh pp=2,dp=4 --estimate              # each rank's peak memory, nothing launched
     torchrun --nproc-per-node 8 -m ndweave_gpt --mesh pp=2,dp=-1,tp=2 --device cuda
     torchrun --nnodes=1:4 --nproc-per-node 4 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\

@@ -29,13 +29,13 @@ from ndweave.mesh.torch_compat import non_persistent_buffer_names
 from ndweave.optim import DistributedOptimizer
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage
 from ndweave_gpt.config import DIMS, DTYPES, JobConfig, num_experts
-from ndweave_gpt.data import VOCAB_SIZE
+from ndweave_gpt.data import VOCAB_SIZE, TextData
 from ndweave_gpt.models import hf
 from ndweave_gpt.models.nanogpt import GPT, GPTConfig
 
-__all__ = ["EXPERTS", "Parallel", "adamw_kwargs", "build_mesh", "build_model", "build_optimizer", "check_mesh",
-           "data_mean", "data_rank", "init_weights", "loss_fn", "lr_factor", "lr_schedule", "materialize", "mesh_problem",
-           "parallelize", "plan_name", "sharding_plan"]
+__all__ = ["EXPERTS", "MaskedLoss", "Parallel", "adamw_kwargs", "build_data", "build_mesh", "build_model",
+           "build_optimizer", "check_mesh", "data_mean", "data_rank", "init_weights", "loss_fn", "loss_scale",
+           "lr_factor", "lr_schedule", "materialize", "mesh_problem", "parallelize", "plan_name", "sharding_plan", "to_device"]
 
 #: The MoE blocks' stacked experts (``--moe-experts``), what the ``"expert_parallel"`` patch divides over EP.
 EXPERTS = r"transformer\.h\.\d+\.mlp\.experts"
@@ -93,6 +93,35 @@ def data_mean(value: torch.Tensor, mesh: ParallelMesh) -> float:
     return value.item() / data_rank(mesh)[1]
 
 
+def build_data(config: JobConfig, show: bool = False):
+    """What each step reads: Shakespeare's bytes (``TextData``), or ``--data`` prepared on rank 0 and
+    packed (``TokenData``; collective), its ids checked against the model's vocabulary."""
+    if not config.data.data:
+        return TextData(config.model.block_size, config.training.seed)
+    from ndweave_gpt.data.tokens import TokenData
+
+    hf_config = config.model.hf_config
+    vocab_size = hf_config.vocab_size if hf_config is not None else config.model.vocab_size or VOCAB_SIZE
+    return TokenData(config, vocab_size, dist.get_rank() if dist.is_initialized() else 0, show)
+
+
+def to_device(batch: tuple, device: str) -> tuple:
+    """A batch's ``(inputs, targets)`` on ``device`` (inputs a tensor or a dict of them)."""
+    inputs, targets = batch
+    if isinstance(inputs, dict):
+        return {k: v.to(device) for k, v in inputs.items()}, targets.to(device)
+    return inputs.to(device), targets.to(device)
+
+
+def loss_scale(targets: torch.Tensor, mesh: ParallelMesh, config: JobConfig) -> float:
+    """``MaskedLoss.scale`` for a batch whose local targets are ``targets``: micro-batches x DP slices over
+    the trained tokens of the whole global batch (summed over the ranks that split it)."""
+    trained = (targets != -100).sum().to(torch.float64)
+    slices = data_rank(mesh)[1]
+    total = data_mean(trained, mesh) * slices
+    return config.parallel.micro_batches * slices / max(total, 1.0)
+
+
 def build_model(config: JobConfig, device: str | None = None) -> nn.Module:
     """The whole model, the same on every rank and in the single-device run (seeded, built in fp32 and
     cast, so every --dtype starts from the same weights): models/nanogpt.py's GPT, or the hf: model from
@@ -110,7 +139,7 @@ def build_model(config: JobConfig, device: str | None = None) -> nn.Module:
 
                 model = AutoModelForCausalLM.from_config(m.hf_config)
             else:
-                model = GPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=m.block_size, n_layer=m.n_layer,
+                model = GPT(GPTConfig(vocab_size=m.vocab_size or VOCAB_SIZE, block_size=m.block_size, n_layer=m.n_layer,
                                       n_head=m.n_head, n_embd=m.n_embd, dropout=0.0, bias=False,
                                       moe_experts=m.moe_experts, moe_top_k=m.moe_top_k))
     finally:
@@ -143,6 +172,21 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over all tokens, at least in fp32 (bf16 logits are upcast)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class MaskedLoss:
+    """``--data``'s loss: the cross-entropy summed over the tokens trained on (targets ``-100`` are not:
+    a document's boundary, padding, an SFT prompt) times :attr:`scale`, which the loop sets each step
+    to ``micro-batches x DP slices / trained tokens in the global batch``. Averaged over the micro-batches
+    and the DP ranks as the engine and DDP do, that is the mean over the global batch's trained tokens,
+    whatever the mesh (a mean per micro-batch would weigh tokens by how the mesh groups them)."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum") * self.scale
 
 
 def plan_name(config: JobConfig) -> str:
@@ -178,12 +222,16 @@ class Parallel:
     """:func:`build_optimizer`'s, once built (after the engine, which marks the tied copies)."""
     scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
     """The optimizer's lr schedule."""
+    loss: MaskedLoss | None = None
+    """``--data``: the engine's loss, its scale set per step; ``None``: :func:`loss_fn`, the mean."""
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig) -> Parallel:
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig,
+                example_inputs: Callable[[int, str], object] | None = None) -> Parallel:
     """Cut the pipeline stages (by FQN), parallelize each stage chunk with the TP+SP plan (--plan), load
     --init-from, wrap each chunk in DDP, then build the engine (this order: a plan applies to a chunk,
-    the engine reads the wrapped chunks)."""
+    the engine reads the wrapped chunks). ``example_inputs(rows, device)``: one micro-batch of the
+    model's inputs as the data hands them (``--data``: a dict with the document mask), else token ids."""
     parallel = config.parallel
     plan = PipelineParallelPlan(schedule_type=parallel.schedule, virtual_chunks=parallel.virtual_chunks,
                                 num_microbatches=parallel.micro_batches)
@@ -191,8 +239,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig) -> Para
     # one micro-batch's shape: the pipeline traces the model's forward once (on meta tensors) to cut it;
     # its batch size too, since a trace answers shape questions from it (HF's mask building)
     rows = config.data.global_batch // (data_rank(mesh)[1] * parallel.micro_batches)
-    example = torch.zeros((rows, config.model.block_size), dtype=torch.long,
-                          device="meta" if on_meta else parallel.device)
+    device = "meta" if on_meta else parallel.device
+    example = example_inputs(rows, device) if example_inputs else torch.zeros(
+        (rows, config.model.block_size), dtype=torch.long, device=device)
     tensor_parallel, expert_parallel = mesh["TP"].size() > 1, mesh["EP"].size() > 1
     # "auto" derives the plan from the whole model, before the cut: stage chunks keep its FQNs, and a
     # plan key naming a module another stage holds matches nothing there, as expected
@@ -212,8 +261,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig) -> Para
     for i in range(len(module)):
         # with EP: the mesh whole, so DDP reduces dense grads over DP x EP and the experts' over DP
         module[i] = DDP(module[i], mesh if expert_parallel else mesh["DP"], zero_stage=parallel.zero_stage)
-    engine = PipeEngine(module, mesh, loss_fn, plan)  # before the optimizer: it marks the tied copy
-    return Parallel(list(module.chunks), engine)
+    loss = MaskedLoss() if config.data.data else None
+    engine = PipeEngine(module, mesh, loss or loss_fn, plan)  # before the optimizer: it marks the tied copy
+    return Parallel(list(module.chunks), engine, loss=loss)
 
 
 def adamw_kwargs(config: JobConfig) -> dict:

@@ -110,6 +110,8 @@ class ModelConfig:
     """nanogpt's heads"""
     block_size: int = 64
     """tokens (bytes) per sample"""
+    vocab_size: int = 0
+    """nanogpt's vocabulary (0: 256, the bytes; with --data and a tokenizer, the tokenizer's size)"""
     moe_experts: int = 0
     """experts per MoE block in place of each MLP (0: dense)"""
     moe_top_k: int = 2
@@ -153,12 +155,33 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """What each step reads (``data/``: Shakespeare's bytes)."""
+    """What each step reads: Shakespeare's bytes (``data/``), or your files (``--data``: ``data/tokens.py``)."""
 
     global_batch: int = 16
     """samples per step, over all DP ranks"""
     eval_every: int = 0
-    """steps between validation losses on held-out text, through the pipeline (0: none)"""
+    """steps between validation losses on held-out text, through the pipeline (0: none); with --data, on
+    --val-data"""
+    data: tuple[str, ...] = field(default=(), metadata={"nargs": "+", "metavar": "PATH[:WEIGHT]"})
+    """train on these local files or folders (.txt, .jsonl with a text field or chat messages, .parquet),
+    tokenized once (ndweave.data.prepare) and cached; several as a mixture, each PATH:WEIGHT (default weight
+    1); default: Shakespeare's bytes"""
+    tokenizer: str = field(default="", metadata={"metavar": "DIR"})
+    """a local Hugging Face tokenizer folder (tokenizer.json / tokenizer_config.json) for --data; default:
+    the --init-from folder when it holds one, else bytes (ids 0..255)"""
+    packing: str = field(default="auto", metadata={"choices": ("auto", "concat", "documents", "first_fit", "none")})
+    """how --data's documents fill samples: documents (positions restart per document, attention and loss
+    never cross one), concat (back to back), first_fit (whole documents, padded), none (one per sample,
+    padded); auto: documents, first_fit for chat (SFT) data, and for nanogpt (no attention mask) concat,
+    none for chat"""
+    val_data: tuple[str, ...] = field(default=(), metadata={"nargs": "+", "metavar": "PATH"})
+    """--eval-every's held-out files with --data (prepared alike, read in order)"""
+    data_cache: str = field(default="", metadata={"metavar": "DIR"})
+    """where --data's token shards are kept (default: CHECKPOINT_DIR/prepared); a second run reuses them"""
+    data_workers: int = 1
+    """processes tokenizing --data (rank 0; the shards are the same for any number)"""
+    allow_data_change: bool = False
+    """resume a checkpoint although its data or tokenizer differ (their hashes) from this run's"""
 
 
 @dataclass(frozen=True)
@@ -297,8 +320,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
             if kind is bool:
                 options["action"] = "store_true"
             else:
-                options["type"] = kind
-                for key in ("choices", "metavar"):
+                options["type"] = str if typing.get_origin(kind) is tuple else kind
+                for key in ("choices", "metavar", "nargs"):  # nargs: a tuple of values, ``--data a.jsonl b/``
                     if key in meta:
                         options[key] = list(meta[key]) if key == "choices" else meta[key]
                 if "const" in meta:
@@ -318,10 +341,13 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     """The job's config from its command line; values the job cannot run are refused as argparse refuses
     a bad flag (one error naming it, on every rank alike, before any process group exists)."""
     parser = build_parser(description)
-    values = vars(parser.parse_args(argv))
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(parser.parse_args(argv)).items()}
     config = JobConfig(**{group: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
                           for group, cls in _CLASSES.items()})
     problem = check(config)
+    if problem:
+        parser.error(problem)
+    config, problem = resolve_data(config)
     if problem:
         parser.error(problem)
     config, problem = resolve_model(config)
@@ -336,8 +362,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
 def check(config: JobConfig) -> str | None:
     """Values argparse's types let through that the job cannot run, in words naming the flag (None: none)."""
     model, data, training = config.model, config.data, config.training
-    at_least = {"n_layer": 1, "n_embd": 1, "n_head": 1, "block_size": 1, "steps": 1, "global_batch": 1,
-                "micro_batches": 1, "virtual_chunks": 1, "warmup": 0, "checkpoint_every": 0, "sample": 0, "eval_every": 0,
+    at_least = {"n_layer": 1, "n_embd": 1, "n_head": 1, "block_size": 1, "vocab_size": 0, "steps": 1,
+                "global_batch": 1, "micro_batches": 1, "virtual_chunks": 1, "warmup": 0, "checkpoint_every": 0, "sample": 0, "eval_every": 0,
                 "moe_experts": 0, "moe_top_k": 1, "lr": 0, "min_lr": 0, "weight_decay": 0, "clip": 0}
     for name, low in at_least.items():
         value = getattr(getattr(config, _GROUP_OF[name]), name)
@@ -351,7 +377,10 @@ def check(config: JobConfig) -> str | None:
     if model.moe_experts and model.moe_top_k > model.moe_experts:
         return (f"--moe-top-k {model.moe_top_k} is more than --moe-experts {model.moe_experts}: each token needs "
                 "top-k distinct experts")
-    if data.eval_every and data.global_batch > VALIDATION_WINDOWS:
+    if data.eval_every and data.data and not data.val_data:
+        return ("--eval-every with --data evaluates on held-out files: pass --val-data PATH (the job holds out "
+                "no part of --data)")
+    if data.eval_every and not data.data and data.global_batch > VALIDATION_WINDOWS:
         return (f"--eval-every evaluates a --global-batch of held-out samples: at most {VALIDATION_WINDOWS}, "
                 f"got {data.global_batch}")
     if training.stop_at is not None and not 1 <= training.stop_at <= training.steps:
@@ -360,6 +389,41 @@ def check(config: JobConfig) -> str | None:
         return (f"--tensorboard {config.metrics.tensorboard}: the tensorboard package is not installed; "
                 "`pip install tensorboard`, or leave the flag out (--metrics writes every step as JSON lines)")
     return None
+
+
+def resolve_data(config: JobConfig) -> tuple[JobConfig, str | None]:
+    """``--data`` and its flags together: the tokenizer folder resolved (``--tokenizer``, else the
+    ``--init-from`` folder's), nanogpt's vocabulary sized to it, the flags it cannot run with refused."""
+    data, model = config.data, config.model
+    if not data.data:
+        given = [f for f, v in (("--tokenizer", data.tokenizer), ("--val-data", data.val_data),
+                                ("--data-cache", data.data_cache), ("--packing", data.packing != "auto"),
+                                ("--allow-data-change", data.allow_data_change)) if v]
+        if given:
+            return config, f"{given[0]} goes with --data (without it the job trains on Shakespeare's bytes)"
+        return config, None
+    if config.metrics.compare_single_device or config.metrics.sample:
+        flag = "--compare-single-device" if config.metrics.compare_single_device else "--sample"
+        return config, f"{flag} runs on Shakespeare's bytes only, not with --data"
+    if data.data_workers < 1:
+        return config, f"--data-workers must be at least 1, got {data.data_workers}"
+    tokenizer = data.tokenizer
+    if tokenizer and not os.path.isdir(tokenizer):
+        return config, f"--tokenizer {tokenizer}: no such folder (a Hugging Face tokenizer folder: tokenizer.json)"
+    beside = ("tokenizer.json", "tokenizer_config.json")  # a pretrained folder's tokenizer
+    if not tokenizer and model.init_from and any(os.path.isfile(os.path.join(model.init_from, n)) for n in beside):
+        tokenizer = model.init_from
+    nanogpt = model.name == "nanogpt" and not (model.init_from and os.path.isdir(model.init_from))
+    if nanogpt and data.packing in ("documents", "first_fit"):
+        return config, (f"--packing {data.packing} needs a model that takes an attention mask (hf: models); nanogpt's "
+                        "attention is causal over the whole sample: use --packing concat or none")
+    vocab_size = model.vocab_size
+    if nanogpt and tokenizer and not vocab_size:
+        from ndweave.data import TextTokenizer
+        from ndweave_gpt.data.tokens import load_tokenizer  # the tokenizer packages only when asked for
+
+        vocab_size = TextTokenizer(load_tokenizer(tokenizer)[0]).vocab_size
+    return config.replace(tokenizer=tokenizer, vocab_size=vocab_size), None
 
 
 def resolve_model(config: JobConfig) -> tuple[JobConfig, str | None]:
@@ -382,7 +446,7 @@ def resolve_model(config: JobConfig) -> tuple[JobConfig, str | None]:
         return config, "--moe-experts sizes a preset (--config tiny|small); a config.json says its own experts"
     hf_config = hf.hf_config(name[3:] or None, model.config, block_size=model.block_size,
                              moe_experts=model.moe_experts, moe_top_k=model.moe_top_k,
-                             init_from=model.init_from if folder else None)
+                             init_from=model.init_from if folder else None, bytes_data=not config.data.tokenizer)
     return config.replace(name="hf:" + hf_config.model_type, hf_config=hf_config), None
 
 

@@ -8,9 +8,10 @@ from torch import nn
 
 from ndweave.mesh import ParallelMesh
 from ndweave.pipeline import PipeEngine, generate
-from ndweave_gpt.build import data_mean, data_rank
+from ndweave_gpt.build import MaskedLoss, data_mean, data_rank, loss_scale, to_device
 from ndweave_gpt.config import JobConfig
 from ndweave_gpt.data import TextData
+from ndweave_gpt.data.tokens import TokenData
 
 __all__ = ["PROMPT", "sample", "text_of", "validation_loss"]
 
@@ -18,16 +19,22 @@ __all__ = ["PROMPT", "sample", "text_of", "validation_loss"]
 PROMPT = b"ROMEO:\n"
 
 
-def validation_loss(engine: PipeEngine, chunks: list[nn.Module], data: TextData, mesh: ParallelMesh,
-                    config: JobConfig) -> float:
-    """The mean loss on the held-out batch, forward only through the pipeline (every rank)."""
-    x, y = (t.to(config.parallel.device) for t in data.validation(config.data.global_batch, *data_rank(mesh)))
+def validation_loss(engine: PipeEngine, chunks: list[nn.Module], data: TextData | TokenData, mesh: ParallelMesh,
+                    config: JobConfig, loss: MaskedLoss | None = None) -> float:
+    """The mean loss on the held-out batch, forward only through the pipeline (every rank); ``loss``
+    (``--data``): the engine's, scaled for this batch, then back to the training step's scale."""
+    x, y = to_device(data.validation(config.data.global_batch, *data_rank(mesh)), config.parallel.device)
+    scale = loss.scale if loss is not None else None
+    if loss is not None:
+        loss.scale = loss_scale(y, mesh, config)
     for chunk in chunks:
         chunk.eval()
-    loss = engine.evaluate(x, y).detach().to(torch.float64)
+    value = engine.evaluate(x, y).detach().to(torch.float64)
     for chunk in chunks:
         chunk.train()
-    return data_mean(loss, mesh)
+    if loss is not None:
+        loss.scale = scale
+    return data_mean(value, mesh)
 
 
 def sample(engine: PipeEngine, chunks: list[nn.Module], config: JobConfig, prompt: bytes = PROMPT) -> str:

@@ -13,9 +13,11 @@ import torch.distributed as dist
 
 from ndweave.mesh import ParallelMesh
 from ndweave_gpt import report
-from ndweave_gpt.build import Parallel, build_mesh, build_model, build_optimizer, check_mesh, data_mean, data_rank, parallelize
+from ndweave_gpt.build import (Parallel, build_data, build_mesh, build_model, build_optimizer, check_mesh, data_mean,
+                               data_rank, loss_scale, parallelize, to_device)
 from ndweave_gpt.config import DIMS, JobConfig
 from ndweave_gpt.data import TextData
+from ndweave_gpt.data.tokens import TokenData
 from ndweave_gpt.evaluate import sample, validation_loss
 from ndweave_gpt.metrics import Sinks, open_sinks, say, step_row
 from ndweave_gpt.result import RunResult, by_step, gather_params, peak_memory
@@ -44,18 +46,18 @@ def _train(config: JobConfig, memory: Any | None) -> RunResult:
     if show:
         report.start(mesh, model, config)
     flops, peak = report.model_flops(model, config), report.device_peak_flops(config)  # MFU: on known GPUs only
-    job = parallelize(model, mesh, config)
+    data = build_data(config, show)  # --data: rank 0 tokenizes once (cached), the others wait
+    job = parallelize(model, mesh, config, getattr(data, "example_inputs", None))
     # the stage chunks hold what this rank trains; the rest of the model goes, at once: the pipeline's
     # trace (torch.fx's tracer) leaves it in reference cycles, which only the cyclic collector frees
     del model
     gc.collect()
     job.optimizer, job.scheduler = build_optimizer(job.chunks, config)
-    run = open_run(job.chunks, job.optimizer, job.scheduler, config, rank, show)
+    run = open_run(job.chunks, job.optimizer, job.scheduler, config, rank, show, getattr(data, "fingerprint", None))
     last, begin = config.training.last_step, time.perf_counter()
     sinks = open_sinks(config.metrics, run.start, last, rank)
     utilization = lambda tokens_per_s: report.mfu(flops, tokens_per_s, peak, world)  # noqa: E731
-    losses, steps_peak = loop(config, mesh, job, run, TextData(config.model.block_size, config.training.seed), sinks,
-                              utilization, memory, show)
+    losses, steps_peak = loop(config, mesh, job, run, data, sinks, utilization, memory, show)
     seconds = time.perf_counter() - begin
     sinks.close()
     text = sample(job.engine, job.chunks, config) if config.metrics.sample else ""
@@ -71,7 +73,7 @@ def _train(config: JobConfig, memory: Any | None) -> RunResult:
                      by_step(run.val_history), text, utilization(tokens_per_s), tensor_peaks)
 
 
-def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: TextData, sinks: Sinks,
+def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: TextData | TokenData, sinks: Sinks,
          utilization: Callable[[float], float | None], memory: Any | None = None,
          show: bool = False) -> tuple[dict[int, float], int]:
     """Train steps ``run.start + 1 .. --stop-at (or --steps)``: each step its batch through the pipeline,
@@ -86,7 +88,9 @@ def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: T
     for step in range(run.start + 1, last + 1):
         run.fault.before_step(step)
         tick = time.perf_counter()
-        x, y = (t.to(device) for t in data.batch(run.position, batch, dp_rank, dp_size))
+        x, y = to_device(data.batch(run.position, batch, dp_rank, dp_size), device)
+        if job.loss is not None:  # --data: the loss is the mean over the global batch's trained tokens
+            job.loss.scale = loss_scale(y, mesh, config)
         job.optimizer.zero_grad()
         loss = job.engine(x, y).detach().to(torch.float64)  # the mean over this DP rank's micro-batches
         job.optimizer.step()
@@ -95,7 +99,7 @@ def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: T
         run.position.advance(batch)
         losses[step] = run.history[step - 1] = data_mean(loss, mesh)
         if eval_every and (step % eval_every == 0 or step == last):
-            run.val_history[step - 1] = validation_loss(job.engine, job.chunks, data, mesh, config)
+            run.val_history[step - 1] = validation_loss(job.engine, job.chunks, data, mesh, config, job.loss)
         seconds = time.perf_counter() - tick
         sinks.write(step_row(step=step, loss=losses[step], val_loss=run.val_history[step - 1], lr=lr,
                              grad_norm=job.optimizer.last_grad_norm, seconds=seconds, tokens=tokens,

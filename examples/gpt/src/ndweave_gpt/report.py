@@ -34,15 +34,16 @@ def start(mesh: Any, model: torch.nn.Module, config: JobConfig) -> None:
 
 def describe_model(model: torch.nn.Module, config: JobConfig) -> str:
     """One line: the model's kind and sizes (and where its weights come from)."""
-    m = config.model
+    m, data = config.model, config.data
     source = f", weights from {m.init_from}" if m.init_from else ""
+    tokens = f"tokenizer {data.tokenizer}" if data.data and data.tokenizer else "bytes"
     if m.hf_config is None:
         moe = f", MoE: {m.moe_experts} experts, top-{m.moe_top_k}" if m.moe_experts else ""
         return (f"GPT: {m.n_layer} layers, n_embd {m.n_embd}, {m.n_head} heads, block {m.block_size}, "
-                f"vocab 256 (bytes){moe}{source}")
+                f"vocab {m.vocab_size or 256} ({tokens}){moe}{source}")
     c = m.hf_config
     return (f"{type(model).__name__} ({m.name}): {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-            f"{c.num_attention_heads} heads, vocab {c.vocab_size} (trained on bytes), block {m.block_size}{source}")
+            f"{c.num_attention_heads} heads, vocab {c.vocab_size} (trained on {tokens}), block {m.block_size}{source}")
 
 
 #: dense peak FLOP/s of one GPU by the name CUDA reports (first match wins: PCIe before the SXM part),

@@ -1,6 +1,7 @@
 """What a checkpoint holds, and resuming from one: the model chunks, the optimizer and its lr schedule,
-the data position, the step, the RNG and every step's loss so far (so a resumed run's plot shows the
-whole curve); written by ``ndweave.checkpoint.CheckpointManager``, readable on any other mesh.
+the data position (with ``--data``, the data's hash too), the step, the RNG and every step's loss so far
+(so a resumed run's plot shows the whole curve); written by ``ndweave.checkpoint.CheckpointManager``,
+readable on any other mesh.
 
     run = open_run(chunks, optimizer, scheduler, config, rank)   # resumed if --resume says so
     ... train steps run.start + 1 .. ; run.save(step)
@@ -61,9 +62,11 @@ def settings(config: JobConfig) -> dict:
 
 
 def open_run(chunks: list[nn.Module], optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
-             config: JobConfig, rank: int, show: bool = False) -> Run:
+             config: JobConfig, rank: int, show: bool = False, data_hash: str | None = None) -> Run:
     """The run's state, loaded from the newest complete checkpoint where :func:`resume_mode` says so;
-    ``show``: say what was resumed (rank 0)."""
+    ``show``: say what was resumed (rank 0). ``data_hash`` (``--data``: ``TokenData.fingerprint``) is
+    saved with it; a checkpoint of other data or another tokenizer is refused naming both hashes,
+    unless ``--allow-data-change``."""
     steps = config.training.steps
     fault = FaultInjection(config.faults, rank)
     # lists, not tensors: a checkpoint's history replaces them whole, so a resumed run may go on longer
@@ -73,6 +76,8 @@ def open_run(chunks: list[nn.Module], optimizer: torch.optim.Optimizer, schedule
              "settings": settings(config)}
     if config.model.hf_config is not None:  # what export_hf needs to write a transformers folder from any step
         state["hf_config"] = hf.config_json(config.model.hf_config, DTYPES[config.model.dtype])
+    if data_hash is not None:  # what the position counts samples of
+        state["data_hash"] = data_hash
     if config.faults.kill_rank is not None:  # its state_dict() runs inside every save: where --kill-in-save strikes
         state["fault_injection"] = fault
     directory = config.checkpoint.checkpoint_dir
@@ -85,6 +90,15 @@ def open_run(chunks: list[nn.Module], optimizer: torch.optim.Optimizer, schedule
     if run.start > steps:  # the same checkpoint on every rank: the same verdict
         raise SystemExit(f"error: the checkpoint in {directory} is at step {run.start}, past --steps "
                          f"{steps}: pass --steps {run.start} or more to continue it, or another --checkpoint-dir")
+    if data_hash is not None and state["data_hash"] != data_hash:
+        if not config.data.allow_data_change:
+            raise SystemExit(f"error: the checkpoint in {directory} was trained on other data or another tokenizer: "
+                             f"its data hash is {state['data_hash']}, this run's {data_hash} (--data, --tokenizer, "
+                             "--packing, --block-size); pass the same, another --checkpoint-dir, or "
+                             "--allow-data-change to continue on this data from the checkpoint's position")
+        if show:
+            say(f"resumed on other data (--allow-data-change): the checkpoint's {state['data_hash']}, now {data_hash}")
+        state["data_hash"] = data_hash
     torch.set_rng_state(state["rng"])
     # a longer --steps extends the run: the history grows, the lr schedule stretches to the new end
     for key in ("loss_history", "val_history"):

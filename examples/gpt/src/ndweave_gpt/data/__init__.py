@@ -9,6 +9,8 @@ next ``global_batch`` samples of the stream and each data-parallel rank reads on
 slice of them (``ndweave.checkpoint.DataPosition.rank_slice``). The checkpoint holds the stream
 position, so a run resumed at another DP size trains on exactly the batches the uninterrupted run
 would have.
+
+``--data`` (your files, a tokenizer, packing, SFT) is :mod:`ndweave_gpt.data.tokens`, on ``ndweave-data``.
 """
 
 from __future__ import annotations

@@ -49,11 +49,12 @@ def _transformers():
 
 
 def hf_config(model_type: str | None, config: str, *, block_size: int, moe_experts: int = 0, moe_top_k: int = 2,
-              init_from: str | None = None) -> Any:
+              init_from: str | None = None, bytes_data: bool = True) -> Any:
     """The transformers config of the job's model: the one in ``init_from`` (a checkpoint folder),
     else the file ``config`` (a ``config.json``), else preset ``config`` (``tiny`` / ``small``) of
     ``model_type``. Refused, naming the fix: another model type than ``init_from``'s, a vocabulary
-    without the 256 byte ids, positions shorter than ``--block-size``."""
+    without the 256 byte ids (``bytes_data``: the job reads bytes, no tokenizer), positions shorter than
+    ``--block-size``."""
     transformers = _transformers()
     source = Path(init_from) / "config.json" if init_from else Path(config) if config not in PRESETS else None
     if source is not None:
@@ -78,7 +79,7 @@ def hf_config(model_type: str | None, config: str, *, block_size: int, moe_exper
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False
     vocab, positions = cfg.vocab_size, getattr(cfg, "max_position_embeddings", None)
-    if vocab < 256:
+    if bytes_data and vocab < 256:
         raise SystemExit(f"error: the model's vocabulary has {vocab} ids; the job's data is bytes (ids 0..255): "
                          "use a model with a vocabulary of 256 or more")
     if positions is not None and positions < block_size:

@@ -1,0 +1,229 @@
+"""The main job on your data (``--data``, ``ndweave-data``): a tiny HF Llama fine-tuned from a
+``save_pretrained`` folder with a tokenizer trained on the fly beside it, on a ``.jsonl``, documents
+packed apart (position ids and the document mask passed to the model, the boundaries' loss masked):
+
+* the loss falls, and a second run reuses the prepared shards;
+* a packed batch's logits equal each document's run alone (what the job feeds transformers: position
+  ids and the 4-D document mask);
+* a run saved at DP=2 and resumed at PP=2 trains on the same batches as the uninterrupted run: the
+  losses after the resume equal its (float64);
+* a data file changed under a checkpoint is refused naming both data hashes (``--allow-data-change``
+  lets it go on);
+* token ids at or past the model's vocabulary are refused, naming the model's size;
+* SFT on chats mixed with plain text, validated on --val-data: only the assistant's tokens trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from ndweave.checkpoint import CheckpointManager
+from ndweave.mesh.testing import assert_close, run_distributed
+from ndweave_gpt.config import parse_args
+from ndweave_gpt.models import hf as hf_models
+from test_integration_gpt_job import TINY, _run
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("transformers")
+
+WORDS = ("the cat sat on a mat while the dog ran to the park and a bird sang over the quiet river bank "
+         "as the sun went down behind the old mill near the village green").split()
+
+
+def _texts(count: int, seed: int = 0) -> list[str]:
+    """Short documents of a small vocabulary (a tokenizer trained on them learns whole words)."""
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (int(n),), generator=g))
+            for n in torch.randint(3, 12, (count,), generator=g)]
+
+
+def _jsonl(path, texts: list[str]) -> str:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+def _tokenizer(folder, vocab_size: int = 300) -> int:
+    """A byte-level BPE tokenizer trained on the fly, saved as transformers saves one; its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(_texts(200, seed=1), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    fast.save_pretrained(folder)
+    return len(fast)
+
+
+def _llama(folder, vocab_size: int | None = None, tokenizer: bool = True) -> None:
+    """A tiny Llama as users have one: ``save_pretrained``, its tokenizer beside it (sized to it)."""
+    import transformers
+
+    folder.mkdir()
+    size = _tokenizer(folder) if tokenizer else 256
+    config = hf_models.hf_config("llama", "tiny", block_size=16)
+    config.vocab_size = vocab_size or size
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+
+
+#: a chat template as tokenizer_config.json holds one (transformers renders it)
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|endoftext|>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def _chats(path, count: int) -> str:
+    """Short two-turn chats as ``{"messages": [...]}`` records."""
+    words = [t.split() for t in _texts(2 * count, seed=5)]
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": a[0]},
+                                                     {"role": "assistant", "content": " ".join(b[:2])}]}) + "\n"
+                            for a, b in zip(words[::2], words[1::2])))
+    return str(path)
+
+
+def _refused(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as refused:
+        _run(argv)
+    return str(refused.value)
+
+
+@pytest.mark.parity
+def test_job_fine_tunes_a_llama_folder_on_a_jsonl_with_its_tokenizer(tmp_path):
+    _llama(tmp_path / "llama")
+    data = _jsonl(tmp_path / "train.jsonl", _texts(300))
+    argv = [*TINY, "--init-from", str(tmp_path / "llama"), "--data", data, "--mesh", "dp=2", "--steps", "8",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    args = parse_args(argv)
+    assert args.data.tokenizer == str(tmp_path / "llama") and args.data.packing == "auto"
+    first = run_distributed(_run, 2, argv, timeout=300)[0]
+    losses = [first.losses[s] for s in sorted(first.losses)]
+    assert losses[-1] < losses[0] - 0.3, losses  # from about ln(vocab) down
+    prepared = list((tmp_path / "ckpt" / "prepared").iterdir())
+    assert len(prepared) == 1 and (prepared[0] / "manifest.json").is_file()
+    manifest = json.loads((prepared[0] / "manifest.json").read_text())
+    assert manifest["dtype"] == "uint16" and manifest["eos_id"] is not None and manifest["num_documents"] == 300
+
+
+def test_the_packed_batch_keeps_documents_apart_in_the_llama(tmp_path):
+    """The job's batch (``--packing documents``) through transformers' Llama on one process: every
+    document's logits equal the document run alone, from position 0 (float64)."""
+    from transformers import AutoModelForCausalLM
+
+    from ndweave_gpt.data.tokens import IGNORE, TokenData
+
+    _llama(tmp_path / "llama")
+    data = _jsonl(tmp_path / "train.jsonl", _texts(40))
+    args = parse_args([*TINY, "--init-from", str(tmp_path / "llama"), "--data", data, "--checkpoint-dir", str(tmp_path)])
+    tokens = TokenData(args, args.model.hf_config.vocab_size, rank=0)
+    assert tokens.packing == "documents"
+    from ndweave.checkpoint import DataPosition
+
+    inputs, targets = tokens.batch(DataPosition(), 8)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float64).eval()
+    with torch.no_grad():
+        packed = model(**inputs).logits
+        checked = 0
+        for row in range(8):
+            starts = (inputs["position_ids"][row] == 0).nonzero().flatten().tolist() + [16]
+            for begin, end in zip(starts, starts[1:]):
+                alone = model(inputs["input_ids"][row:row + 1, begin:end]).logits
+                assert_close(packed[row:row + 1, begin:end], alone, name=f"row {row}, tokens {begin}:{end}")
+                checked += begin > 0
+            # the target crossing into the next document is not trained on
+            assert all(targets[row, s - 1] == IGNORE for s in starts[1:-1])
+    assert checked > 0  # some sample held more than one document
+
+
+@pytest.mark.parity
+def test_a_run_resumed_on_another_mesh_trains_on_the_same_batches(tmp_path):
+    """Saved at DP=2 after step 2, resumed at PP=2 (the position ids' rotary tables and the document mask
+    crossing the stages): steps 3 and 4 equal the uninterrupted run's (float64)."""
+    _llama(tmp_path / "llama")
+    data = _jsonl(tmp_path / "train.jsonl", _texts(120))
+    base = [*TINY, "--init-from", str(tmp_path / "llama"), "--data", data, "--steps", "4", "--checkpoint-every", "2",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    whole = run_distributed(_run, 2, [*base, "--mesh", "dp=2"], timeout=300)[0]
+    shutil.rmtree(CheckpointManager(str(tmp_path / "ckpt")).path(4))  # as if stopped after step 2's checkpoint
+    resumed = run_distributed(_run, 2, [*base, "--mesh", "pp=2", "--resume"], timeout=300)
+    for rank, result in enumerate(resumed):
+        assert sorted(result.losses) == [3, 4], result.losses
+        assert_close(torch.tensor([result.losses[s] for s in (3, 4)], dtype=torch.float64),
+                     torch.tensor([whole.losses[s] for s in (3, 4)], dtype=torch.float64),
+                     name=f"steps 3-4 resumed at PP=2, rank {rank}")
+
+
+@pytest.mark.parity
+def test_changed_data_under_a_checkpoint_is_refused_naming_both_hashes(tmp_path):
+    _llama(tmp_path / "llama")
+    data = tmp_path / "train.jsonl"
+    _jsonl(data, _texts(60))
+    base = [*TINY, "--init-from", str(tmp_path / "llama"), "--data", str(data), "--mesh", "dp=2",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    run_distributed(_run, 2, [*base, "--steps", "1"], timeout=300)
+    _jsonl(data, _texts(61))  # another file: another prepared hash
+    messages = run_distributed(_refused, 2, [*base, "--steps", "2", "--resume"], timeout=300)
+    hashes = sorted(p.name for p in (tmp_path / "ckpt" / "prepared").iterdir())
+    assert len(hashes) == 2
+    for message in messages:
+        assert "trained on other data" in message and all(h in message for h in hashes), message
+    allowed = run_distributed(_run, 2, [*base, "--steps", "2", "--resume", "--allow-data-change"], timeout=300)[0]
+    assert sorted(allowed.losses) == [2]
+
+
+def test_token_ids_past_the_models_vocabulary_are_refused(tmp_path):
+    """A tokenizer of 300 ids with a model of 256: refused on every rank, nothing trained."""
+    _llama(tmp_path / "llama", vocab_size=256)
+    data = _jsonl(tmp_path / "train.jsonl", _texts(20))
+    argv = [*TINY, "--init-from", str(tmp_path / "llama"), "--data", data, "--mesh", "dp=2", "--steps", "1",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    messages = run_distributed(_refused, 2, argv, timeout=300)
+    for message in messages:
+        assert "--data" in message and "outside the vocabulary of 256" in message and "hf:llama" in message, message
+
+
+def test_flags_data_refuses_before_launch(tmp_path):
+    """What --data cannot run with, refused as argparse refuses a flag."""
+    with pytest.raises(SystemExit):
+        parse_args([*TINY, "--tokenizer", str(tmp_path)])  # no --data
+    with pytest.raises(SystemExit):
+        parse_args([*TINY, "--data", "x.jsonl", "--packing", "documents"])  # nanogpt takes no mask
+    with pytest.raises(SystemExit):
+        parse_args([*TINY, "--data", "x.jsonl", "--eval-every", "2"])  # no --val-data
+    args = parse_args([*TINY, "--data", "a.jsonl:0.7", "b/:0.3"])
+    assert args.data.data == ("a.jsonl:0.7", "b/:0.3") and args.model.vocab_size == 0
+
+
+@pytest.mark.parity
+def test_sft_chats_mixed_with_text_train_on_the_assistants_tokens_only(tmp_path):
+    """Chat records (the tokenizer's chat template) mixed 1:1 with plain text, --val-data every step, at
+    DP=2; one process checks the chats' trained targets are the assistant's words and end-of-text only."""
+    from ndweave.checkpoint import DataPosition
+    from ndweave_gpt.data.tokens import IGNORE, TokenData
+
+    _llama(tmp_path / "llama")
+    settings = json.loads((tmp_path / "llama" / "tokenizer_config.json").read_text())
+    (tmp_path / "llama" / "tokenizer_config.json").write_text(json.dumps({**settings, "chat_template": TEMPLATE}))
+    chats = _chats(tmp_path / "chats.jsonl", 40)
+    plain, held_out = _jsonl(tmp_path / "plain.jsonl", _texts(40)), _jsonl(tmp_path / "val.jsonl", _texts(20, seed=2))
+    base = [*TINY, "--init-from", str(tmp_path / "llama"), "--packing", "documents", "--steps", "2",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    result = run_distributed(_run, 2, [*base, "--data", f"{chats}:0.5", f"{plain}:0.5", "--val-data", held_out,
+                                       "--eval-every", "1", "--mesh", "dp=2"], timeout=300)[0]
+    assert sorted(result.losses) == sorted(result.val_losses) == [1, 2]
+    assert all(0 < v < 10 for v in [*result.losses.values(), *result.val_losses.values()])
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "llama")
+    args = parse_args([*base, "--data", chats])
+    _, targets = TokenData(args, args.model.hf_config.vocab_size, rank=0).batch(DataPosition(), 8)
+    trained = tokenizer.decode(targets[targets != IGNORE].tolist())
+    assert "<|user|>" not in trained and "<|assistant|>" not in trained and trained.count("<|endoftext|>") > 0
+    assert 0 < (targets != IGNORE).sum() < targets.numel() // 2
