@@ -105,6 +105,17 @@ def test_job_fine_tunes_a_llama_folder_on_a_jsonl_with_its_tokenizer(tmp_path):
     first = run_distributed(_run, 2, argv, timeout=300)[0]
     losses = [first.losses[s] for s in sorted(first.losses)]
     assert losses[-1] < losses[0] - 0.3, losses  # from about ln(vocab) down
+    # exported with its tokenizer, the fine-tuned model loads back as transformers' own, from one folder
+    import transformers
+    from ndweave_gpt.export_hf import export_hf
+
+    out = export_hf(tmp_path / "ckpt", tmp_path / "exported", args.data.tokenizer)
+    reloaded = transformers.AutoTokenizer.from_pretrained(out)
+    original = transformers.AutoTokenizer.from_pretrained(tmp_path / "llama")
+    assert reloaded("the cat sat")["input_ids"] == original("the cat sat")["input_ids"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert model.config.vocab_size == len(reloaded)
+    assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, len(reloaded))
     prepared = list((tmp_path / "ckpt" / "prepared").iterdir())
     assert len(prepared) == 1 and (prepared[0] / "manifest.json").is_file()
     manifest = json.loads((prepared[0] / "manifest.json").read_text())

@@ -257,7 +257,8 @@ def _main(argv: list[str] | None) -> int:
         if result.sample:
             report.sample(result.sample)
         if config.checkpoint.export_hf:  # the last checkpoint this run wrote, as a transformers folder
-            print(f"transformers checkpoint: {export_hf(config.checkpoint.checkpoint_dir, config.checkpoint.export_hf)}")
+            out = export_hf(config.checkpoint.checkpoint_dir, config.checkpoint.export_hf, config.data.tokenizer or None)
+            print(f"transformers checkpoint: {out}")
     return 0 if ok else 1
 
 
