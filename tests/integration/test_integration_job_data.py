@@ -26,6 +26,7 @@ from ndweave.mesh.testing import assert_close, run_distributed
 from ndweave_gpt.config import parse_args
 from ndweave_gpt.models import hf as hf_models
 from test_integration_gpt_job import TINY, _run
+from test_integration_gpt_job import _resume_refused as _refused  # (the job's exit message, on each rank)
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
@@ -86,12 +87,6 @@ def _chats(path, count: int) -> str:
                                                      {"role": "assistant", "content": " ".join(b[:2])}]}) + "\n"
                             for a, b in zip(words[::2], words[1::2])))
     return str(path)
-
-
-def _refused(argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as refused:
-        _run(argv)
-    return str(refused.value)
 
 
 @pytest.mark.parity

@@ -120,12 +120,7 @@ def emit_blocks(entries: Entries, blocks: list[Block], b: Boundaries, model: nn.
                 continue  # (its partial sum is added to the adapter's: reduced once, at the adapter's module)
             call = b.calls.get(row.module)  # (its module's output: GPT-2's Conv1D multiplies a 2-D view)
             out = b.trace.values[call.outputs[0]] if call is not None and call.outputs else b.trace.values[row.y]
-            on_sequence = sequence_parallel and len(out.shape) == 3
-            entries.add("forward", row.module, "output", [_stream(on_sequence)],
-                        "row-wise output: the partial sums reduce-scattered on the sequence (SP)" if on_sequence
-                        else "row-wise output: the partial sums all-reduced, once" + (
-                            " (not (batch, seq, hidden): a pooled head's output stays whole under SP)"
-                            if sequence_parallel else ""))
+            _reduce_output(entries, row.module, out.shape, sequence_parallel, "row-wise output: the partial sums")
         gathered_only = not block.rows and all(c.op in block.gathered for c in block.columns)
         if local and not gathered_only:  # (a head gathered at its own output: nothing after it sees a shard)
             check = {"name": "tp_divides", "args": {"sizes": sorted(block.sizes)}}
@@ -156,10 +151,18 @@ def _emit_adapters(entries: Entries, block: Block, b: Boundaries, sequence_paral
         if column:
             continue
         out = b.trace.values[b.ops[adapter.join].outputs[0]]
-        on_sequence = sequence_parallel and len(out.shape) == 3
-        entries.add("forward", adapter.module, "output", [_stream(on_sequence)],
-                    f"{adapter.base.module}'s and its adapter's partial sums, added, then "
-                    + ("reduce-scattered on the sequence (SP)" if on_sequence else "all-reduced, once"))
+        _reduce_output(entries, adapter.module, out.shape, sequence_parallel,
+                       f"{adapter.base.module}'s and its adapter's partial sums, added,")
+
+
+def _reduce_output(entries: Entries, module: str, shape: tuple[int, ...], sequence_parallel: bool, what: str) -> None:
+    """``module``'s output, a partial sum of ``shape``, reduced there: reduce-scattered on the sequence
+    under SP where it is (batch, seq, hidden), else all-reduced (a pooled head's output stays whole)."""
+    on_sequence = sequence_parallel and len(shape) == 3
+    entries.add("forward", module, "output", [_stream(on_sequence)],
+                f"{what} reduce-scattered on the sequence (SP)" if on_sequence else f"{what} all-reduced, once" + (
+                    " (not (batch, seq, hidden): a pooled head's output stays whole under SP)" if sequence_parallel
+                    else ""))
 
 
 def _shard(block: Block, column: Linear) -> Any:
