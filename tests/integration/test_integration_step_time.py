@@ -162,7 +162,9 @@ def test_spearman_of_known_orders():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("world", [4, 8])
+# 8 ranks on CI's 2 cores time contention more than the layouts: there, on an AMD EPYC, pp=8 once ran
+# 11% under the dp=8 the estimate ranks first. World 8 runs under -m slow, before the estimate changes.
+@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_the_estimate_orders_the_layouts_as_the_job_runs_them(world, machine):
     layouts = LAYOUTS[world]
     argvs = [layout_argv(*layout) for layout in layouts]
