@@ -38,6 +38,7 @@ RUNS = [
     ("bench_checkpoint.py", []),
     ("bench_experts.py", []),
     ("bench_job.py", []),
+    ("bench_data.py", []),
 ]
 # --quick: sizes and rounds small enough to show that everything runs, not to measure anything
 QUICK = {
@@ -53,6 +54,7 @@ QUICK = {
     "bench_experts.py": ["--layers", "1", "--hidden", "32", "--tokens", "32", "--steps", "1", "--rounds", "1",
                          "--warmup", "1"],
     "bench_job.py": ["--quick"],
+    "bench_data.py": ["--quick"],
 }
 COLUMNS = ("component", "vs (torch native)", "world", "wall ours/theirs", "CPU ours/theirs", "memory",
            "theoretical bound", "note")

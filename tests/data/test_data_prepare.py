@@ -40,6 +40,27 @@ def test_prepare_txt_paragraphs_parquet_and_uint32(tmp_path):
     assert _documents(shards) == [[97, 98, 70000], [99, 100, 101, 70000]] and shards.dtype == np.uint32
 
 
+def test_a_datasets_save_to_disk_folder_reads_as_its_rows(tmp_path):
+    """A ``datasets`` dataset saved with ``save_to_disk`` (several arrow files, chats and text), read in its
+    row order with pyarrow; a ``DatasetDict``'s folder is refused naming its splits."""
+    datasets = pytest.importorskip("datasets")
+    texts = [f"row {i}" for i in range(7)]
+    datasets.Dataset.from_dict({"text": texts, "n": list(range(7))}).save_to_disk(tmp_path / "saved", num_shards=3)
+    assert len(list((tmp_path / "saved").glob("*.arrow"))) == 3
+    shards = prepare(tmp_path / "saved", byte_tokenizer, tmp_path / "out", eos_id=BYTE_EOS, vocab_size=BYTE_VOCAB)
+    assert _documents(shards) == [list(t.encode()) + [BYTE_EOS] for t in texts]
+
+    chats = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]]
+    splits = datasets.DatasetDict(train=datasets.Dataset.from_dict({"messages": chats}),
+                                  test=datasets.Dataset.from_dict({"messages": chats}))
+    splits.save_to_disk(tmp_path / "dict")
+    with pytest.raises(ValueError, match=r"DatasetDict of splits train, test: pass one split's folder .*dict/train"):
+        prepare(tmp_path / "dict", byte_tokenizer, tmp_path / "out")
+    shards = prepare(tmp_path / "dict" / "train", byte_tokenizer, tmp_path / "out", vocab_size=BYTE_VOCAB,
+                     chat_template="default")
+    assert shards.num_documents == 1 and shards.has_loss_mask
+
+
 def test_prepare_with_a_hf_tokenizer_is_the_same_for_any_worker_count(tmp_path):
     tokenizer = word_tokenizer()
     sources = text_corpus(tmp_path / "src")

@@ -289,7 +289,7 @@ def test_validation_at_pp2_dp2_is_one_process_in_the_metrics_and_the_report(tmp_
 
         board = EventAccumulator(str(tmp_path / "tb"))
         board.Reload()
-        for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_s", "step_s", "peak_bytes"):
+        for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_s", "step_s", "data_s", "peak_bytes"):
             events = [(e.step, e.value) for e in board.Scalars(key)]
             expected = [(r["step"], r[key]) for r in rows if r[key] is not None]
             assert [s for s, _ in events] == [s for s, _ in expected], key
@@ -335,9 +335,9 @@ def test_metrics_go_to_jsonl_and_to_tensorboard(tmp_path, monkeypatch):
     metrics.close()
     assert json.loads((tmp_path / "m.jsonl").read_text()) == {
         "step": 3, "loss": 2.5, "val_loss": None, "lr": 1e-3, "grad_norm": None, "tokens_s": 200.0, "step_s": 0.5,
-        "peak_bytes": 7}
+        "data_s": 0.0, "peak_bytes": 7}
     assert scalars == [("loss", 2.5, 3), ("lr", 1e-3, 3), ("tokens_s", 200.0, 3), ("step_s", 0.5, 3),
-                       ("peak_bytes", 7, 3), ("closed", str(tmp_path / "tb"), None)]
+                       ("data_s", 0.0, 3), ("peak_bytes", 7, 3), ("closed", str(tmp_path / "tb"), None)]
 
 
 def test_a_resume_may_change_the_batch_and_lr_and_says_so():

@@ -49,6 +49,36 @@ def test_micro_batches_are_the_same_math_summed_otherwise():
     assert_close(*losses, name="losses")
 
 
+class _TwoInputs(torch.nn.Module):
+    """A model of keyword (or positional) inputs, as a pipeline stage of a packed batch takes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, a, b):
+        return self.net(a) * b
+
+
+@pytest.mark.parametrize("form", ["dict", "tuple"])
+def test_inputs_as_a_dict_or_tuple_are_split_alike(form):
+    g = torch.Generator().manual_seed(1)
+    data = [({"a": x, "b": torch.rand(8, 1, generator=g, dtype=torch.float64)}, y) for x, y in _data()]
+    if form == "tuple":
+        data = [((x["a"], x["b"]), y) for x, y in data]
+    runs = [train_one_process(_TwoInputs(), data, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                              loss_fn=F.mse_loss, micro_batches=k) for k in (1, 4)]
+    model = _TwoInputs()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        F.mse_loss(model(**x) if form == "dict" else model(*x), y).backward()
+        opt.step()
+    for run in runs:
+        for n, p in model.named_parameters():
+            assert_close(run.final[n], p, name=n)
+
+
 def test_low_precision_params_get_fp32_masters():
     model = _model(torch.bfloat16)
     run = train_one_process(model, _data(torch.bfloat16), optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3),

@@ -46,6 +46,7 @@ from ndweave.mesh import resolve_spec, shutdown
 from ndweave.mesh.elastic import lost_ranks, restart_count
 from ndweave_gpt import cost, report
 from ndweave_gpt.config import DIMS, JobConfig, parse_args
+from ndweave_gpt.evaluate import sample_final
 from ndweave_gpt.export_hf import export_hf
 from ndweave_gpt.loop import train
 from ndweave_gpt.reference import float64_rerun, train_single_device
@@ -254,6 +255,8 @@ def _main(argv: list[str] | None) -> int:
             if not ok:
                 record_failure("--compare-single-device: FAIL, the parallel run differs from one process in "
                                "float64 beyond the strict tolerance (the table above): a bug, not rounding")
+        if config.metrics.sample and config.data.data:
+            result.sample = sample_final(result.params, config)
         if result.sample:
             report.sample(result.sample)
         if config.checkpoint.export_hf:  # the last checkpoint this run wrote, as a transformers folder

@@ -29,12 +29,12 @@ from ndweave.mesh.torch_compat import non_persistent_buffer_names
 from ndweave.optim import DistributedOptimizer
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage
 from ndweave_gpt.config import DIMS, DTYPES, JobConfig, num_experts
-from ndweave_gpt.data import VOCAB_SIZE, TextData
+from ndweave_gpt.data import VOCAB_SIZE, TextData, example_batch
 from ndweave_gpt.models import hf
 from ndweave_gpt.models.nanogpt import GPT, GPTConfig
 
 __all__ = ["EXPERTS", "MaskedLoss", "Parallel", "adamw_kwargs", "build_data", "build_mesh", "build_model",
-           "build_optimizer", "check_mesh", "data_mean", "data_rank", "init_weights", "loss_fn", "loss_scale",
+           "build_optimizer", "check_mesh", "data_mean", "data_rank", "data_sum", "global_tokens", "init_weights", "loss_fn", "loss_scale",
            "lr_factor", "lr_schedule", "materialize", "mesh_problem", "parallelize", "plan_name", "sharding_plan", "to_device"]
 
 #: The MoE blocks' stacked experts (``--moe-experts``), what the ``"expert_parallel"`` patch divides over EP.
@@ -86,11 +86,16 @@ def data_rank(mesh: ParallelMesh) -> tuple[int, int]:
     return mesh["DP"].get_local_rank() * ep + mesh["EP"].get_local_rank(), mesh["DP"].size() * ep
 
 
-def data_mean(value: torch.Tensor, mesh: ParallelMesh) -> float:
-    """The mean of a value over the ranks that split the batch (equal slices: the global mean)."""
+def data_sum(value: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
+    """``value`` summed over the ranks that split the batch, in place."""
     for dim in ("DP", "EP"):
         dist.all_reduce(value, group=mesh[dim].get_group())
-    return value.item() / data_rank(mesh)[1]
+    return value
+
+
+def data_mean(value: torch.Tensor, mesh: ParallelMesh) -> float:
+    """The mean of a value over the ranks that split the batch (equal slices: the global mean)."""
+    return data_sum(value, mesh).item() / data_rank(mesh)[1]
 
 
 def build_data(config: JobConfig, show: bool = False):
@@ -113,13 +118,19 @@ def to_device(batch: tuple, device: str) -> tuple:
     return inputs.to(device), targets.to(device)
 
 
-def loss_scale(targets: torch.Tensor, mesh: ParallelMesh, config: JobConfig) -> float:
-    """``MaskedLoss.scale`` for a batch whose local targets are ``targets``: micro-batches x DP slices over
-    the trained tokens of the whole global batch (summed over the ranks that split it)."""
-    trained = (targets != -100).sum().to(torch.float64)
-    slices = data_rank(mesh)[1]
-    total = data_mean(trained, mesh) * slices
-    return config.parallel.micro_batches * slices / max(total, 1.0)
+def global_tokens(targets: torch.Tensor, real: int, mesh: ParallelMesh) -> tuple[float, int]:
+    """The global batch's trained tokens (targets not ``-100``) and real ones (not padding; ``real`` this
+    rank's), summed over the ranks that split it in one all-reduce."""
+    counts = torch.stack([(targets != -100).sum().to(torch.float64),
+                          torch.tensor(float(real), dtype=torch.float64, device=targets.device)])
+    trained, total = data_sum(counts, mesh).tolist()
+    return trained, int(total)
+
+
+def loss_scale(trained: float, mesh: ParallelMesh, config: JobConfig) -> float:
+    """``MaskedLoss.scale`` for a global batch of ``trained`` tokens trained on: micro-batches x DP slices
+    over them."""
+    return config.parallel.micro_batches * data_rank(mesh)[1] / max(trained, 1.0)
 
 
 def build_model(config: JobConfig, device: str | None = None) -> nn.Module:
@@ -226,12 +237,10 @@ class Parallel:
     """``--data``: the engine's loss, its scale set per step; ``None``: :func:`loss_fn`, the mean."""
 
 
-def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig,
-                example_inputs: Callable[[int, str], object] | None = None) -> Parallel:
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig) -> Parallel:
     """Cut the pipeline stages (by FQN), parallelize each stage chunk with the TP+SP plan (--plan), load
     --init-from, wrap each chunk in DDP, then build the engine (this order: a plan applies to a chunk,
-    the engine reads the wrapped chunks). ``example_inputs(rows, device)``: one micro-batch of the
-    model's inputs as the data hands them (``--data``: a dict with the document mask), else token ids."""
+    the engine reads the wrapped chunks)."""
     parallel = config.parallel
     plan = PipelineParallelPlan(schedule_type=parallel.schedule, virtual_chunks=parallel.virtual_chunks,
                                 num_microbatches=parallel.micro_batches)
@@ -240,8 +249,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig,
     # its batch size too, since a trace answers shape questions from it (HF's mask building)
     rows = config.data.global_batch // (data_rank(mesh)[1] * parallel.micro_batches)
     device = "meta" if on_meta else parallel.device
-    example = example_inputs(rows, device) if example_inputs else torch.zeros(
-        (rows, config.model.block_size), dtype=torch.long, device=device)
+    example = example_batch(config, rows, device)  # --data: a dict with the document mask
     tensor_parallel, expert_parallel = mesh["TP"].size() > 1, mesh["EP"].size() > 1
     # "auto" derives the plan from the whole model, before the cut: stage chunks keep its FQNs, and a
     # plan key naming a module another stage holds matches nothing there, as expected

@@ -111,7 +111,8 @@ class ModelConfig:
     block_size: int = 64
     """tokens (bytes) per sample"""
     vocab_size: int = 0
-    """nanogpt's vocabulary (0: 256, the bytes; with --data and a tokenizer, the tokenizer's size)"""
+    """the vocabulary of a model built here (nanogpt, an hf: preset; 0: 256, the bytes; with --data and a
+    tokenizer, the tokenizer's size); a config.json or --init-from folder says its own"""
     moe_experts: int = 0
     """experts per MoE block in place of each MLP (0: dense)"""
     moe_top_k: int = 2
@@ -205,8 +206,8 @@ class MetricsConfig:
     """What the run shows and writes (rank 0)."""
 
     jsonl: str = field(default="gpt_metrics.jsonl", metadata={"flag": "--metrics", "metavar": "FILE"})
-    """JSON line per step, appended by rank 0: loss, val_loss, lr, grad_norm, tokens_s, step_s, peak_bytes
-    ('' for none)"""
+    """JSON line per step, appended by rank 0: loss, val_loss, lr, grad_norm, tokens_s, step_s, data_s (reading
+    the batch), peak_bytes ('' for none)"""
     tensorboard: str = field(default="", metadata={"metavar": "DIR"})
     """also write the metrics as TensorBoard event files in DIR (needs the tensorboard package)"""
     plot: str = "gpt_loss.png"
@@ -402,9 +403,6 @@ def resolve_data(config: JobConfig) -> tuple[JobConfig, str | None]:
         if given:
             return config, f"{given[0]} goes with --data (without it the job trains on Shakespeare's bytes)"
         return config, None
-    if config.metrics.compare_single_device or config.metrics.sample:
-        flag = "--compare-single-device" if config.metrics.compare_single_device else "--sample"
-        return config, f"{flag} runs on Shakespeare's bytes only, not with --data"
     if data.data_workers < 1:
         return config, f"--data-workers must be at least 1, got {data.data_workers}"
     tokenizer = data.tokenizer
@@ -413,12 +411,14 @@ def resolve_data(config: JobConfig) -> tuple[JobConfig, str | None]:
     beside = ("tokenizer.json", "tokenizer_config.json")  # a pretrained folder's tokenizer
     if not tokenizer and model.init_from and any(os.path.isfile(os.path.join(model.init_from, n)) for n in beside):
         tokenizer = model.init_from
-    nanogpt = model.name == "nanogpt" and not (model.init_from and os.path.isdir(model.init_from))
+    folder = bool(model.init_from) and os.path.isdir(model.init_from)
+    nanogpt = model.name == "nanogpt" and not folder
     if nanogpt and data.packing in ("documents", "first_fit"):
         return config, (f"--packing {data.packing} needs a model that takes an attention mask (hf: models); nanogpt's "
                         "attention is causal over the whole sample: use --packing concat or none")
     vocab_size = model.vocab_size
-    if nanogpt and tokenizer and not vocab_size:
+    preset = not folder and (nanogpt or model.config in hf.PRESETS)  # a model built here: sized to the tokenizer
+    if preset and tokenizer and not vocab_size:
         from ndweave.data import TextTokenizer
         from ndweave_gpt.data.tokens import load_tokenizer  # the tokenizer packages only when asked for
 
@@ -446,7 +446,8 @@ def resolve_model(config: JobConfig) -> tuple[JobConfig, str | None]:
         return config, "--moe-experts sizes a preset (--config tiny|small); a config.json says its own experts"
     hf_config = hf.hf_config(name[3:] or None, model.config, block_size=model.block_size,
                              moe_experts=model.moe_experts, moe_top_k=model.moe_top_k,
-                             init_from=model.init_from if folder else None, bytes_data=not config.data.tokenizer)
+                             init_from=model.init_from if folder else None, bytes_data=not config.data.tokenizer,
+                             vocab_size=model.vocab_size)
     return config.replace(name="hf:" + hf_config.model_type, hf_config=hf_config), None
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ndweave.mesh import ParallelMesh
 from ndweave_gpt import report
 from ndweave_gpt.build import (Parallel, build_data, build_mesh, build_model, build_optimizer, check_mesh, data_mean,
-                               data_rank, loss_scale, parallelize, to_device)
+                               data_rank, global_tokens, loss_scale, parallelize, to_device)
 from ndweave_gpt.config import DIMS, JobConfig
 from ndweave_gpt.data import TextData
 from ndweave_gpt.data.tokens import TokenData
@@ -47,7 +47,7 @@ def _train(config: JobConfig, memory: Any | None) -> RunResult:
         report.start(mesh, model, config)
     flops, peak = report.model_flops(model, config), report.device_peak_flops(config)  # MFU: on known GPUs only
     data = build_data(config, show)  # --data: rank 0 tokenizes once (cached), the others wait
-    job = parallelize(model, mesh, config, getattr(data, "example_inputs", None))
+    job = parallelize(model, mesh, config)
     # the stage chunks hold what this rank trains; the rest of the model goes, at once: the pipeline's
     # trace (torch.fx's tracer) leaves it in reference cycles, which only the cyclic collector frees
     del model
@@ -57,16 +57,17 @@ def _train(config: JobConfig, memory: Any | None) -> RunResult:
     last, begin = config.training.last_step, time.perf_counter()
     sinks = open_sinks(config.metrics, run.start, last, rank)
     utilization = lambda tokens_per_s: report.mfu(flops, tokens_per_s, peak, world)  # noqa: E731
-    losses, steps_peak = loop(config, mesh, job, run, data, sinks, utilization, memory, show)
+    losses, steps_peak, tokens = loop(config, mesh, job, run, data, sinks, utilization, memory, show)
     seconds = time.perf_counter() - begin
     sinks.close()
-    text = sample(job.engine, job.chunks, config) if config.metrics.sample else ""
+    # --data: rank 0 samples after the run (sample_final), the pipeline's stages taking a mask generation lacks
+    text = sample(job.engine, job.chunks, config, data) if config.metrics.sample and not config.data.data else ""
     peaks: list[int] = [0] * world
     dist.all_gather_object(peaks, peak_memory(device))
     tensor_peaks: list[int] = [0] * world if memory is not None else []
     if memory is not None:
         dist.all_gather_object(tensor_peaks, steps_peak)
-    tokens_per_s = (last - run.start) * config.data.global_batch * config.model.block_size / max(seconds, 1e-9)
+    tokens_per_s = tokens / max(seconds, 1e-9)
     shown = [d for d in DIMS if d != "EP" or mesh["EP"].size() > 1]  # EP where the run has it
     return RunResult(losses, gather_params(job.chunks), seconds, tokens_per_s, peaks,
                      " x ".join(f"{d}={mesh[d].size()}" for d in shown), by_step(run.history),
@@ -78,19 +79,23 @@ def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: T
          show: bool = False) -> tuple[dict[int, float], int]:
     """Train steps ``run.start + 1 .. --stop-at (or --steps)``: each step its batch through the pipeline,
     the optimizer step, maybe the validation loss, the metrics, maybe a checkpoint. Returns each
-    step's global mean loss and (``memory``: a tensor tracker) the steps' peak of live tensor bytes."""
+    step's global mean loss, (``memory``: a tensor tracker) the steps' peak of live tensor bytes, and the
+    tokens they trained on (padding not counted)."""
     last, batch, device = config.training.last_step, config.data.global_batch, config.parallel.device
     eval_every, save_every = config.data.eval_every, config.checkpoint.checkpoint_every
     tokens, (dp_rank, dp_size) = batch * config.model.block_size, data_rank(mesh)
-    losses, steps_peak = {}, 0
+    losses, steps_peak, seen = {}, 0, 0
     if memory is not None:
         memory.reset_peak()  # the steps' peak: what is live now (model state, data) and what they add
     for step in range(run.start + 1, last + 1):
         run.fault.before_step(step)
         tick = time.perf_counter()
         x, y = to_device(data.batch(run.position, batch, dp_rank, dp_size), device)
+        reading = time.perf_counter() - tick
         if job.loss is not None:  # --data: the loss is the mean over the global batch's trained tokens
-            job.loss.scale = loss_scale(y, mesh, config)
+            trained, tokens = global_tokens(y, data.real_tokens, mesh)  # the bar counts tokens, not padding
+            job.loss.scale = loss_scale(trained, mesh, config)
+        seen += tokens
         job.optimizer.zero_grad()
         loss = job.engine(x, y).detach().to(torch.float64)  # the mean over this DP rank's micro-batches
         job.optimizer.step()
@@ -103,7 +108,7 @@ def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: T
         seconds = time.perf_counter() - tick
         sinks.write(step_row(step=step, loss=losses[step], val_loss=run.val_history[step - 1], lr=lr,
                              grad_norm=job.optimizer.last_grad_norm, seconds=seconds, tokens=tokens,
-                             peak_bytes=peak_memory(device), mfu=utilization(tokens / seconds)))
+                             peak_bytes=peak_memory(device), mfu=utilization(tokens / seconds), data_seconds=reading))
         if memory is not None:
             steps_peak = max(steps_peak, memory.peak_bytes(device))
         if step == last or (save_every and step % save_every == 0):
@@ -112,4 +117,4 @@ def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: T
                 memory.reset_peak()
             if show:
                 say(f"checkpoint: step {step} -> {run.manager.path(step)}")
-    return losses, steps_peak
+    return losses, steps_peak, seen

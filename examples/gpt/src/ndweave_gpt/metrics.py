@@ -30,12 +30,12 @@ class Sink(Protocol):
 
 
 def step_row(*, step: int, loss: float, val_loss: float, lr: float, grad_norm: float | None, seconds: float,
-             tokens: int, peak_bytes: int, mfu: float | None = None) -> dict[str, Any]:
+             tokens: int, peak_bytes: int, mfu: float | None = None, data_seconds: float = 0.0) -> dict[str, Any]:
     """One step's metrics as every sink takes them: NaN (no validation this step) as None, ``mfu`` only
-    where it is known."""
+    where it is known; ``data_s`` the part of ``step_s`` rank 0 spent reading its batch."""
     return {"step": step, "loss": loss, "val_loss": None if math.isnan(val_loss) else val_loss, "lr": lr,
             "grad_norm": grad_norm, "tokens_s": tokens / max(seconds, 1e-9), "step_s": seconds,
-            "peak_bytes": peak_bytes, **({} if mfu is None else {"mfu": mfu})}
+            "data_s": data_seconds, "peak_bytes": peak_bytes, **({} if mfu is None else {"mfu": mfu})}
 
 
 def say(text: str) -> None:

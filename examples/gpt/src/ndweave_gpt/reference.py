@@ -11,10 +11,9 @@ from torch import nn
 
 from ndweave.checkpoint import DataPosition
 from ndweave.mesh.testing import train_one_process
-from ndweave_gpt.build import adamw_kwargs, build_model, init_weights, loss_fn, lr_schedule
+from ndweave_gpt.build import adamw_kwargs, build_data, build_model, init_weights, loss_fn, lr_schedule, to_device
 from ndweave_gpt.config import JobConfig
-from ndweave_gpt.data import TextData
-from ndweave_gpt.evaluate import PROMPT, text_of
+from ndweave_gpt.evaluate import sample_one_process
 from ndweave_gpt.models import hf
 from ndweave_gpt.result import RunResult
 
@@ -34,8 +33,10 @@ def float64_rerun(config: JobConfig) -> JobConfig:
     though in float64 it matched one process to 1e-15. In float64 a correct parallel run matches to
     ~1e-12 whatever the trajectory and a wrong one does not. It writes nothing the run keeps: no
     metrics, plot, sample or faults, its checkpoint in :data:`FLOAT64_RERUN_DIR` (removed after)."""
+    checkpoints = config.checkpoint.checkpoint_dir
     return config.replace(dtype="float64", resume="never", checkpoint_every=0, export_hf="", eval_every=0,
-                          checkpoint_dir=os.path.join(config.checkpoint.checkpoint_dir, FLOAT64_RERUN_DIR),
+                          checkpoint_dir=os.path.join(checkpoints, FLOAT64_RERUN_DIR),
+                          data_cache=config.data.data_cache or os.path.join(checkpoints, "prepared"),
                           jsonl="", tensorboard="", plot="", sample=0, quiet=True, memory_check=False,
                           kill_rank=None, kill_in_save=False)
 
@@ -53,21 +54,21 @@ def train_single_device(config: JobConfig, micro_batches: int = 1, last: int | N
         model = build_model(config)
         if config.model.init_from:
             init_weights([model], hf.tied_aliases(model), config)
-    data, position = TextData(config.model.block_size, config.training.seed), DataPosition()
+    data, position = build_data(config), DataPosition()  # --data: the shards the run prepared (cached)
     end = last or config.training.steps
     val_losses: dict[int, float] = {}
 
     def batches():
         for _ in range(end):
-            yield tuple(t.to(device) for t in data.batch(position, batch))
+            yield to_device(data.batch(position, batch), device)
             position.advance(batch)
 
     def validate(index: int, model: nn.Module) -> None:
         step = index + 1
         if eval_every and (step % eval_every == 0 or step == end):
             with torch.no_grad():
-                vx, vy = (t.to(device) for t in data.validation(batch))
-                val_losses[step] = loss_fn(model(vx)[0], vy).item()
+                vx, vy = to_device(data.validation(batch), device)
+                val_losses[step] = loss_fn((model(**vx) if isinstance(vx, dict) else model(vx))[0], vy).item()
 
     run = train_one_process(model, batches(), optimizer=lambda params: torch.optim.AdamW(params, **adamw_kwargs(config)),
                             loss_fn=lambda output, y: loss_fn(output[0], y), micro_batches=micro_batches,
@@ -75,18 +76,5 @@ def train_single_device(config: JobConfig, micro_batches: int = 1, last: int | N
                             scheduler=lambda opt: lr_schedule(opt, config, extended_from))
     losses = {step: loss for step, loss in enumerate(run.losses, start=1)}
     final = {n: p.cpu() for n, p in run.final.items()}
-    text = _sample_one_process(model, config) if config.metrics.sample else ""
+    text = sample_one_process(model, config, data) if config.metrics.sample else ""
     return RunResult(losses, final, val_losses=val_losses, sample=text)
-
-
-def _sample_one_process(model: nn.Module, config: JobConfig, prompt: bytes = PROMPT) -> str:
-    """What :func:`ndweave_gpt.evaluate.sample` writes, from the whole model on this process."""
-    model.eval()
-    idx = torch.tensor([list(prompt)], device=config.parallel.device)
-    g = torch.Generator().manual_seed(config.training.seed)
-    block = config.model.block_size
-    with torch.no_grad():
-        for _ in range(config.metrics.sample):
-            logits = model(idx[:, -block:])[0][0, -1].double() / 0.8  # temperature 0.8
-            idx = torch.cat([idx, torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=g)[None].to(idx.device)], 1)
-    return text_of(idx[0].tolist())

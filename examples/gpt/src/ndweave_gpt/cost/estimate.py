@@ -64,7 +64,7 @@ from ndweave.pipeline.cost import StageActivations, stage_activations, stage_par
 from ndweave.pipeline.plan import ResolvedPlan, resolve_plan
 from ndweave_gpt.config import DIMS, JobConfig
 from ndweave_gpt.cost.in_flight import activation_terms, rank_actions
-from ndweave_gpt.data import TextData
+from ndweave_gpt.data import TextData, example_batch
 
 __all__ = ["ChunkState", "StageBytes", "activation_terms", "chunk_buffers", "chunk_state", "data_bytes",
            "estimate_memory", "fused_attention", "local_shapes", "parameters", "peer_shapes", "rank_actions",
@@ -87,7 +87,7 @@ def estimate_memory(args: JobConfig, build_model: Callable[..., nn.Module],
                                 num_microbatches=args.parallel.micro_batches)
     resolved = resolve_plan(plan, pp)
     rows = args.data.global_batch // (dp * ep * args.parallel.micro_batches)
-    example = torch.zeros((rows, args.model.block_size), dtype=torch.long, device="meta")
+    example = example_batch(args, rows, "meta")  # --data: with the document mask the model takes
     names = stage_param_names(model, plan, pp, example_inputs=example)
     plan_dict = sharding(model, sizes)
     # the dataset stays in host memory: on a GPU it is no part of the device's peak
@@ -399,7 +399,10 @@ def fused_attention(device: str) -> Iterator[None]:
 
 
 def data_bytes(args: JobConfig) -> int:
-    """The dataset every rank holds (its tensors, once per storage)."""
+    """The dataset every rank holds (its tensors, once per storage); ``--data``'s token shards are memory-
+    mapped files the OS pages in and out, counted as none (its index: 8-24 bytes a document)."""
+    if args.data.data:
+        return 0
     from ndweave.mesh.testing.memory import TensorMemory  # loaded only to measure (see torch_compat)
 
     with TensorMemory() as memory:

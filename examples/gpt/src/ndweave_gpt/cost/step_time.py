@@ -63,6 +63,7 @@ from ndweave.pipeline.plan import resolve_plan
 from ndweave.pipeline.step_time import simulate_schedule
 from ndweave_gpt.config import DIMS, DTYPES, JobConfig
 from ndweave_gpt.cost.estimate import fused_attention, parameters, sharding_mesh
+from ndweave_gpt.data import example_batch
 
 __all__ = ["StageWork", "estimate_step_seconds", "first_shapes", "host_seconds", "named_group", "optimizer_seconds",
            "sharding_groups", "stage_buffers", "stage_work", "step_terms", "sync_and_optimizer", "table",
@@ -94,7 +95,7 @@ def estimate_step_seconds(args: JobConfig, machine: Machine, build_model: Callab
                                 num_microbatches=args.parallel.micro_batches)
     resolved = resolve_plan(plan, pp)
     rows = args.data.global_batch // (dp * ep * args.parallel.micro_batches)
-    example = torch.zeros((rows, args.model.block_size), dtype=torch.long, device="meta")
+    example = example_batch(args, rows, "meta")  # --data: with the document mask the model takes
     traced = stage_work(build_model(args, "meta"), plan, example, sharding, sizes, loss_fn, args.parallel.device)
     dtype = DTYPES[args.model.dtype]
     groups, inside = sharding_groups(sizes), machine.within_host(sizes)

@@ -16,16 +16,36 @@ would have.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ndweave.checkpoint import DataPosition
 
-__all__ = ["CORPUS", "VALIDATION_WINDOWS", "VOCAB_SIZE", "TextData"]
+__all__ = ["CORPUS", "VALIDATION_WINDOWS", "VOCAB_SIZE", "TextData", "example_batch", "keeps_documents_apart"]
 
 CORPUS = Path(__file__).resolve().parent / "shakespeare.txt"
 VOCAB_SIZE = 256
 VALIDATION_WINDOWS = 64
+
+
+def keeps_documents_apart(config: Any) -> bool:
+    """Whether the model takes ``--data``'s position ids and document mask: an hf: model whose packing
+    keeps documents apart (``--packing auto`` resolves to documents, or first_fit for chats)."""
+    return bool(config.data.data) and config.model.name != "nanogpt" and config.data.packing in (
+        "auto", "documents", "first_fit")
+
+
+def example_batch(config: Any, rows: int, device: str | torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
+    """One micro-batch of ``rows`` samples' inputs as the model takes them (zeros; ``device="meta"``
+    allocates nothing): token ids, or a dict of ``input_ids``, ``position_ids`` and the ``(B, 1, S, S)``
+    document mask (:func:`keeps_documents_apart`). What the pipeline traces and the estimate prices."""
+    ids = torch.zeros((rows, config.model.block_size), dtype=torch.long, device=device)
+    if not keeps_documents_apart(config):
+        return ids
+    size = config.model.block_size
+    mask = torch.ones((rows, 1, size, size), dtype=torch.bool, device=device)
+    return {"input_ids": ids, "position_ids": ids.clone(), "attention_mask": mask}
 
 
 class TextData:
@@ -61,6 +81,13 @@ class TextData:
         after the optimizer step)."""
         part = position.rank_slice(global_batch, dp_rank, dp_size)
         return self.samples(part.start, part.stop)
+
+    #: what ``--sample`` writes after
+    prompt: list[int] = list(b"ROMEO:\n")
+
+    def text(self, tokens: list[int]) -> str:
+        """The bytes among ``tokens`` as text (a pretrained model's vocabulary may hold more ids)."""
+        return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
 
     def validation(self, count: int, dp_rank: int = 0, dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """This DP rank's slice of the first ``count`` held-out samples (the same every evaluation)."""

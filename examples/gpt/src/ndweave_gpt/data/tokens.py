@@ -92,6 +92,9 @@ class TokenData:
             name = None
         else:
             tokenizer, eos_id, name = bytes_tokenizer, None, "bytes"
+        self._decode = getattr(tokenizer, "decode", None)
+        self.real_tokens = 0
+        """The last batch's tokens that are not padding (what the progress bar counts)."""
         settings = dict(eos_id=eos_id, vocab_size=vocab_size, workers=data.data_workers, tokenizer_name=name)
         sources = [parse_source(s) for s in data.data]
         what = "--data"
@@ -125,20 +128,27 @@ class TokenData:
                 raise SystemExit(f"error: --val-data (--packing {self.packing}): {error}") from None
 
     @property
-    def takes_mask(self) -> bool:
-        """Whether the model gets position ids and the document mask (packings that keep documents apart)."""
-        return self.packing in ("documents", "first_fit")
+    def prompt(self) -> list[int]:
+        """What ``--sample`` writes after: the first document's first tokens (up to a quarter sample)."""
+        first = self.dataset[0]
+        start = first["document_ids"] == first["document_ids"][0]
+        return first["input_ids"][start][:max(1, self.block_size // 4)].tolist()
 
-    def example_inputs(self, rows: int, device: str | torch.device) -> Any:
-        """One micro-batch of ``rows`` samples' inputs as the model takes them (zeros), for the pipeline's trace."""
-        ids = torch.zeros((rows, self.block_size), dtype=torch.long, device=device)
-        if not self.takes_mask:
-            return ids
-        mask = torch.ones((rows, 1, self.block_size, self.block_size), dtype=torch.bool, device=device)
-        return {"input_ids": ids, "position_ids": ids.clone(), "attention_mask": mask}
+    def text(self, tokens: list[int]) -> str:
+        """``tokens`` as text: the tokenizer's decoding, or UTF-8 bytes without one."""
+        if self._decode is not None:
+            return self._decode(tokens)
+        return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+
+    @property
+    def takes_mask(self) -> bool:
+        """Whether the model gets position ids and the document mask (packings that keep documents apart;
+        what :func:`~ndweave_gpt.data.keeps_documents_apart` tells from the flags)."""
+        return self.packing in ("documents", "first_fit")
 
     def _batch_of(self, samples: list[dict[str, torch.Tensor]]) -> tuple[Any, torch.Tensor]:
         batch = torch.utils.data.default_collate(samples)
+        self.real_tokens = int((batch["document_ids"] >= 0).sum())
         targets = batch["targets"].masked_fill(~batch["loss_mask"], IGNORE)
         if not self.takes_mask:
             return batch["input_ids"], targets

@@ -49,10 +49,10 @@ def _transformers():
 
 
 def hf_config(model_type: str | None, config: str, *, block_size: int, moe_experts: int = 0, moe_top_k: int = 2,
-              init_from: str | None = None, bytes_data: bool = True) -> Any:
+              init_from: str | None = None, bytes_data: bool = True, vocab_size: int = 0) -> Any:
     """The transformers config of the job's model: the one in ``init_from`` (a checkpoint folder),
     else the file ``config`` (a ``config.json``), else preset ``config`` (``tiny`` / ``small``) of
-    ``model_type``. Refused, naming the fix: another model type than ``init_from``'s, a vocabulary
+    ``model_type``, its vocabulary ``vocab_size`` ids where given (a tokenizer's; else the 256 bytes). Refused, naming the fix: another model type than ``init_from``'s, a vocabulary
     without the 256 byte ids (``bytes_data``: the job reads bytes, no tokenizer), positions shorter than
     ``--block-size``."""
     transformers = _transformers()
@@ -67,7 +67,8 @@ def hf_config(model_type: str | None, config: str, *, block_size: int, moe_exper
             raise SystemExit(f"error: {source} is a {found!r} model, not hf:{model_type}: pass --model hf:{found}")
         cfg = transformers.AutoConfig.for_model(**values)
     else:
-        sizes = {**PRESETS[config], **COMMON, "max_position_embeddings": block_size}
+        sizes = {**PRESETS[config], **COMMON, "max_position_embeddings": block_size,
+                 **({"vocab_size": vocab_size} if vocab_size else {})}
         if moe_experts:
             sizes.update(dict.fromkeys(EXPERT_FIELDS, moe_experts), num_experts_per_tok=moe_top_k)
         cfg = transformers.AutoConfig.for_model(model_type, **_settable(model_type, sizes))

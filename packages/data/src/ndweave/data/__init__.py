@@ -19,7 +19,7 @@ from ndweave.data.sources import data_files, read_records
 from ndweave.data.stream import StreamSampler, TokenStream
 from ndweave.data.tokenizer import TextTokenizer
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "DEFAULT_CHAT_TEMPLATE",

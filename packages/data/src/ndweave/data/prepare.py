@@ -15,6 +15,7 @@ order and hands them out in batches; the workers' results come back in that orde
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -96,7 +97,8 @@ def prepare(sources: str | os.PathLike | Iterable[str | os.PathLike], tokenizer:
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
     try:
-        _write(files, text_tokenizer, settings, temporary, workers, documents_per_task, _progress(progress))
+        with _progress(progress) as update:
+            _write(files, text_tokenizer, settings, temporary, workers, documents_per_task, update)
         try:
             os.rename(temporary, final)
         except OSError:
@@ -117,20 +119,28 @@ def _cache_key(files: list[Path], tokenizer: TextTokenizer, settings: _Settings)
     return hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
-def _progress(progress: Callable[[int, int], None] | bool | None) -> Callable[[int, int], None] | None:
+@contextlib.contextmanager
+def _progress(progress: Callable[[int, int], None] | bool | None) -> Iterator[Callable[[int, int], None] | None]:
+    """The ``progress`` callback; ``True``: a tqdm bar of documents and tokens, closed (and left showing
+    the totals) when the shards are written."""
     if progress is not True:
-        return progress or None
+        yield progress or None
+        return
     try:
         from tqdm import tqdm
     except ImportError:
-        return None
-    bar = tqdm(unit=" documents", desc="prepare", leave=False)
+        yield None
+        return
+    bar = tqdm(unit=" documents", desc="prepare", delay=0.5)  # a cached or quick prepare shows nothing
 
     def update(documents: int, tokens: int) -> None:
+        bar.set_postfix_str(f"{tokens:,} tokens", refresh=False)
         bar.update(documents - bar.n)
-        bar.set_postfix(tokens=tokens, refresh=False)
 
-    return update
+    try:
+        yield update
+    finally:
+        bar.close()
 
 
 def _tasks(files: list[Path], settings: _Settings, size: int) -> Iterator[list[Record]]:
@@ -165,6 +175,7 @@ def _tokenize(task: list[Record], tokenizer: TextTokenizer,
     masks: list[np.ndarray] = []
     any_mask = False
     limit = settings.vocab_size if settings.vocab_size is not None else 1 << 32
+    texts = iter(tokenizer.encode_batch([r.text for r in task if r.messages is None]))  # plain text: one call
     for record in task:
         if record.messages is not None:
             tokens, mask = tokenize_chat(record.messages, tokenizer, chat_template=settings.chat_template,
@@ -172,7 +183,7 @@ def _tokenize(task: list[Record], tokenizer: TextTokenizer,
             trains_eos = record.messages[-1]["role"] == "assistant"
             any_mask = True
         else:
-            tokens, mask, trains_eos = tokenizer(record.text), None, True
+            tokens, mask, trains_eos = next(texts), None, True
         if settings.eos_id is not None:
             tokens = [*tokens, settings.eos_id]
             mask = None if mask is None else [*mask, trains_eos]

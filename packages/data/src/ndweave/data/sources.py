@@ -5,6 +5,9 @@
 - ``.jsonl``: one record per line; its text under ``text_field`` (``"text"``), or a chat under
   ``messages`` (a list of ``{"role", "content"}``), which takes precedence.
 - ``.parquet``: one record per row, the same fields (needs ``pyarrow``).
+- A ``datasets`` dataset saved with ``save_to_disk`` (a folder with ``state.json``): its rows, in its
+  ``.arrow`` files' order, the same fields (read with ``pyarrow``; ``datasets`` itself is not needed).
+  A ``DatasetDict``'s folder names its splits: pass the split's folder (``saved/train``).
 
 A folder stands for its files of these kinds, found recursively in sorted path order (hidden files
 left out), so the order of documents, hence of the prepared data, depends on the names only.
@@ -21,6 +24,8 @@ from pathlib import Path
 __all__ = ["Record", "SUFFIXES", "data_files", "read_records"]
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
+#: what ``save_to_disk`` writes: the arrow files ``state.json`` lists
+SAVED_DATASET = "state.json"
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,13 @@ def data_files(sources: str | os.PathLike | Iterable[str | os.PathLike]) -> list
     files: list[Path] = []
     for source in sources:
         path = Path(source)
-        if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+            raise ValueError(f"{path} is a saved DatasetDict of splits {', '.join(splits)}: pass one split's folder "
+                             f"({path / (splits[0] if splits else 'train')})")
+        if (path / SAVED_DATASET).is_file():
+            files += _saved_dataset(path)
+        elif path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES
                            and not any(part.startswith(".") for part in p.relative_to(path).parts))
             if not found:
@@ -62,6 +73,21 @@ def data_files(sources: str | os.PathLike | Iterable[str | os.PathLike]) -> list
     return files
 
 
+def _saved_dataset(folder: Path) -> list[Path]:
+    """The ``.arrow`` files of a ``save_to_disk`` folder, in the dataset's row order."""
+    try:
+        listed = [entry["filename"] for entry in json.loads((folder / SAVED_DATASET).read_text())["_data_files"]]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{folder / SAVED_DATASET} is not a datasets save_to_disk state: save it again "
+                         "(Dataset.save_to_disk)") from None
+    files = [folder / name for name in listed]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing or not files:
+        raise ValueError(f"{folder}: the saved dataset's files {', '.join(missing) or '(none listed)'} are missing: "
+                         "save it again (Dataset.save_to_disk)")
+    return files
+
+
 def read_records(path: Path, *, text_field: str = "text", txt_documents: str = "file") -> Iterator[Record]:
     """The documents of one file, in order (``ValueError`` naming the file and line for bad input)."""
     try:
@@ -71,6 +97,8 @@ def read_records(path: Path, *, text_field: str = "text", txt_documents: str = "
             yield from _txt(path, txt_documents)
         elif path.suffix == ".jsonl":
             yield from _jsonl(path, text_field)
+        elif path.suffix == ".arrow":
+            yield from _arrow(path, text_field)
         else:
             yield from _parquet(path, text_field)
     except UnicodeDecodeError as e:
@@ -140,25 +168,53 @@ def _jsonl(path: Path, text_field: str) -> Iterator[Record]:
         raise ValueError(f"{path} holds no records (only blank lines): fill it or remove it from the sources")
 
 
-def _parquet(path: Path, text_field: str) -> Iterator[Record]:
+def _pyarrow(path: Path):
     try:
-        import pyarrow.parquet as pq
+        import pyarrow
     except ImportError:
         raise ValueError(f"reading {path} needs pyarrow: pip install pyarrow (or ndweave-data[parquet])") from None
+    return pyarrow
+
+
+def _columns(path: Path, names: list[str], text_field: str) -> list[str]:
+    """The columns holding the records: a chat's ``messages``, else ``text_field``."""
+    if "messages" in names:
+        return ["messages"]
+    if text_field in names:
+        return [text_field]
+    raise ValueError(f"{path}: no {text_field!r} column (its columns: {', '.join(names)}); pass text_field= "
+                     "naming the column that holds the text, or give chat rows a 'messages' column")
+
+
+def _rows(path: Path, batches: Iterable, text_field: str) -> Iterator[Record]:
+    row_number = 0
+    for batch in batches:
+        for row in batch.to_pylist():
+            row_number += 1
+            yield _record(row, f"{path} row {row_number}", text_field)
+    if not row_number:
+        raise ValueError(f"{path} holds no rows: fill it or remove it from the sources")
+
+
+def _parquet(path: Path, text_field: str) -> Iterator[Record]:
+    _pyarrow(path)
+    import pyarrow.parquet as pq
+
     try:
         table = pq.ParquetFile(path)
     except Exception as e:  # pyarrow's own error types: a truncated or non-parquet file
         raise ValueError(f"{path} is not a readable parquet file ({e}): rewrite or remove it") from None
-    names = table.schema_arrow.names
-    columns = ["messages"] if "messages" in names else [text_field] if text_field in names else None
-    if columns is None:
-        raise ValueError(f"{path}: no {text_field!r} column (its columns: {', '.join(names)}); pass text_field= "
-                         "naming the column that holds the text, or give chat rows a 'messages' column")
-    row_number, found = 0, False
-    for batch in table.iter_batches(columns=columns):
-        for row in batch.to_pylist():
-            row_number += 1
-            found = True
-            yield _record(row, f"{path} row {row_number}", text_field)
-    if not found:
-        raise ValueError(f"{path} holds no rows: fill it or remove it from the sources")
+    columns = _columns(path, table.schema_arrow.names, text_field)
+    yield from _rows(path, table.iter_batches(columns=columns), text_field)
+
+
+def _arrow(path: Path, text_field: str) -> Iterator[Record]:
+    """A ``save_to_disk`` data file: an Arrow IPC stream (``datasets`` writes streams, not IPC files)."""
+    pa = _pyarrow(path)
+    try:
+        stream = pa.ipc.open_stream(pa.memory_map(str(path)))
+        batches = list(stream)
+    except Exception as e:  # pyarrow's own error types: a truncated or foreign file
+        raise ValueError(f"{path} is not a readable arrow stream ({e}): save the dataset again") from None
+    columns = _columns(path, stream.schema.names, text_field)
+    yield from _rows(path, (b.select(columns) for b in batches), text_field)

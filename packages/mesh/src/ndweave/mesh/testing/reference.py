@@ -46,6 +46,21 @@ def _named(model: nn.Module, of: Callable[[torch.Tensor], torch.Tensor | None]) 
     return {n: of(p) for n, p in model.named_parameters(remove_duplicate=False)}
 
 
+def _chunk(x: Any, parts: int) -> list[Any]:
+    """``x`` (a tensor, or a tuple or dict of them) as ``parts`` micro-batches along dim 0."""
+    if isinstance(x, dict):
+        pieces = {k: v.chunk(parts) for k, v in x.items()}
+        return [{k: v[i] for k, v in pieces.items()} for i in range(parts)]
+    if isinstance(x, (tuple, list)):
+        return [type(x)(p) for p in zip(*(v.chunk(parts) for v in x), strict=True)]
+    return list(x.chunk(parts))
+
+
+def _call(model: nn.Module, x: Any) -> Any:
+    """``model`` on a micro-batch as a pipeline stage takes it: keyword inputs, positional ones, or one tensor."""
+    return model(**x) if isinstance(x, dict) else model(*x) if isinstance(x, (tuple, list)) else model(x)
+
+
 def train_one_process(
     model: nn.Module,
     batches: Iterable[tuple[Any, Any]],
@@ -67,6 +82,8 @@ def train_one_process(
     Args:
         model: trained in place (``copy_model=True``: a deep copy is, ``model`` is left as it was).
         batches: ``(x, y)`` per step; ``x`` and ``y`` are split along dim 0 into ``micro_batches``.
+            ``x`` may be a tensor, or a tuple or dict of them (each split alike); ``model(x)`` is then
+            called as ``model(*x)`` or ``model(**x)``.
         optimizer: an optimizer over ``model``'s parameters, or a function of the parameters it
             steps that builds one (needed with ``fp32_masters`` or ``copy_model``).
         loss_fn: ``loss_fn(model(x), y)``, the loss outside the model (the default way).
@@ -103,8 +120,8 @@ def train_one_process(
         opt.zero_grad()
         model.zero_grad()
         total = None  # summed in the loss's dtype, as a parallel run's micro-batch losses are
-        for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True):
-            loss = (model_loss(model, xs, ys) if model_loss else loss_fn(model(xs), ys)) / micro_batches
+        for xs, ys in zip(_chunk(x, micro_batches), y.chunk(micro_batches), strict=True):
+            loss = (model_loss(model, xs, ys) if model_loss else loss_fn(_call(model, xs), ys)) / micro_batches
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         run.losses.append(total.item())
