@@ -17,7 +17,7 @@ Each timed as wall time and as the CPU time of the process and its workers (``os
 included); tokens/s is the corpus's tokens over the wall time.
 
 The loader's share of a step. The job at its defaults (``pp=2,dp=2,tp=2``, nanogpt) launched by
-torchrun on the corpus with ``--data`` (the corpus' UTF-8 bytes, packed ``concat``), and again as an
+torchrun on the corpus with ``--data`` (the corpus' UTF-8 bytes, ``--packing concat``), and again as an
 ``hf:llama`` with the tokenizer and ``--packing documents`` (position ids and the document mask built
 every step): rank 0's ``data_s`` (reading its batch, to the device) over ``step_s`` from the job's
 ``--metrics``, medians of the steps after the first. Both are wall times of the same rank in the same
@@ -165,7 +165,7 @@ def main() -> None:
         data = corpus(folder, a.documents)
         tokenizer_dir = tokenizer_folder(folder, data, a.vocab)
         rows = [tokenizing(folder, data, tokenizer_dir, a.workers, a.rounds)]
-        for what, flags in (("nanogpt, bytes, concat", []),
+        for what, flags in (("nanogpt, bytes, concat", ["--packing", "concat"]),
                             ("hf:llama, tokenizer, documents", ["--model", "hf:llama", "--tokenizer",
                                                                 str(tokenizer_dir), "--packing", "documents"])):
             reading, step = loader_share(folder, data, tokenizer_dir, a.steps, flags)

@@ -47,6 +47,11 @@ def test_a_transformers_chat_template_trains_on_exactly_the_assistant_tokens(tmp
     shards = prepare(write_jsonl(tmp_path / "chat.jsonl", records), tokenizer, tmp_path / "out",
                      eos_id=backend.token_to_id("<eos>"))
     _check_masks(shards, records, backend)
+    # the sequence rendered message by message (for the masks) is the tokenizer's own rendering, whole
+    for i, record in enumerate(records):
+        whole = tokenizer.apply_chat_template(record["messages"], tokenize=False)
+        assert shards.document(i).tolist() == [*tokenizer.encode(whole, add_special_tokens=False),
+                                               backend.token_to_id("<eos>")]
 
 
 def test_sft_packs_whole_chats_first_fit_and_keeps_their_masks(tmp_path):

@@ -3,8 +3,8 @@
 packed apart (position ids and the document mask passed to the model, the boundaries' loss masked):
 
 * the loss falls, and a second run reuses the prepared shards;
-* a packed batch's logits equal each document's run alone (what the job feeds transformers: position
-  ids and the 4-D document mask);
+* a packed batch's summed loss and every gradient equal its documents' run one by one (what the job
+  feeds transformers' Llama and its GPT: position ids and the 4-D document mask);
 * a run saved at DP=2 and resumed at PP=2 trains on the same batches as the uninterrupted run: the
   losses after the resume equal its (float64);
 * a data file changed under a checkpoint is refused naming both data hashes (``--allow-data-change``
@@ -123,45 +123,75 @@ def test_job_fine_tunes_a_llama_folder_on_a_jsonl_with_its_tokenizer(tmp_path):
     assert manifest["dtype"] == "uint16" and manifest["eos_id"] is not None and manifest["num_documents"] == 300
 
 
-def test_the_packed_batch_keeps_documents_apart_in_the_llama(tmp_path):
-    """The job's batch (``--packing documents``) through transformers' Llama on one process: every
-    document's logits equal the document run alone, from position 0 (float64)."""
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("model", ["llama", "gpt"])
+def test_a_packed_batch_trains_as_its_documents_one_by_one(tmp_path, model):
+    """The job's batch (``--packing documents``: position ids restarting, the document mask) through
+    transformers' Llama and the job's GPT on one process, float64: the summed loss over the trained
+    targets and every gradient equal the sum over its documents run one by one, unpacked, from
+    position 0; so no token attends across a boundary and none is trained across one."""
+    import torch.nn.functional as F
 
+    from ndweave.checkpoint import DataPosition
+    from ndweave_gpt.build import build_model
     from ndweave_gpt.data.tokens import IGNORE, TokenData
 
-    _llama(tmp_path / "llama")
     data = _jsonl(tmp_path / "train.jsonl", _texts(40))
-    args = parse_args([*TINY, "--init-from", str(tmp_path / "llama"), "--data", data, "--checkpoint-dir", str(tmp_path)])
-    tokens = TokenData(args, args.model.hf_config.vocab_size, rank=0)
-    assert tokens.packing == "documents"
-    from ndweave.checkpoint import DataPosition
+    if model == "llama":
+        from transformers import AutoModelForCausalLM
 
+        _llama(tmp_path / "llama")
+        args = parse_args([*TINY, "--init-from", str(tmp_path / "llama"), "--data", data,
+                           "--checkpoint-dir", str(tmp_path)])
+        net = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float64)
+        vocab = args.model.hf_config.vocab_size
+    else:
+        args = parse_args([*TINY, "--data", data, "--checkpoint-dir", str(tmp_path)])
+        net, vocab = build_model(args), 256
+    tokens = TokenData(args, vocab, rank=0)
+    assert tokens.packing == "documents"
     inputs, targets = tokens.batch(DataPosition(), 8)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float64).eval()
-    with torch.no_grad():
-        packed = model(**inputs).logits
-        checked = 0
-        for row in range(8):
-            starts = (inputs["position_ids"][row] == 0).nonzero().flatten().tolist() + [16]
-            for begin, end in zip(starts, starts[1:]):
-                alone = model(inputs["input_ids"][row:row + 1, begin:end]).logits
-                assert_close(packed[row:row + 1, begin:end], alone, name=f"row {row}, tokens {begin}:{end}")
-                checked += begin > 0
-            # the target crossing into the next document is not trained on
-            assert all(targets[row, s - 1] == IGNORE for s in starts[1:-1])
-    assert checked > 0  # some sample held more than one document
+
+    def loss(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
+
+    def grads():
+        out = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+        net.zero_grad()
+        return out
+
+    packed = loss(net(**inputs)[0], targets)
+    packed.backward()
+    packed_grads = grads()
+    alone, pieces = 0.0, 0
+    for row in range(8):
+        starts = (inputs["position_ids"][row] == 0).nonzero().flatten().tolist() + [16]
+        for begin, end in zip(starts, starts[1:]):
+            piece = loss(net(inputs["input_ids"][row:row + 1, begin:end])[0], targets[row:row + 1, begin:end])
+            piece.backward()
+            alone, pieces = alone + piece.detach(), pieces + 1
+        # the target crossing into the next document is not trained on
+        assert all(targets[row, s - 1] == IGNORE for s in starts[1:-1])
+    assert pieces > 8  # some sample held more than one document
+    assert_close(packed.detach(), alone, name="summed loss")
+    for name, grad in grads().items():
+        assert_close(packed_grads[name], grad, name=f"grad of {name}")
 
 
 @pytest.mark.parity
-def test_a_run_resumed_on_another_mesh_trains_on_the_same_batches(tmp_path):
-    """Saved at DP=2 after step 2, resumed at PP=2 (the position ids' rotary tables and the document mask
-    crossing the stages): steps 3 and 4 equal the uninterrupted run's (float64)."""
-    _llama(tmp_path / "llama")
+@pytest.mark.parametrize("model, first", [("llama", "dp=2"), ("gpt", "tp=2")])
+def test_a_run_resumed_on_another_mesh_trains_on_the_same_batches(tmp_path, model, first):
+    """Saved after step 2 at DP=2 (the Llama) or TP=2 with SP (the GPT: the document mask beside its
+    sequence-sharded stream), resumed at PP=2 (the position ids and the document mask crossing the
+    stages): steps 3 and 4 equal the uninterrupted run's (float64)."""
     data = _jsonl(tmp_path / "train.jsonl", _texts(120))
-    base = [*TINY, "--init-from", str(tmp_path / "llama"), "--data", data, "--steps", "4", "--checkpoint-every", "2",
+    if model == "llama":
+        _llama(tmp_path / "llama")
+        data = [data, "--init-from", str(tmp_path / "llama")]
+    else:
+        data = [data, "--packing", "documents"]
+    base = [*TINY, "--data", *data, "--steps", "4", "--checkpoint-every", "2",
             "--checkpoint-dir", str(tmp_path / "ckpt")]
-    whole = run_distributed(_run, 2, [*base, "--mesh", "dp=2"], timeout=300)[0]
+    whole = run_distributed(_run, 2, [*base, "--mesh", first], timeout=300)[0]
     shutil.rmtree(CheckpointManager(str(tmp_path / "ckpt")).path(4))  # as if stopped after step 2's checkpoint
     resumed = run_distributed(_run, 2, [*base, "--mesh", "pp=2", "--resume"], timeout=300)
     for rank, result in enumerate(resumed):
@@ -219,8 +249,6 @@ def test_flags_data_refuses_before_launch(tmp_path):
     with pytest.raises(SystemExit):
         parse_args([*TINY, "--tokenizer", str(tmp_path)])  # no --data
     with pytest.raises(SystemExit):
-        parse_args([*TINY, "--data", "x.jsonl", "--packing", "documents"])  # nanogpt takes no mask
-    with pytest.raises(SystemExit):
         parse_args([*TINY, "--data", "x.jsonl", "--eval-every", "2"])  # no --val-data
     args = parse_args([*TINY, "--data", "a.jsonl:0.7", "b/:0.3"])
     assert args.data.data == ("a.jsonl:0.7", "b/:0.3") and args.model.vocab_size == 0
@@ -256,6 +284,13 @@ def test_sft_chats_mixed_with_text_train_on_the_assistants_tokens_only(tmp_path)
     trained = tokenizer.decode(targets[targets != IGNORE].tolist())
     assert "<|user|>" not in trained and "<|assistant|>" not in trained and trained.count("<|endoftext|>") > 0
     assert 0 < (targets != IGNORE).sum() < targets.numel() // 2
+    # through the job's loss, the prompt's logits get no gradient, the assistant's do
+    from ndweave_gpt.build import MaskedLoss
+
+    logits = torch.randn(*targets.shape, len(tokenizer), dtype=torch.float64, requires_grad=True)
+    MaskedLoss()(logits, targets).backward()
+    per_token = logits.grad.abs().sum(-1)
+    assert (per_token[targets == IGNORE] == 0).all() and (per_token[targets != IGNORE] > 0).all()
 
 
 def _chat_llama(tmp_path, block_size: int = 16):

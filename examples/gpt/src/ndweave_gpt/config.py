@@ -173,8 +173,7 @@ class DataConfig:
     packing: str = field(default="auto", metadata={"choices": ("auto", "concat", "documents", "first_fit", "none")})
     """how --data's documents fill samples: documents (positions restart per document, attention and loss
     never cross one), concat (back to back), first_fit (whole documents, padded), none (one per sample,
-    padded); auto: documents, first_fit for chat (SFT) data, and for nanogpt (no attention mask) concat,
-    none for chat"""
+    padded); auto: documents, first_fit for chat (SFT) data"""
     val_data: tuple[str, ...] = field(default=(), metadata={"nargs": "+", "metavar": "PATH"})
     """--eval-every's held-out files with --data (prepared alike, read in order)"""
     data_cache: str = field(default="", metadata={"metavar": "DIR"})
@@ -413,9 +412,6 @@ def resolve_data(config: JobConfig) -> tuple[JobConfig, str | None]:
         tokenizer = model.init_from
     folder = bool(model.init_from) and os.path.isdir(model.init_from)
     nanogpt = model.name == "nanogpt" and not folder
-    if nanogpt and data.packing in ("documents", "first_fit"):
-        return config, (f"--packing {data.packing} needs a model that takes an attention mask (hf: models); nanogpt's "
-                        "attention is causal over the whole sample: use --packing concat or none")
     vocab_size = model.vocab_size
     preset = not folder and (nanogpt or model.config in hf.PRESETS)  # a model built here: sized to the tokenizer
     if preset and tokenizer and not vocab_size:

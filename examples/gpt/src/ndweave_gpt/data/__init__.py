@@ -30,10 +30,9 @@ VALIDATION_WINDOWS = 64
 
 
 def keeps_documents_apart(config: Any) -> bool:
-    """Whether the model takes ``--data``'s position ids and document mask: an hf: model whose packing
-    keeps documents apart (``--packing auto`` resolves to documents, or first_fit for chats)."""
-    return bool(config.data.data) and config.model.name != "nanogpt" and config.data.packing in (
-        "auto", "documents", "first_fit")
+    """Whether the model takes ``--data``'s position ids and document mask: a packing that keeps
+    documents apart (``--packing auto`` resolves to documents, or first_fit for chats)."""
+    return bool(config.data.data) and config.data.packing in ("auto", "documents", "first_fit")
 
 
 def example_batch(config: Any, rows: int, device: str | torch.device) -> torch.Tensor | dict[str, torch.Tensor]:

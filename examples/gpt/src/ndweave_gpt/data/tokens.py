@@ -104,7 +104,7 @@ class TokenData:
 
         shards = _on_rank_zero(lambda: prepare_all(show), rank, what, vocab_size, self.model)
         chat = any(s.has_loss_mask for s in shards)
-        self.packing = _packing(data.packing, chat, self.model)
+        self.packing = _packing(data.packing, chat)
         seed = config.training.seed
         try:
             datasets = [PackedDataset(s, self.block_size, packing=self.packing, seed=seed) for s in shards]
@@ -168,15 +168,11 @@ class TokenData:
         return self._batch_of([self.validation_data[k] for k in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)])
 
 
-def _packing(packing: str, chat: bool, model: str) -> str:
-    """``--packing auto`` resolved: documents kept apart where the model takes a mask (hf:), first-fit
-    for chats; nanogpt (no mask): concat, one chat per sample."""
+def _packing(packing: str, chat: bool) -> str:
+    """``--packing auto`` resolved: documents kept apart (position ids and the document mask, which
+    nanogpt and transformers' models take), first-fit for chats."""
     if packing != "auto":
-        if model == "nanogpt" and packing in ("documents", "first_fit"):
-            raise SystemExit(f"error: --packing {packing} needs a model that takes an attention mask (hf: models)")
         return packing
-    if model == "nanogpt":
-        return "none" if chat else "concat"
     return "first_fit" if chat else "documents"
 
 
