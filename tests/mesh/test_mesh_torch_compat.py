@@ -321,3 +321,20 @@ def test_torch_memory_tracker_loads_only_when_used():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-2:] == ["False", "True"], out.stdout
+
+
+def test_compile_counts_count_graphs_breaks_and_recompiles():
+    def f(x):
+        y = x.sin()
+        torch._dynamo.graph_break()  # noqa: SLF001 (a break on purpose)
+        return y.cos()
+
+    torch.compiler.reset()
+    tc.reset_compile_counts()
+    compiled = torch.compile(f, backend="eager")
+    compiled(torch.ones(3))
+    counts = tc.compile_counts()
+    assert counts.graphs == 2 and sum(counts.graph_breaks.values()) == 1 and counts.frames >= 1
+    tc.reset_compile_counts()
+    compiled(torch.ones(3))  # same shapes: nothing compiled again
+    assert tc.compile_counts() == tc.CompileCounts(frames=0, graphs=0, graph_breaks={})

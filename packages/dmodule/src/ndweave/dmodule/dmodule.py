@@ -57,6 +57,8 @@ class DModuleState:
     """The ``FactoryMode`` the root's calls run under (``factory=``), or ``None``."""
     hook_handles: list = field(default_factory=list)
     last_synced: list[GradSyncEntry] = field(default_factory=list)
+    called: bool = False
+    """Whether the module ran once (its first call runs eagerly: see ``DModule.__call__``)."""
 
 
 class DModule:
@@ -66,6 +68,8 @@ class DModule:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
+            if not self._dmodule.called:
+                return self._first_call(*args, **kwargs)
             return super().__call__(*args, **kwargs)
         except RuntimeError as error:
             # torch raises these deep inside an op; name the module, what it expected and the fix
@@ -73,6 +77,17 @@ class DModule:
             if clearer is None:
                 raise
             raise clearer from error
+
+    @torch.compiler.disable
+    def _first_call(self, *args: Any, **kwargs: Any) -> Any:
+        """The first call, eagerly, compiled submodules too (``torch.compile`` starts at the second):
+        it agrees on plain inputs' shapes across ranks (a collective of Python objects), and auto plans
+        find out whether the model needs plain tensors converted (``replicate_plain``), which most do
+        not and then run without, so that the compiled blocks trace free of either."""
+        with torch.compiler.set_stance("force_eager"):
+            out = super().__call__(*args, **kwargs)
+        self._dmodule.called = True
+        return out
 
     @property
     def device_mesh(self) -> DeviceMesh:

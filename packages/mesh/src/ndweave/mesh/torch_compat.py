@@ -5,7 +5,7 @@ node, ``_StridedShard``, the chunking DTensor itself uses, the local shape/offse
 flattening, the fake process group's store, the autograd engine's end-of-backward callback, fake
 tensors and pytrees, whether a tensor is a view, the tracker of live tensor bytes, a module's own
 parameter and buffer dicts, an optimizer's state-dict hooks, the buffers torch's pipeline stage infers
-shapes on, CPU's flash attention. Packages and the job reach them from here, never from torch
+shapes on, CPU's flash attention, torch.compile's counters. Packages and the job reach them from here, never from torch
 directly, so a torch release that moves one breaks one file, and ``tests/mesh/test_mesh_torch_compat.py``
 says which. ``PRIVATE_TORCH`` names each one this module uses, and why;
 ``tests/mesh/test_mesh_private_torch.py`` reads every package and the job and fails on a private torch
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -39,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-ex
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten  # noqa: F401  (re-exported)
 
 __all__ = [
+    "CompileCounts",
     "DataDependentOutputException",
     "DynamicOutputShapeException",
     "adopt_mesh_state",
@@ -61,6 +63,8 @@ __all__ = [
     "StridedShard",
     "TorchDispatchMode",
     "chunk_sizes",
+    "compile_counts",
+    "reset_compile_counts",
     "current_backward_id",
     "custom_chunk",
     "default_store",
@@ -98,6 +102,8 @@ __all__ = [
 #: ``tests/mesh/test_mesh_private_torch.py`` gives it: a dotted path (``DeviceMesh(_init_backend=)``: a
 #: private keyword) or ``Class.member`` for a member of a torch object. The test keeps it exact.
 PRIVATE_TORCH: dict[str, str] = {
+    "torch._dynamo.utils.counters": "what torch.compile did (frames, graphs, graph breaks): no public API "
+                                    "counts them (compile_counts)",
     # re-exported: torch has no public home for fake tensors, pytrees and dispatch modes
     "torch._subclasses.fake_tensor.FakeTensor": "FakeTensor: shapes without memory (deferred init, estimates)",
     "torch._subclasses.fake_tensor.FakeTensorMode": "FakeTensorMode: the mode that makes them",
@@ -601,3 +607,30 @@ def _memory_tracker() -> dict[str, type]:
 
     TensorMemory.__qualname__ = "TensorMemory"
     return {"MemTracker": MemTracker, "TensorMemory": TensorMemory}
+
+
+@dataclass(frozen=True)
+class CompileCounts:
+    """What ``torch.compile`` did in this process since :func:`reset_compile_counts` (dynamo's counters)."""
+
+    frames: int
+    """Python frames dynamo converted: each a first compile or a recompile."""
+    graphs: int
+    """FX graphs it handed to the backend (a frame with graph breaks makes several)."""
+    graph_breaks: dict[str, int]
+    """Each graph break's reason and how often it was met."""
+
+
+def compile_counts() -> CompileCounts:
+    """``torch.compile``'s counts since :func:`reset_compile_counts` (``torch._dynamo.utils.counters``)."""
+    from torch._dynamo.utils import counters
+
+    return CompileCounts(frames=counters["frames"]["total"], graphs=counters["stats"]["unique_graphs"],
+                         graph_breaks=dict(counters["graph_break"]))
+
+
+def reset_compile_counts() -> None:
+    """Start :func:`compile_counts` from zero (what was compiled stays compiled)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
