@@ -66,14 +66,17 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``attention_mask``: ``(B, 1, T, T)`` bool, True where a query may attend (packed documents'
+        block-diagonal causal mask); ``None``: causal over the whole sequence."""
         B, T, _ = x.shape
         # (B, T, heads * head_dim) -> (B, heads, T, head_dim); "-1 heads" is what makes local heads work
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, attn_mask=attention_mask, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attention_mask is None,
         )
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
@@ -137,13 +140,13 @@ class Block(nn.Module):
         self.mlp = MoE(config) if config.moe_experts else MLP(config)
         self.gradient_checkpointing = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.gradient_checkpointing and self.training:  # keep only x; recompute the rest in backward
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            return checkpoint(self._forward, x, attention_mask, use_reentrant=False)
+        return self._forward(x, attention_mask)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attention_mask)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -197,15 +200,19 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> GPTOutput:
-        """``idx``: (B, T) token ids. Returns ``(logits, loss)`` (:class:`GPTOutput`); ``loss`` is None
-        without targets."""
-        T = idx.shape[1]
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> GPTOutput:
+        """``input_ids``: (B, T) token ids. Returns ``(logits, loss)`` (:class:`GPTOutput`); ``loss`` is
+        None without targets. Packed documents (``ndweave.data``'s ``documents`` packing) pass their
+        ``position_ids`` (B, T), restarting at each document, and ``attention_mask``, the ``(B, 1, T, T)``
+        bool block-diagonal causal mask (``ndweave.data.document_mask``), as a transformers model takes them."""
+        T = input_ids.shape[1]
         assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
-        pos = torch.arange(T, dtype=torch.long, device=idx.device).unsqueeze(0)  # (1, T)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        if position_ids is None:
+            position_ids = torch.arange(T, dtype=torch.long, device=input_ids.device).unsqueeze(0)  # (1, T)
+        x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(position_ids))
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, attention_mask)
         logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:
