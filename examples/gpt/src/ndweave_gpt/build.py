@@ -33,7 +33,7 @@ from ndweave_gpt.data import VOCAB_SIZE, TextData, example_batch
 from ndweave_gpt.models import hf
 from ndweave_gpt.models.nanogpt import GPT, GPTConfig
 
-__all__ = ["EXPERTS", "MaskedLoss", "Parallel", "adamw_kwargs", "build_data", "build_mesh", "build_model",
+__all__ = ["EXPERTS", "MaskedLoss", "Parallel", "adamw_kwargs", "blocks", "build_data", "build_mesh", "build_model",
            "build_optimizer", "check_mesh", "data_mean", "data_rank", "data_sum", "global_tokens", "init_weights", "loss_fn", "loss_scale",
            "lr_factor", "lr_schedule", "materialize", "mesh_problem", "parallelize", "plan_name", "sharding_plan", "to_device"]
 
@@ -73,6 +73,10 @@ def mesh_problem(config: JobConfig, sizes: dict[str, int]) -> str | None:
         plan = "the nanogpt plan has" if model.hf_config is None else "the job has"
         return (f"{what.split(' ')[0]} with tp={tp}: {plan} no tensor-parallel layout for MoE blocks; use tp=1 (ep and "
                 "dp split the batch)")
+    if parallel.compile and (tp > 1 or ep > 1):
+        # what dynamo meets: the DTensor parameters ndweave's DDP lays into its buckets (issue #41)
+        return (f"--compile with {'tp' if tp > 1 else 'ep'}={max(tp, ep)}: not yet (torch.compile fails to trace "
+                "ndweave DDP's DTensor parameters); compile with pp and dp only, or leave --compile out")
     if ep > 1 and plan_name(config) == "auto":
         return (f"ep={ep} divides experts with the zoo's MoE plans (hf:mixtral, hf:qwen2_moe, hf:qwen3_moe, "
                 f"hf:deepseek_v3, nanogpt); {model.name} with --plan {parallel.tp_plan} has none: make those ranks "
@@ -266,12 +270,22 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig) -> Para
             module[i] = parallelize_module(module[i], mesh, sharding_plan(module[i], config, sizes))
     if config.model.init_from:
         init_weights(list(module.chunks), ties, config)
+    if parallel.compile:  # each block in place (FQNs unchanged), its plan applied, before DDP's hooks
+        for chunk in module.chunks:
+            for block in blocks(chunk):
+                block.compile()
     for i in range(len(module)):
         # with EP: the mesh whole, so DDP reduces dense grads over DP x EP and the experts' over DP
         module[i] = DDP(module[i], mesh if expert_parallel else mesh["DP"], zero_stage=parallel.zero_stage)
     loss = MaskedLoss() if config.data.data else None
     engine = PipeEngine(module, mesh, loss or loss_fn, plan)  # before the optimizer: it marks the tied copy
     return Parallel(list(module.chunks), engine, loss=loss)
+
+
+def blocks(chunk: nn.Module) -> list[nn.Module]:
+    """The transformer blocks a stage chunk holds: its first ``ModuleList`` (nanogpt's ``transformer.h``,
+    transformers' ``model.layers``), empty for a chunk without one."""
+    return list(next((m for m in chunk.modules() if isinstance(m, nn.ModuleList)), []))
 
 
 def adamw_kwargs(config: JobConfig) -> dict:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ndweave.mesh import ParallelMesh
+from ndweave.mesh.torch_compat import compile_counts, reset_compile_counts
 from ndweave_gpt import report
 from ndweave_gpt.build import (Parallel, build_data, build_mesh, build_model, build_optimizer, check_mesh, data_mean,
                                data_rank, global_tokens, loss_scale, parallelize, to_device)
@@ -74,6 +75,15 @@ def _train(config: JobConfig, memory: Any | None) -> RunResult:
                      by_step(run.val_history), text, utilization(tokens_per_s), tensor_peaks)
 
 
+def report_compile(step: int, seconds: float) -> None:
+    """--compile: a step that compiled says so, its time apart from the steps' (and a recompile, why)."""
+    counts = compile_counts()
+    if counts.frames:
+        breaks = sum(counts.graph_breaks.values())
+        say(f"compile: step {step} compiled {counts.graphs} graph(s) in {seconds:.1f}s"
+            + (f", {breaks} graph break(s): {'; '.join(r.splitlines()[0] for r in counts.graph_breaks)}" if breaks else ""))
+
+
 def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: TextData | TokenData, sinks: Sinks,
          utilization: Callable[[float], float | None], memory: Any | None = None,
          show: bool = False) -> tuple[dict[int, float], int]:
@@ -89,6 +99,8 @@ def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: T
         memory.reset_peak()  # the steps' peak: what is live now (model state, data) and what they add
     for step in range(run.start + 1, last + 1):
         run.fault.before_step(step)
+        if config.parallel.compile:
+            reset_compile_counts()
         tick = time.perf_counter()
         x, y = to_device(data.batch(run.position, batch, dp_rank, dp_size), device)
         reading = time.perf_counter() - tick
@@ -106,6 +118,8 @@ def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: T
         if eval_every and (step % eval_every == 0 or step == last):
             run.val_history[step - 1] = validation_loss(job.engine, job.chunks, data, mesh, config, job.loss)
         seconds = time.perf_counter() - tick
+        if config.parallel.compile and show:
+            report_compile(step, seconds)
         sinks.write(step_row(step=step, loss=losses[step], val_loss=run.val_history[step - 1], lr=lr,
                              grad_norm=job.optimizer.last_grad_norm, seconds=seconds, tokens=tokens,
                              peak_bytes=peak_memory(device), mfu=utilization(tokens / seconds), data_seconds=reading))
