@@ -106,3 +106,20 @@ def test_auto_plans_compiled_train_like_one_process(family, sequence_parallel):
     reference = build_hf(family)
     reference.config.vocab_size = reference.get_output_embeddings().weight.shape[0]
     _check_compiled(reference, "hf_llama", "auto", sequence_parallel)  # (an HF causal LM: hf_llama's batch and run)
+
+
+@pytest.mark.parametrize("where", ["model", "block"])
+def test_compiling_before_parallelize_module_is_refused_naming_the_fix(where):
+    """``torch.compile(m)`` wraps ``m`` (its FQNs gain ``_orig_mod.``, which no plan names): refused
+    before any tensor moves, naming the compiled module and ``block.compile()`` after the plan."""
+    from ndweave.dmodule import parallelize_module
+    from ndweave.dmodule.plans import get_plan
+
+    model = build("nanogpt")
+    plan = get_plan("nanogpt", model)
+    if where == "model":
+        model, named = torch.compile(model), "<the module itself>"
+    else:
+        model.transformer.h[1], named = torch.compile(model.transformer.h[1]), "transformer.h.1"
+    with pytest.raises(TypeError, match=rf"{named} is torch.compile'd .*parallelize first, then .*block.compile\(\)"):
+        parallelize_module(model, None, plan)

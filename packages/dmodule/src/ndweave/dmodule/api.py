@@ -37,8 +37,8 @@ from ndweave.dmodule.sharded import sharded_global_shapes
 from ndweave.dmodule.spec import IO_LEAVES, PlacementSpec, Plan, normalize_plan, plan_specs, split_key
 from ndweave.mesh import DEVICE_MESH, ParallelMesh, resolve_mesh
 from ndweave.mesh.agree import agree_or_raise
-from ndweave.mesh.torch_compat import (FakeTensor, StridedShard, custom_chunk, non_persistent_buffer_names, own_buffers,
-                                        own_parameters, split_tensor)
+from ndweave.mesh.torch_compat import (FakeTensor, StridedShard, custom_chunk, is_compiled_wrapper,
+                                        non_persistent_buffer_names, own_buffers, own_parameters, split_tensor)
 
 __all__ = ["parallelize_module"]
 
@@ -133,6 +133,11 @@ def _check_arguments(module: Any, sharding_plan: Any, param_sharding_plan: Any, 
                         f"({module.__name__}(...)) or deferred_init({module.__name__}, ...)")
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize_module: module must be a torch.nn.Module, got {type(module).__name__}")
+    compiled = [name or "<the module itself>" for name, m in module.named_modules() if is_compiled_wrapper(m)]
+    if compiled:
+        # torch.compile's wrapper holds the module as ``_orig_mod``: the plan's FQNs would miss it
+        raise TypeError(f"parallelize_module: {compiled[0]} is torch.compile'd (its FQNs gain '_orig_mod.', which no "
+                        "plan names); parallelize first, then compile in place: block.compile() on each block")
     for name, value in (("sharding_plan", sharding_plan), ("param_sharding_plan", param_sharding_plan),
                         ("fwd_resharding_plan", fwd_resharding_plan), ("patches", patches)):
         if value is not None and not isinstance(value, Mapping):

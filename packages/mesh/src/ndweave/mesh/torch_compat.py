@@ -65,6 +65,7 @@ __all__ = [
     "chunk_sizes",
     "compile_counts",
     "reset_compile_counts",
+    "is_compiled_wrapper",
     "current_backward_id",
     "custom_chunk",
     "default_store",
@@ -102,6 +103,8 @@ __all__ = [
 #: ``tests/mesh/test_mesh_private_torch.py`` gives it: a dotted path (``DeviceMesh(_init_backend=)``: a
 #: private keyword) or ``Class.member`` for a member of a torch object. The test keeps it exact.
 PRIVATE_TORCH: dict[str, str] = {
+    "torch._dynamo.eval_frame.OptimizedModule": "torch.compile(module)'s wrapper, which prefixes FQNs with "
+                                                "'_orig_mod.' (is_compiled_wrapper)",
     "torch._dynamo.utils.counters": "what torch.compile did (frames, graphs, graph breaks): no public API "
                                     "counts them (compile_counts)",
     # re-exported: torch has no public home for fake tensors, pytrees and dispatch modes
@@ -627,6 +630,14 @@ def compile_counts() -> CompileCounts:
 
     return CompileCounts(frames=counters["frames"]["total"], graphs=counters["stats"]["unique_graphs"],
                          graph_breaks=dict(counters["graph_break"]))
+
+
+def is_compiled_wrapper(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile(m)``'s wrapper (``OptimizedModule``, holding ``m`` as
+    ``_orig_mod``); ``m.compile()`` compiles in place and makes none."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)
 
 
 def reset_compile_counts() -> None:
