@@ -5,6 +5,9 @@ gradient and the parameters after each of three Adam steps: the GPT to the stric
 transformers' models, whose norms compute in float32 whatever the dtype, to ``FLOAT32_INSIDE`` (inductor
 fuses those float32 parts otherwise than eager does: ~1e-7 apart).
 
+``model.compile()`` on the whole model trains alike too, and its graph breaks are listed (none for the
+GPT and auto's Llama at TP+SP).
+
 And the graphs, counted with dynamo's counters (``ndweave.mesh.torch_compat.compile_counts``): the first
 call runs eagerly (DModule's first-call checks, and the auto plan finding out whether its model needs
 plain tensors converted: most do not, and then run without it), the second compiles each block into one
@@ -21,7 +24,7 @@ from dmodule_auto_models import FLOAT32_INSIDE
 from dmodule_zoo_models import batch, build, run
 from torch.distributed.device_mesh import init_device_mesh
 
-from ndweave.mesh.testing import STRICT, STRICT_DTYPE, assert_close, distributed
+from ndweave.mesh.testing import STRICT, STRICT_DTYPE, assert_close, distributed, run_distributed
 from ndweave.mesh.torch_compat import compile_counts, reset_compile_counts
 
 pytest.importorskip("transformers")
@@ -39,18 +42,22 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList)))
 
 
-def _check_compiled(reference: torch.nn.Module, name: str, plan: str, sequence_parallel: bool, steps: int = 3) -> None:
+def _check_compiled(reference: torch.nn.Module, name: str, plan: str, sequence_parallel: bool, steps: int = 3,
+                    whole: bool = False) -> list[dict[str, int]]:
+    """Train ``reference`` on one process and parallelized and compiled (each block, or ``whole``: the
+    model) on every rank, comparing as they go; each step's graph breaks (``whole``: allowed)."""
     from ndweave.dmodule import parallelize_module
     from ndweave.dmodule.plans import get_plan
 
     model = copy.deepcopy(reference)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("TP",))
     model = parallelize_module(model, mesh, get_plan(plan, model, sequence_parallel=sequence_parallel))
-    blocks = _blocks(model)
+    blocks = [model] if whole else _blocks(model)
     torch.compiler.reset()  # (a pooled rank may have compiled these classes' code for an earlier test)
     tol = STRICT if name == "nanogpt" else FLOAT32_INSIDE
     for block in blocks:
         block.compile()
+    breaks = []
     ref_params, params = dict(reference.named_parameters()), dict(model.named_parameters())
     assert list(params) == list(ref_params), "compiling changed the parameter names (an _orig_mod. prefix?)"
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, eps=1e-4, foreach=False)
@@ -63,10 +70,12 @@ def _check_compiled(reference: torch.nn.Module, name: str, plan: str, sequence_p
         ref_loss.backward()
         loss.backward()
         counts = compile_counts()
-        assert not counts.graph_breaks, f"step {step}: graph breaks {counts.graph_breaks}"
+        breaks.append(counts.graph_breaks)
         # step 0 runs eagerly; step 1 compiles each block into one graph; later steps compile nothing
-        assert counts.graphs == (len(blocks) if step == 1 else 0), f"step {step}: {counts}"
         assert (counts.frames > 0) == (step == 1), f"step {step}: {counts}"
+        if not whole:
+            assert not counts.graph_breaks, f"step {step}: graph breaks {counts.graph_breaks}"
+            assert counts.graphs == (len(blocks) if step == 1 else 0), f"step {step}: {counts}"
         assert_close(out, ref_out, name=f"step {step} output", tol=tol)
         assert_close(loss, ref_loss, name=f"step {step} loss", tol=tol)
         model.finish_grad_sync()
@@ -77,6 +86,7 @@ def _check_compiled(reference: torch.nn.Module, name: str, plan: str, sequence_p
             optimizer.zero_grad()
         for fqn, ref_p in ref_params.items():
             assert_close(params[fqn], ref_p, name=f"{fqn} after step {step}", tol=tol)
+    return breaks
 
 
 @distributed(world_size=2, timeout=600)
@@ -123,3 +133,23 @@ def test_compiling_before_parallelize_module_is_refused_naming_the_fix(where):
         model.transformer.h[1], named = torch.compile(model.transformer.h[1]), "transformer.h.1"
     with pytest.raises(TypeError, match=rf"{named} is torch.compile'd .*parallelize first, then .*block.compile\(\)"):
         parallelize_module(model, None, plan)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name, plan", [("nanogpt", "nanogpt"), pytest.param("hf_llama", "auto", marks=pytest.mark.slow)])
+def test_the_whole_model_compiled_trains_like_one_process_and_lists_its_breaks(name, plan):
+    """``model.compile()`` on the whole parallelized model (not per block): it trains like one process;
+    where dynamo breaks the graph (DModule's hooks, DTensor redistributions between blocks) is listed."""
+    breaks = run_distributed(_whole, 2, name, plan, timeout=600)[0]
+    print(f"{name} ({plan}): graph breaks at step 1: {breaks[1] or 'none'}")
+    assert not any(breaks[2:]), breaks  # and nothing is compiled again
+
+
+def _whole(name: str, plan: str) -> list[dict[str, int]]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(STRICT_DTYPE)
+    try:
+        torch.manual_seed(0)
+        return _check_compiled(build(name), name, plan, sequence_parallel=True, whole=True)
+    finally:
+        torch.set_default_dtype(previous)
