@@ -33,9 +33,10 @@ from ndweave_gpt.data import VOCAB_SIZE, TextData, example_batch
 from ndweave_gpt.models import hf
 from ndweave_gpt.models.nanogpt import GPT, GPTConfig
 
-__all__ = ["EXPERTS", "MaskedLoss", "Parallel", "adamw_kwargs", "blocks", "build_data", "build_mesh", "build_model",
-           "build_optimizer", "check_mesh", "data_mean", "data_rank", "data_sum", "global_tokens", "init_weights", "loss_fn", "loss_scale",
-           "lr_factor", "lr_schedule", "materialize", "mesh_problem", "parallelize", "plan_name", "sharding_plan", "to_device"]
+__all__ = ["EXPERTS", "MaskedLoss", "Parallel", "adamw_kwargs", "blocks", "build_data", "build_mesh",
+           "build_model", "build_optimizer", "check_mesh", "data_mean", "data_rank", "data_sum",
+           "global_tokens", "init_weights", "loss_fn", "loss_scale", "lr_factor", "lr_schedule", "materialize",
+           "mesh_problem", "parallelize", "plan_name", "sharding_plan", "to_device"]
 
 #: The MoE blocks' stacked experts (``--moe-experts``), what the ``"expert_parallel"`` patch divides over EP.
 EXPERTS = r"transformer\.h\.\d+\.mlp\.experts"

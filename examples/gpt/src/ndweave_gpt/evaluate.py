@@ -55,7 +55,8 @@ def sample_one_process(model: nn.Module, config: JobConfig, data: TextData | Tok
     with torch.no_grad():
         for _ in range(config.metrics.sample):
             logits = model(idx[:, -block:])[0][0, -1].double() / 0.8  # temperature 0.8
-            idx = torch.cat([idx, torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=g)[None].to(idx.device)], 1)
+            picked = torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=g)
+            idx = torch.cat([idx, picked[None].to(idx.device)], 1)
     return data.text(idx[0].tolist())
 
 

@@ -80,13 +80,14 @@ def report_compile(step: int, seconds: float) -> None:
     counts = compile_counts()
     if counts.frames:
         breaks = sum(counts.graph_breaks.values())
+        why = "; ".join(reason.splitlines()[0] for reason in counts.graph_breaks)
         say(f"compile: step {step} compiled {counts.graphs} graph(s) in {seconds:.1f}s"
-            + (f", {breaks} graph break(s): {'; '.join(r.splitlines()[0] for r in counts.graph_breaks)}" if breaks else ""))
+            + (f", {breaks} graph break(s): {why}" if breaks else ""))
 
 
 def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: TextData | TokenData, sinks: Sinks,
          utilization: Callable[[float], float | None], memory: Any | None = None,
-         show: bool = False) -> tuple[dict[int, float], int]:
+         show: bool = False) -> tuple[dict[int, float], int, int]:
     """Train steps ``run.start + 1 .. --stop-at (or --steps)``: each step its batch through the pipeline,
     the optimizer step, maybe the validation loss, the metrics, maybe a checkpoint. Returns each
     step's global mean loss, (``memory``: a tensor tracker) the steps' peak of live tensor bytes, and the
