@@ -167,8 +167,8 @@ class DataConfig:
     """steps between validation losses on held-out text, through the pipeline (0: none); with --data, on
     --val-data"""
     data: tuple[str, ...] = field(default=(), metadata={"nargs": "+", "metavar": "PATH[:WEIGHT]"})
-    """train on these local files or folders (.txt, .jsonl with a text field or chat messages, .parquet),
-    tokenized once (ndweave.data.prepare) and cached; several as a mixture, each PATH:WEIGHT (default weight
+    """train on these local files or folders (.txt, .jsonl with a text field or chat messages, .parquet, a
+    datasets save_to_disk folder), tokenized once (ndweave.data.prepare) and cached; several as a mixture, each PATH:WEIGHT (default weight
     1); default: Shakespeare's bytes"""
     tokenizer: str = field(default="", metadata={"metavar": "DIR"})
     """a local Hugging Face tokenizer folder (tokenizer.json / tokenizer_config.json) for --data; default:
@@ -396,7 +396,8 @@ def check(config: JobConfig) -> str | None:
 
 def resolve_data(config: JobConfig) -> tuple[JobConfig, str | None]:
     """``--data`` and its flags together: the tokenizer folder resolved (``--tokenizer``, else the
-    ``--init-from`` folder's), nanogpt's vocabulary sized to it, the flags it cannot run with refused."""
+    ``--init-from`` folder's), the vocabulary of a model built here (nanogpt, an hf: preset) sized to it,
+    the flags it cannot run with refused."""
     data, model = config.data, config.model
     if not data.data:
         given = [f for f, v in (("--tokenizer", data.tokenizer), ("--val-data", data.val_data),

@@ -22,17 +22,25 @@ import torch
 
 from ndweave.checkpoint import DataPosition
 
-__all__ = ["CORPUS", "VALIDATION_WINDOWS", "VOCAB_SIZE", "TextData", "example_batch", "keeps_documents_apart"]
+__all__ = ["CORPUS", "DOCUMENT_PACKINGS", "VALIDATION_WINDOWS", "VOCAB_SIZE", "TextData", "bytes_text", "example_batch",
+           "keeps_documents_apart"]
 
 CORPUS = Path(__file__).resolve().parent / "shakespeare.txt"
 VOCAB_SIZE = 256
 VALIDATION_WINDOWS = 64
+#: the packings that keep documents apart: the model takes their position ids and document mask
+DOCUMENT_PACKINGS = ("documents", "first_fit")
+
+
+def bytes_text(tokens: list[int]) -> str:
+    """The bytes among ``tokens`` as text (a pretrained model's vocabulary may hold more ids)."""
+    return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
 
 
 def keeps_documents_apart(config: Any) -> bool:
     """Whether the model takes ``--data``'s position ids and document mask: a packing that keeps
     documents apart (``--packing auto`` resolves to documents, or first_fit for chats)."""
-    return bool(config.data.data) and config.data.packing in ("auto", "documents", "first_fit")
+    return bool(config.data.data) and config.data.packing in ("auto", *DOCUMENT_PACKINGS)
 
 
 def example_batch(config: Any, rows: int, device: str | torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -85,8 +93,8 @@ class TextData:
     prompt: list[int] = list(b"ROMEO:\n")
 
     def text(self, tokens: list[int]) -> str:
-        """The bytes among ``tokens`` as text (a pretrained model's vocabulary may hold more ids)."""
-        return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+        """``tokens`` as text: :func:`bytes_text`."""
+        return bytes_text(tokens)
 
     def validation(self, count: int, dp_rank: int = 0, dp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """This DP rank's slice of the first ``count`` held-out samples (the same every evaluation)."""

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ndweave.checkpoint import DataPosition
 from ndweave.data import Mixture, PackedDataset, Shards, document_mask, prepare
+from ndweave_gpt.data import DOCUMENT_PACKINGS, bytes_text
 
 __all__ = ["IGNORE", "TokenData", "bytes_tokenizer", "load_tokenizer", "parse_source"]
 
@@ -136,15 +137,13 @@ class TokenData:
 
     def text(self, tokens: list[int]) -> str:
         """``tokens`` as text: the tokenizer's decoding, or UTF-8 bytes without one."""
-        if self._decode is not None:
-            return self._decode(tokens)
-        return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+        return self._decode(tokens) if self._decode is not None else bytes_text(tokens)
 
     @property
     def takes_mask(self) -> bool:
         """Whether the model gets position ids and the document mask (packings that keep documents apart;
         what :func:`~ndweave_gpt.data.keeps_documents_apart` tells from the flags)."""
-        return self.packing in ("documents", "first_fit")
+        return self.packing in DOCUMENT_PACKINGS
 
     def _batch_of(self, samples: list[dict[str, torch.Tensor]]) -> tuple[Any, torch.Tensor]:
         batch = torch.utils.data.default_collate(samples)
