@@ -83,9 +83,13 @@ from ndweave_gpt.build import (adamw_kwargs, build_mesh, build_model, build_opti
 from ndweave_gpt.config import parse_args
 from ndweave_gpt.data import TextData
 
-def _job_args(spec: str, model: str, args, dtype: str, micro_batches: int):
+#: --compile's third side: ours eager, against which ours compiled is timed too
+EAGER = "ndweave eager"
+
+
+def _job_args(spec: str, model: str, args, dtype: str, micro_batches: int, compiled: bool = False):
     hf = ["--config", args.hf_config] if model != "nanogpt" else []
-    return parse_args([
+    return parse_args([*(["--compile"] if compiled else []),
         "--model", model, *hf, "--mesh", spec, "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
         "--n-head", str(args.n_head),
         "--block-size", str(args.block_size), "--global-batch", str(args.global_batch),
@@ -279,7 +283,7 @@ class Theirs:
     """The same job from torch's pieces (see the module docstring)."""
 
     def __init__(self, a, tmesh, layout: tuple[list[int], bool, bool], micro_batches: int, device: torch.device,
-                 ckpt_dir: str, optimizer: str = "fused"):
+                 ckpt_dir: str, optimizer: str = "fused", compiled: bool = False):
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -301,6 +305,8 @@ class Theirs:
             if tied and self.first and self.last:  # parallelize_module made two parameters of the tied one
                 stage.lm_head.weight = stage.get_submodule(names.embedding).weight
         for block in stage.get_submodule(names.blocks).values():
+            if compiled:  # torchtitan's order: TP, then each block compiled, then FSDP
+                block.compile()
             fully_shard(block, mesh=tmesh["dp"], reshard_after_forward=False)
         fully_shard(stage, mesh=tmesh["dp"], reshard_after_forward=False)
         # the tied weight's two copies when the pipeline split them (FSDP2's sharded parameters): their
@@ -371,17 +377,21 @@ class Theirs:
 
 # ------------------------------------------------------------------------------------ the ranks
 def _pair(spec: str, model: str, args, dtype: str, tmesh, device, tmp: str):
-    """Ours and theirs for ``spec`` in ``dtype``, from the same model, with one data stream each."""
+    """Ours and theirs for ``spec`` in ``dtype``, from the same model, with one data stream each
+    (``--compile``: both with their blocks compiled, and ours eager as a third side)."""
     pp = tmesh["pp"].size()
     micro = args.micro_batches if pp > 1 else 1  # one stage: a plain step on each side, no accumulation
-    a = _job_args(spec, model, args, dtype, micro)
+    a = _job_args(spec, model, args, dtype, micro, args.compile)
     mesh = build_mesh(a)
     ours = Ours(a, mesh, os.path.join(tmp, f"ours-{dtype}"))
     theirs = Theirs(a, tmesh, ours.stage_layout(), micro, device, os.path.join(tmp, f"theirs-{dtype}"),
-                    args.torch_adamw)
+                    args.torch_adamw, args.compile)
+    sides = {"ndweave": ours, "torch": theirs}
+    if args.compile:
+        sides[EAGER] = Ours(_job_args(spec, model, args, dtype, micro), mesh, os.path.join(tmp, f"eager-{dtype}"))
     dp_rank, dp_size = data_rank(mesh)
     feeds = {}
-    for name, side in (("ndweave", ours), ("torch", theirs)):
+    for name, side in sides.items():
         data, position = TextData(a.model.block_size, a.training.seed), DataPosition()
 
         def feed(side=side, data=data, position=position) -> float:
@@ -389,7 +399,7 @@ def _pair(spec: str, model: str, args, dtype: str, tmesh, device, tmp: str):
             position.advance(a.data.global_batch)
             return side.step(x, y)
         feeds[name] = feed
-    return {"ndweave": ours, "torch": theirs}, feeds
+    return sides, feeds
 
 
 def _worker(rank: int, world: int, port: int, spec: str, model: str, args, tmp: str, queue) -> None:
@@ -567,7 +577,12 @@ def main() -> None:
     parser.add_argument("--profile", metavar="PATH", default="", help="profile each side after timing (cProfile)")
     parser.add_argument("--profile-steps", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="tiny model and rounds: a smoke test, not figures")
+    parser.add_argument("--compile", action="store_true",
+                        help="both sides compile each block (ours: the job's --compile; theirs: block.compile() "
+                             "after TP, before FSDP, torchtitan's order), and ours eager is timed beside them")
     args = parser.parse_args()
+    if args.compile:  # (ours runs its first step eagerly and compiles at the second: both outside the timing)
+        args.warmup = max(args.warmup, 2)
     if args.quick:
         args.n_layer, args.n_embd, args.n_head, args.block_size, args.global_batch = 2, 32, 2, 16, 8
         args.micro_batches, args.steps, args.rounds, args.warmup, args.parity_steps = 2, 1, 1, 1, 2
@@ -584,14 +599,15 @@ def main() -> None:
     rows = []
     for model in args.models:
         for spec in args.meshes:
-            rows.append(_run(model, spec, args))
+            rows.extend(_run(model, spec, args))
     print(f"(ratio = ours / torch: wall and the busiest rank's CPU time per step, medians of {args.rounds} interleaved "
           f"rounds of {args.steps} steps + 1 checkpoint; load average {os.getloadavg()[0]:.1f} at the end)")
     emit(rows, args.json)
 
 
-def _run(model: str, spec: str, args) -> Row:
-    """One model on one mesh: spawned, checked, printed; its row."""
+def _run(model: str, spec: str, args) -> list[Row]:
+    """One model on one mesh: spawned, checked, printed; its rows (``--compile``: two)."""
+    rows: list[Row] = []
     world = math.prod(int(item.split("=")[1]) for item in spec.split(","))
     tmp = tempfile.mkdtemp(prefix="bench_job_")
     try:
@@ -625,14 +641,23 @@ def _run(model: str, spec: str, args) -> Row:
             print(profile_summary(f"{args.profile}.{model.replace(':', '_')}.{spec}.{name}.{busiest}",
                                   args.profile_steps))
     pipe = f" + torch.distributed.pipelining ({args.schedule})" if "pp=" in spec else ""
-    return Row(
-        "ndweave job (ndweave_gpt)",
-        f"torch parallelize_module TP+SP + FSDP2 (ZeRO-2){pipe} + dcp.save, {_describe(model, args)}, "
+    compiled = ", each block compiled" if args.compile else ""
+    if args.compile:
+        eager, eager_cpu = r0["timing"][EAGER]
+        print(f"{'':>16}   compiled / eager, ours: wall {ours / eager:.2f}, busiest rank's CPU {ours_cpu / eager_cpu:.2f} "
+              f"({ours_cpu * 1e3:.1f} / {eager_cpu * 1e3:.1f} ms)", flush=True)
+        rows.append(Row("ndweave job compiled (--compile)", f"the same job eager, {_describe(model, args)}, "
+                        f"{spec.replace(',', ' x ')}", world, ours / eager, ours_cpu / eager_cpu,
+                        note=f"CPU ms/step compiled {ours_cpu * 1e3:.1f}, eager {eager_cpu * 1e3:.1f} ({args.steps} "
+                             "steps + 1 checkpoint per round)"))
+    return rows + [Row(
+        f"ndweave job (ndweave_gpt){compiled}",
+        f"torch parallelize_module TP+SP + FSDP2 (ZeRO-2){pipe} + dcp.save{compiled}, {_describe(model, args)}, "
         f"{spec.replace(',', ' x ')}",
         world, ours / theirs, ours_cpu / theirs_cpu,
         note=f"CPU ms/step ours {ours_cpu * 1e3:.1f}, torch {theirs_cpu * 1e3:.1f} ({args.steps} steps + 1 checkpoint "
              f"per round; the steps alone ~{steps_only:.2f}); save CPU ours {save['ndweave'] * 1e3:.0f}, torch "
-             f"{save['torch'] * 1e3:.0f} ms; float64 losses rel {rel:.0e}")
+             f"{save['torch'] * 1e3:.0f} ms; float64 losses rel {rel:.0e}")]
 
 
 if __name__ == "__main__":

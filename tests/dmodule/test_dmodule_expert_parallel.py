@@ -72,6 +72,56 @@ def test_mixtral_experts_over_ep_match_one_process():
             assert_close(grad, ref_p.grad, name=f"{fqn}.grad summed over the ranks")
 
 
+@pytest.mark.parity
+@distributed(world_size=2, timeout=300)
+def test_compiled_mixtral_layers_over_ep_break_only_at_the_dispatch_and_match_one_process():
+    """Each decoder layer compiled (inductor) after the plan: the experts' token dispatch stays out of the
+    graph (its all-to-all's splits are the routing's values), the only graph break, giving that reason;
+    one function routes every layer's experts, so nothing compiles again after the step that compiled; the logits and grads equal one
+    process's each step (to FLOAT32_INSIDE: inductor fuses the norms transformers runs in float32
+    otherwise than eager, ~1e-8 apart). ``fullgraph=True`` raises, naming the reason."""
+    from dmodule_auto_models import FLOAT32_INSIDE
+
+    from ndweave.dmodule.experts.parallel import DISPATCH_BREAK
+    from ndweave.mesh.torch_compat import compile_counts, reset_compile_counts
+
+    torch.set_default_dtype(STRICT_DTYPE)
+    torch.manual_seed(0)
+    reference = _mixtral()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("EP",))
+    model = parallelize_module(copy.deepcopy(reference), mesh, get_plan("hf_mixtral", reference, expert_parallel=True))
+    torch.compiler.reset()  # (a pooled rank may have compiled this code for an earlier test)
+    for layer in model.model.layers:
+        layer.compile()
+    rank = dist.get_rank()
+    mine = slice(rank * _ROWS, (rank + 1) * _ROWS)
+    for step in range(3):
+        ids = torch.randint(0, 64, (2 * _ROWS, _SEQ), generator=torch.Generator().manual_seed(step))
+        for model_ in (reference, model):
+            model_.zero_grad()
+        ref_logits = reference(input_ids=ids).logits
+        F.cross_entropy(ref_logits.flatten(0, 1), ids.flatten(), reduction="sum").backward()
+        reset_compile_counts()
+        logits = model(input_ids=ids[mine]).logits
+        F.cross_entropy(logits.flatten(0, 1), ids[mine].flatten(), reduction="sum").backward()
+        counts = compile_counts()
+        assert_close(logits, ref_logits[mine], name=f"step {step} logits of this rank's rows", tol=FLOAT32_INSIDE)
+        expert = model.model.layers[0].mlp.experts.gate_up_proj.grad.to_local()
+        assert_close(expert, reference.model.layers[0].mlp.experts.gate_up_proj.grad[2 * rank:2 * rank + 2],
+                     name=f"step {step} experts' grad", tol=FLOAT32_INSIDE)
+        dense = model.model.layers[1].self_attn.q_proj.weight.grad.clone()
+        dist.all_reduce(dense)
+        assert_close(dense, reference.model.layers[1].self_attn.q_proj.weight.grad, name=f"step {step} q_proj grad", tol=FLOAT32_INSIDE)
+        if step == 0:  # (the first call runs eagerly: DModule's checks)
+            continue
+        assert (counts.frames > 0) == (step == 1), f"step {step}: {counts}"
+        # (dynamo counts the break once per frame it passes through: the layer's, the MoE block's)
+        assert set(counts.break_reasons()) == ({DISPATCH_BREAK} if step == 1 else set()), counts.break_reasons()
+    strict = torch.compile(model.model.layers[1].mlp, fullgraph=True)  # (the MoE block: not compiled above)
+    with pytest.raises(Exception, match="token all-to-all"):
+        strict(torch.randn(_ROWS, _SEQ, 16))
+
+
 @distributed(world_size=2)
 def test_each_rank_keeps_only_its_own_experts():
     """Once divided, the whole weights are freed: each rank holds E/EP experts, not E."""

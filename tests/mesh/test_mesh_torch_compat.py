@@ -193,6 +193,35 @@ def test_mesh_state_adoption_groupless_meshes_and_deep_copyable_dtensor_views():
     assert torch.equal(copied.to_local(), torch.arange(2.0, 8.0).view(2, 3)) and d.to_local().sum() == 0
 
 
+@distributed(world_size=2)
+def test_dtensor_params_and_grads_in_flat_buffers_compile_and_deep_copy():
+    """ZeRO's parameters and DDP's grads are DTensors over the memory of flat buffers, at offsets:
+    dynamo fakes both when a compiled module runs (it failed: "set the storage of a tensor on device
+    cpu to a storage on different device meta"), users deep-copy both (EMA, eval copies)."""
+    import copy
+
+    from ndweave.mesh.contracts import move_param_into
+
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("TP",))
+    linear = torch.nn.Linear(4, 6, bias=False, dtype=torch.float64)
+    linear.weight = torch.nn.Parameter(DTensor.from_local(torch.ones(3, 4, dtype=torch.float64), mesh, [Shard(0)]))
+    params, grads = torch.zeros(30, dtype=torch.float64), torch.zeros(30, dtype=torch.float64)
+    move_param_into(linear.weight, params, 10)
+    linear.weight.grad = tc.dtensor_over(grads[5:17].view(3, 4), mesh, [Shard(0)], (6, 4), (4, 1))
+    assert tc.own_storage_view(params[10:]).storage_offset() == 0
+    compiled = torch.compile(linear, backend="aot_eager")
+    x = DTensor.from_local(torch.ones(2, 4, dtype=torch.float64), mesh, [Replicate()])
+    for _ in range(2):
+        compiled(x).to_local().sum().backward()
+        with torch.no_grad():
+            params[10:22] += 1.0  # an optimizer stepping the flat buffer: the parameter follows
+    assert torch.equal(linear.weight.to_local(), torch.full((3, 4), 3.0, dtype=torch.float64))
+    assert torch.equal(grads[5:17], torch.full((12,), 4.0, dtype=torch.float64))  # two backwards of 2 rows each
+    weight, grad = copy.deepcopy(linear.weight), copy.deepcopy(linear.weight.grad)
+    params.zero_()
+    assert weight.to_local().sum() == 36 and grad.to_local().sum() == 48 and linear.weight.to_local().sum() == 0
+
+
 def test_a_modules_own_parameter_buffer_and_child_dicts_are_torchs():
     m = torch.nn.Linear(2, 2)
     m.register_buffer("table", torch.ones(1), persistent=False)
@@ -338,3 +367,20 @@ def test_compile_counts_count_graphs_breaks_and_recompiles():
     tc.reset_compile_counts()
     compiled(torch.ones(3))  # same shapes: nothing compiled again
     assert tc.compile_counts() == tc.CompileCounts(frames=0, graphs=0, graph_breaks={})
+    compiled(torch.ones(4))  # another size: compiled again, and why (the input named)
+    assert "tensor 'x' size mismatch at index 0. expected 3, actual 4" in tc.compile_counts().recompiles
+
+
+def test_a_break_reason_is_its_first_line_or_the_reason_given_to_disable():
+    kept_out = torch.compiler.disable(lambda x: x + 1, reason="sizes from the data")
+
+    def f(x):
+        y = kept_out(x.sin())
+        torch._dynamo.graph_break()  # noqa: SLF001 (a break on purpose)
+        return y.cos()
+
+    torch.compiler.reset()
+    tc.reset_compile_counts()
+    torch.compile(f, backend="eager")(torch.ones(3))
+    reasons = tc.compile_counts().break_reasons()
+    assert len(reasons) == 2 and "sizes from the data" in reasons and all("\n" not in r for r in reasons), reasons

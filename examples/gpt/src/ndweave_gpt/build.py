@@ -74,10 +74,6 @@ def mesh_problem(config: JobConfig, sizes: dict[str, int]) -> str | None:
         plan = "the nanogpt plan has" if model.hf_config is None else "the job has"
         return (f"{what.split(' ')[0]} with tp={tp}: {plan} no tensor-parallel layout for MoE blocks; use tp=1 (ep and "
                 "dp split the batch)")
-    if parallel.compile and (tp > 1 or ep > 1):
-        # what dynamo meets: DTensor parameters laid into ZeRO's flat buffers (issue #41)
-        return (f"--compile with {'tp' if tp > 1 else 'ep'}={max(tp, ep)}: not yet (torch.compile fails to trace the "
-                "DTensor parameters ZeRO lays into its buffers); compile with pp and dp only, or leave --compile out")
     if ep > 1 and plan_name(config) == "auto":
         return (f"ep={ep} divides experts with the zoo's MoE plans (hf:mixtral, hf:qwen2_moe, hf:qwen3_moe, "
                 f"hf:deepseek_v3, nanogpt); {model.name} with --plan {parallel.tp_plan} has none: make those ranks "

@@ -76,13 +76,14 @@ def _train(config: JobConfig, memory: Any | None) -> RunResult:
 
 
 def report_compile(step: int, seconds: float) -> None:
-    """--compile: a step that compiled says so, its time apart from the steps' (and a recompile, why)."""
+    """--compile: a step that compiled says so, its time apart from the steps' (and a recompile, why:
+    the input whose shape or dtype changed)."""
     counts = compile_counts()
     if counts.frames:
         breaks = sum(counts.graph_breaks.values())
-        why = "; ".join(reason.splitlines()[0] for reason in counts.graph_breaks)
         say(f"compile: step {step} compiled {counts.graphs} graph(s) in {seconds:.1f}s"
-            + (f", {breaks} graph break(s): {why}" if breaks else ""))
+            + (f", {breaks} graph break(s): {'; '.join(counts.break_reasons())}" if breaks else "")
+            + (f"; compiled again because {'; '.join(sorted(set(counts.recompiles)))}" if counts.recompiles else ""))
 
 
 def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: TextData | TokenData, sinks: Sinks,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+import torch.utils.dlpack
 from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -64,6 +65,7 @@ __all__ = [
     "TorchDispatchMode",
     "chunk_sizes",
     "compile_counts",
+    "compiled_backward_retained",
     "reset_compile_counts",
     "is_compiled_wrapper",
     "current_backward_id",
@@ -71,6 +73,7 @@ __all__ = [
     "default_store",
     "drop_mesh_state",
     "dtensor_over",
+    "own_storage_view",
     "fake_store",
     "find_group",
     "group_device_types",
@@ -107,6 +110,9 @@ PRIVATE_TORCH: dict[str, str] = {
                                                 "'_orig_mod.' (is_compiled_wrapper)",
     "torch._dynamo.utils.counters": "what torch.compile did (frames, graphs, graph breaks): no public API "
                                     "counts them (compile_counts)",
+    "torch._dynamo.utils.guard_failures": "why torch.compile compiled again, naming the input (compile_counts)",
+    "torch._functorch.config": "AOT autograd's settings: donated buffers (compiled_backward_retained)",
+    "torch._functorch.config.patch": "donated_buffer off while a split backward compiles (compiled_backward_retained)",
     # re-exported: torch has no public home for fake tensors, pytrees and dispatch modes
     "torch._subclasses.fake_tensor.FakeTensor": "FakeTensor: shapes without memory (deferred init, estimates)",
     "torch._subclasses.fake_tensor.FakeTensorMode": "FakeTensorMode: the mode that makes them",
@@ -378,16 +384,38 @@ def mesh_without_groups(device_type: str, ranks: Sequence, mesh_dim_names: Seque
     return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(mesh_dim_names), _init_backend=False)
 
 
+def own_storage_view(view: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``view``'s memory at offset 0 of a storage of its own (through DLPack, which keeps
+    ``view``'s storage alive): writes through either are seen by both, yet nothing tells it is part of
+    a larger buffer. A DTensor's wrapper takes its local tensor's storage offset, and two things in
+    torch need the two to agree with a local tensor that lives at an offset in a flat buffer (ZeRO's
+    parameters, DDP's published grads): ``Tensor.__deepcopy__`` (a wrapper at a nonzero offset is
+    read as a real tensor: "invalid python storage") and dynamo's fake tensors (a mismatch takes the
+    ``set_`` path ``meta_utils`` cannot run on a wrapper subclass: "set the storage of a tensor on
+    device cpu to a storage on different device meta"). Devices without DLPack (meta) get ``view``
+    back."""
+    if view.storage_offset() == 0 or view.device.type == "meta":
+        return view
+    try:
+        return torch.utils.dlpack.from_dlpack(view.detach())
+    except (RuntimeError, TypeError, BufferError):  # a backend without DLPack: the view itself
+        return view
+
+
 @torch.no_grad()
 def dtensor_over(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
                  shape: Sequence[int], stride: Sequence[int]) -> DTensor:
     """``DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)`` whose local tensor
-    is ``local`` itself (its storage, offset and strides: a view of a flat buffer stays one).
+    shares ``local``'s memory (a view of a flat buffer stays one, in memory), with no autograd node.
 
-    ``DTensor.from_local`` on a view at a storage offset gives the wrapper that offset too, and
-    torch's ``Tensor.__deepcopy__`` then reads the wrapper as a real tensor and fails ("Attempted to
-    call copy_() on an invalid python storage"). Built at offset 0, then re-pointed, it deep-copies
-    (by ``clone``) like any DTensor."""
+    ``DTensor.from_local`` on a view at a storage offset gives the wrapper that offset too, which
+    neither deep-copies nor compiles (:func:`own_storage_view`); over the same memory at offset 0
+    the DTensor does both. Where DLPack is missing (meta), the wrapper is built at offset 0 and its
+    local tensor re-pointed at ``local``'s storage and offset: it deep-copies, but does not compile."""
+    shared = own_storage_view(local)
+    if shared.storage_offset() == 0:
+        return DTensor.from_local(shared, mesh, list(placements), run_check=False, shape=tuple(shape),
+                                  stride=tuple(stride))
     base = local.new_empty(0).set_(local.untyped_storage(), 0, local.shape, local.stride())
     out = DTensor.from_local(base, mesh, list(placements), run_check=False, shape=tuple(shape), stride=tuple(stride))
     out._local_tensor.set_(local.untyped_storage(), local.storage_offset(), local.shape, local.stride())
@@ -622,14 +650,40 @@ class CompileCounts:
     """FX graphs it handed to the backend (a frame with graph breaks makes several)."""
     graph_breaks: dict[str, int]
     """Each graph break's reason and how often it was met."""
+    recompiles: tuple[str, ...] = ()
+    """Why compiled code was compiled again: each failed guard, naming the input (``tensor 'x' size
+    mismatch at index 1. expected 4, actual 5``)."""
+
+    def break_reasons(self) -> list[str]:
+        """Each graph break's reason in one line: its first, or the reason given to
+        ``torch.compiler.disable`` where a function was kept out of the graph on purpose."""
+        short = []
+        for text in self.graph_breaks:
+            given = text.partition("(reason: ")[2]
+            short.append(given.rpartition(")")[0] if given else text.splitlines()[0])
+        return short
 
 
 def compile_counts() -> CompileCounts:
-    """``torch.compile``'s counts since :func:`reset_compile_counts` (``torch._dynamo.utils.counters``)."""
-    from torch._dynamo.utils import counters
+    """``torch.compile``'s counts since :func:`reset_compile_counts` (``torch._dynamo.utils.counters``,
+    and ``guard_failures``: why it compiled again)."""
+    from torch._dynamo.utils import counters, guard_failures
 
+    failed = tuple(reason.partition(": ")[2] or reason for reasons in guard_failures.values() for reason in reasons)
     return CompileCounts(frames=counters["frames"]["total"], graphs=counters["stats"]["unique_graphs"],
-                         graph_breaks=dict(counters["graph_break"]))
+                         graph_breaks=dict(counters["graph_break"]), recompiles=failed)
+
+
+@contextlib.contextmanager
+def compiled_backward_retained():
+    """Within it, a module ``torch.compile`` compiles gets a backward that may run with
+    ``retain_graph=True`` (no donated buffers): a zero-bubble pipeline schedule's input-grad backward
+    keeps the graph for its weight-grad backward, which a compiled backward with donated buffers
+    refuses ("compiled with non-empty donated buffers which requires ... retain_graph=False")."""
+    import torch._functorch.config
+
+    with torch._functorch.config.patch(donated_buffer=False):
+        yield
 
 
 def is_compiled_wrapper(module: torch.nn.Module) -> bool:
@@ -642,6 +696,7 @@ def is_compiled_wrapper(module: torch.nn.Module) -> bool:
 
 def reset_compile_counts() -> None:
     """Start :func:`compile_counts` from zero (what was compiled stays compiled)."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters, guard_failures
 
     counters.clear()
+    guard_failures.clear()

@@ -23,6 +23,7 @@ group. The engine adds what composition needs:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 from typing import NoReturn
@@ -36,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from ndweave.mesh import ParallelMesh, resolve_mesh
 from ndweave.mesh.contracts import DataParallelWrapper, finish_grad_sync
 from ndweave.mesh.lifecycle import destroy_side_group, new_side_group
-from ndweave.mesh.torch_compat import abort_group, group_timeout, pipeline_stage_kwargs
+from ndweave.mesh.torch_compat import abort_group, compiled_backward_retained, group_timeout, pipeline_stage_kwargs
 from ndweave.pipeline.agree import BatchShapes, agree_on_batch, agree_on_plan
 from ndweave.pipeline.construct import PipeModule, chunk_device
 from ndweave.pipeline.evaluate import evaluate_batch
@@ -133,6 +134,11 @@ class PipeEngine:
         kwargs = dict(n_microbatches=resolved.num_microbatches, loss_fn=self._micro_batch_loss, scale_grads=False)
         cls = resolved.schedule
         self.schedule = cls(self.stages[0], **kwargs) if resolved.single_stage else cls(self.stages, **kwargs)
+        # a split backward (I, then W) keeps each micro-batch's graph between the two: a compiled block's
+        # backward must allow that (compiled at the first step, inside the schedule)
+        self._splits_backward = any(action is not None and action.computation_type.value == "W"
+                                    for actions in (getattr(self.schedule, "pipeline_order", None) or {}).values()
+                                    for action in actions)
 
     # ------------------------------------------------------------------ one step
     def __call__(self, inputs: ModelInputs | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -176,8 +182,9 @@ class PipeEngine:
             self._meter.start()
             if last and not self._loss_takes_targets:  # torch's schedule splits a target: give it rows to split
                 targets = torch.empty((self.resolved.num_microbatches, 0), device=self.stages[0].device)
-            self.schedule.step(*(self._feed(inputs, layout) if first else ()), target=targets if last else None,
-                               losses=losses, return_outputs=False)
+            with compiled_backward_retained() if self._splits_backward else contextlib.nullcontext():
+                self.schedule.step(*(self._feed(inputs, layout) if first else ()), target=targets if last else None,
+                                   losses=losses, return_outputs=False)
             self.recorder.stop()
             self._ties.finish(self._deliver)
             with self._blame.running("the data-parallel grad sync after the schedule (finish_grad_sync)"):

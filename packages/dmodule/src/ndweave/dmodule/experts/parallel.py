@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -37,10 +39,14 @@ from ndweave.dmodule.patches import register_patch
 from ndweave.mesh import EXPERT_DIM
 from ndweave.mesh.torch_compat import local_tensor, own_parameters, root_mesh, split_tensor
 
-__all__ = ["EXPERT_DIM", "EXPERT_PATCH", "expert_mesh", "expert_parallel", "parallelize_experts"]
+__all__ = ["DISPATCH_BREAK", "EXPERT_DIM", "EXPERT_PATCH", "expert_mesh", "expert_parallel", "parallelize_experts"]
 
 #: The registered name of :func:`expert_parallel`.
 EXPERT_PATCH = "expert_parallel"
+#: Why a compiled block breaks its graph at an expert-parallel experts module (``torch.compile``'s
+#: graph-break reason, which ``torch_compat.compile_counts()`` lists).
+DISPATCH_BREAK = ("expert parallel: the token all-to-all's splits are the routing's row counts, data-dependent "
+                  "sizes a graph cannot hold; the dispatch, local experts and combine run eagerly")
 
 
 def parallelize_experts(module: nn.Module, ep_mesh: DeviceMesh, *, fqn: str = "") -> nn.Module:
@@ -64,25 +70,57 @@ def parallelize_experts(module: nn.Module, ep_mesh: DeviceMesh, *, fqn: str = ""
         dt = DTensor.from_local(local, ep_mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
         own_parameters(module)[name] = nn.Parameter(dt, requires_grad=param.requires_grad)
     num_experts = next(iter(stacked.values())).shape[0]
-    # the forward keeps the names only: holding ``stacked`` would keep every expert's whole weights alive
-    names = list(stacked)
-    group = ep_mesh.get_group(0)
-    local_forward = module.forward  # the module's own (class) forward, on whichever weights it sees
-
-    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        # under tensor parallel the block hands in Replicate DTensors: every TP rank routes the same tokens
-        layout = (hidden_states.device_mesh, hidden_states.placements) if isinstance(hidden_states, DTensor) else None
-        hidden_states, top_k_index, top_k_weights = (_replicated_local(t, fqn) for t in
-                                                     (hidden_states, top_k_index, top_k_weights))
-        rows, local_ids, routing = dispatch(hidden_states, top_k_index, num_experts, group)
-        unit = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-        with _local_experts(module, names, num_experts // ep):
-            out = local_forward(rows, local_ids.unsqueeze(-1), unit)
-        out = combine(out, top_k_weights, routing)
-        return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
-
-    module.forward = forward
+    # the routing keeps the names only: holding ``stacked`` would keep every expert's whole weights alive
+    module._expert_routing = ExpertRouting(fqn, tuple(stacked), num_experts, ep, ep_mesh.get_group(0))
+    module.__class__ = _routed_class(type(module))
     return module
+
+
+@dataclass(frozen=True)
+class ExpertRouting:
+    """What an expert-parallel experts module routes with (held by the module, shared by its copies)."""
+
+    fqn: str
+    names: tuple[str, ...]
+    """Its stacked parameters' names."""
+    num_experts: int
+    ep: int
+    group: dist.ProcessGroup
+
+    def __deepcopy__(self, memo: dict) -> ExpertRouting:
+        return self  # (immutable; a process group is not copied)
+
+
+@torch.compiler.disable(reason=DISPATCH_BREAK)
+def _routed_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' forward over EP: dispatch, the module's own forward on its local experts, combine.
+    Kept out of torch.compile's graph (``DISPATCH_BREAK``): one function for every experts module, so a
+    compiled block's cache entry serves every layer."""
+    route: ExpertRouting = module._expert_routing
+    # under tensor parallel the block hands in Replicate DTensors: every TP rank routes the same tokens
+    layout = (hidden_states.device_mesh, hidden_states.placements) if isinstance(hidden_states, DTensor) else None
+    hidden_states, top_k_index, top_k_weights = (_replicated_local(t, route.fqn) for t in
+                                                 (hidden_states, top_k_index, top_k_weights))
+    rows, local_ids, routing = dispatch(hidden_states, top_k_index, route.num_experts, route.group)
+    unit = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
+    with _local_experts(module, list(route.names), route.num_experts // route.ep):
+        # the module's own forward: the class's below the routed one (a wrapper's class may sit above it)
+        routed = next(c for c in type(module).__mro__ if c.__dict__.get("forward") is _routed_forward)
+        out = super(routed, module).forward(rows, local_ids.unsqueeze(-1), unit)
+    out = combine(out, top_k_weights, routing)
+    return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
+
+
+_ROUTED_CLASSES: dict[type, type] = {}
+
+
+def _routed_class(cls: type) -> type:
+    """``cls`` with the routed forward: the module's class becomes it, as FSDP2's ``fully_shard`` makes
+    its own (one per class; the module's name, methods and ``isinstance`` stay)."""
+    if cls not in _ROUTED_CLASSES:
+        _ROUTED_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _routed_forward})
+    return _ROUTED_CLASSES[cls]
 
 
 @register_patch(EXPERT_PATCH)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ndweave.mesh.torch_compat import is_shard_like, local_tensor
+from ndweave.mesh.torch_compat import is_shard_like, local_tensor, own_storage_view
 
 __all__ = [
     "BUCKET_ALIGNMENT",
@@ -149,8 +149,11 @@ def move_param_into(param: torch.nn.Parameter, param_data: torch.Tensor, offset:
     target = param_data[offset : offset + local.numel()].view(shape)
     target.copy_(local)
     if isinstance(param, DTensor):
-        # A DTensor keeps its shard as a separate local tensor; re-point that tensor's storage in place
-        # so every reference to it (the param, optimizer state keyed by the param) sees the buffer.
-        local.set_(param_data.untyped_storage(), param_data.storage_offset() + offset, shape, target.stride())
+        # A DTensor keeps its shard as a separate local tensor; re-point that tensor in place so every
+        # reference to it (the param, optimizer state keyed by the param) sees the buffer. Over the
+        # buffer's memory at offset 0 of a storage of its own, where the device allows: the DTensor then
+        # deep-copies and compiles (own_storage_view says why)
+        shared = own_storage_view(target)
+        local.set_(shared.untyped_storage(), shared.storage_offset(), shape, target.stride())
     else:
         param.data = target
