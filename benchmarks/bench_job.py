@@ -85,6 +85,8 @@ from ndweave_gpt.data import TextData
 
 #: --compile's third side: ours eager, against which ours compiled is timed too
 EAGER = "ndweave eager"
+#: --compile: how far (relative) a compiled side's float64 losses may be from ours eager
+COMPILED_BOUND = 1e-7
 
 
 def _job_args(spec: str, model: str, args, dtype: str, micro_batches: int, compiled: bool = False):
@@ -197,7 +199,9 @@ def tp_plan(names: Names, blocks: list[int], first: bool, last: bool) -> dict[st
                                                    SequenceParallel)
 
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    gather_kwarg = gather if names.attention_kwarg is None else PrepareModuleInput(
+    # (nanoGPT's attention takes the document mask beside the stream: attn(x, attention_mask), None unpacked)
+    gather_kwarg = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)) \
+        if names.attention_kwarg is None else PrepareModuleInput(
         input_kwarg_layouts={names.attention_kwarg: Shard(1)},
         desired_input_kwarg_layouts={names.attention_kwarg: Replicate()})
     plan: dict[str, Any] = {}
@@ -419,11 +423,21 @@ def _worker(rank: int, world: int, port: int, spec: str, model: str, args, tmp: 
     exact = {name: [feed() for _ in range(args.parity_steps)] for name, feed in feeds.items()}
     del sides, feeds
     gc.collect()
-    worst = max(abs(o - t) / max(abs(o), 1e-300) for o, t in zip(exact["ndweave"], exact["torch"]))
     result["float64"] = exact
-    if not all(abs(o - t) <= STRICT.atol + STRICT.rtol * abs(o) for o, t in zip(exact["ndweave"], exact["torch"])):
-        raise AssertionError(f"{model} {spec}: float64 losses differ beyond STRICT (rel {worst:.3g}): "
-                             f"ours {exact['ndweave']}, torch {exact['torch']}")
+    if args.compile:
+        # compiled, each side is held to ours eager: inductor fuses what transformers computes in float32
+        # (its norms) otherwise than eager does (~1e-9); a wrong grad moves the next loss by far more
+        for name in ("ndweave", "torch"):
+            worst = _worst(exact[name], exact[EAGER])
+            if worst > COMPILED_BOUND:
+                result.setdefault("departs", {})[name] = worst
+        if "ndweave" in result.get("departs", {}):
+            raise AssertionError(f"{model} {spec}: compiled, ours departs from ours eager (rel {worst:.3g}): "
+                                 f"{exact['ndweave']} against {exact[EAGER]}")
+    elif _worst(exact["ndweave"], exact["torch"]) > STRICT.rtol:
+        raise AssertionError(f"{model} {spec}: float64 losses differ beyond STRICT (rel "
+                             f"{_worst(exact['ndweave'], exact['torch']):.3g}): ours {exact['ndweave']}, torch "
+                             f"{exact['torch']}")
 
     # timing: fp32
     sides, feeds = _pair(spec, model, args, "fp32", tmesh, device, tmp)
@@ -437,8 +451,14 @@ def _worker(rank: int, world: int, port: int, spec: str, model: str, args, tmp: 
         sides[name].save()
         save_cpu[name].append(time.process_time() - c0)
 
-    for name in sides:  # warm-up: the first steps (shape agreement, caches) and a first save
-        job_round(name, args.warmup)
+    for name in list(sides):  # warm-up: the first steps (shape agreement, caches) and a first save
+        try:
+            job_round(name, args.warmup)
+        except Exception as failed:  # noqa: BLE001 (compiled, torch's side may fail where ours runs: said)
+            if not (args.compile and name == "torch"):
+                raise
+            result["torch_failed"] = f"{type(failed).__name__}: {str(failed).splitlines()[0][:160]}"
+            del sides[name], feeds[name], losses[name]
     save_cpu = {name: [] for name in sides}
     timing = interleaved({name: (lambda name=name: job_round(name, args.steps)) for name in sides}, device,
                          args.rounds, 1)
@@ -453,6 +473,23 @@ def _worker(rank: int, world: int, port: int, spec: str, model: str, args, tmp: 
     if rank == 0:
         queue.put(everyone)
     close()
+
+
+def _compiled_against_eager(model: str, spec: str, args, r0: dict, world: int, note: str = "") -> list[Row]:
+    """--compile: ours compiled against ours eager (the busiest rank's CPU), printed; its row."""
+    (ours, ours_cpu), (eager, eager_cpu) = r0["timing"]["ndweave"], r0["timing"][EAGER]
+    print(f"{_describe(model, args):>16} | {spec:>14} | compiled / eager, ours: wall {ours / eager:.2f}, busiest rank's "
+          f"CPU {ours_cpu / eager_cpu:.2f} ({ours_cpu * 1e3:.1f} / {eager_cpu * 1e3:.1f} ms){'; ' + note if note else ''}",
+          flush=True)
+    return [Row("ndweave job compiled (--compile)", f"the same job eager, {_describe(model, args)}, "
+                f"{spec.replace(',', ' x ')}", world, ours / eager, ours_cpu / eager_cpu,
+                note=f"CPU ms/step compiled {ours_cpu * 1e3:.1f}, eager {eager_cpu * 1e3:.1f} ({args.steps} steps + 1 "
+                     f"checkpoint per round){'; ' + note if note else ''}")]
+
+
+def _worst(ours: list[float], theirs: list[float]) -> float:
+    """The largest relative difference of two runs' losses, step by step."""
+    return max(abs(o - t) / max(abs(o), 1e-300) for o, t in zip(ours, theirs))
 
 
 def _quiet() -> None:
@@ -615,6 +652,8 @@ def _run(model: str, spec: str, args) -> list[Row]:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     r0 = results[0]
+    if "torch_failed" in r0:  # (--compile: torch's compiled side failed; ours compiled against ours eager only)
+        return _compiled_against_eager(model, spec, args, r0, world, f"torch's compiled side failed: {r0['torch_failed']}")
     (ours, ours_cpu), (theirs, theirs_cpu) = r0["timing"]["ndweave"], r0["timing"]["torch"]
     save = {k: max(r["save_cpu"][k] for r in results) for k in ("ndweave", "torch")}
     exact = r0["float64"]
@@ -629,7 +668,11 @@ def _run(model: str, spec: str, args) -> list[Row]:
           f"{'':>16}   CPU ratio of the steps without the save: about {steps_only:.2f}\n"
           f"{'':>16}   float64 losses, ours: {' '.join(f'{v:.12f}' for v in exact['ndweave'])}\n"
           f"{'':>16}                  torch: {' '.join(f'{v:.12f}' for v in exact['torch'])}", flush=True)
-    if diff > bound:
+    departs = r0.get("departs", {}).get("torch")
+    if departs:
+        print(f"{'':>16}   compiled, torch's side departs from ours eager by {departs:.1e} (float64, relative) "
+              f"after a step: its grads are not eager's; its time is shown, its fp32 losses are not held", flush=True)
+    elif diff > bound:
         raise SystemExit(f"{model} {spec}: the fp32 losses differ by {diff:.3g} per step trained, beyond the measured "
                          f"bound {bound:.3g}: ours {r0['fp32']['ndweave']}, torch {r0['fp32']['torch']}")
     if args.profile:
@@ -643,13 +686,7 @@ def _run(model: str, spec: str, args) -> list[Row]:
     pipe = f" + torch.distributed.pipelining ({args.schedule})" if "pp=" in spec else ""
     compiled = ", each block compiled" if args.compile else ""
     if args.compile:
-        eager, eager_cpu = r0["timing"][EAGER]
-        print(f"{'':>16}   compiled / eager, ours: wall {ours / eager:.2f}, busiest rank's CPU {ours_cpu / eager_cpu:.2f} "
-              f"({ours_cpu * 1e3:.1f} / {eager_cpu * 1e3:.1f} ms)", flush=True)
-        rows.append(Row("ndweave job compiled (--compile)", f"the same job eager, {_describe(model, args)}, "
-                        f"{spec.replace(',', ' x ')}", world, ours / eager, ours_cpu / eager_cpu,
-                        note=f"CPU ms/step compiled {ours_cpu * 1e3:.1f}, eager {eager_cpu * 1e3:.1f} ({args.steps} "
-                             "steps + 1 checkpoint per round)"))
+        rows = _compiled_against_eager(model, spec, args, r0, world)
     return rows + [Row(
         f"ndweave job (ndweave_gpt){compiled}",
         f"torch parallelize_module TP+SP + FSDP2 (ZeRO-2){pipe} + dcp.save{compiled}, {_describe(model, args)}, "
@@ -657,7 +694,8 @@ def _run(model: str, spec: str, args) -> list[Row]:
         world, ours / theirs, ours_cpu / theirs_cpu,
         note=f"CPU ms/step ours {ours_cpu * 1e3:.1f}, torch {theirs_cpu * 1e3:.1f} ({args.steps} steps + 1 checkpoint "
              f"per round; the steps alone ~{steps_only:.2f}); save CPU ours {save['ndweave'] * 1e3:.0f}, torch "
-             f"{save['torch'] * 1e3:.0f} ms; float64 losses rel {rel:.0e}")]
+             f"{save['torch'] * 1e3:.0f} ms; float64 losses rel {rel:.0e}"
+             + (f"; torch compiled departs from eager by {departs:.0e}" if departs else ""))]
 
 
 if __name__ == "__main__":

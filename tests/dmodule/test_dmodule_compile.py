@@ -10,8 +10,9 @@ GPT and auto's Llama at TP+SP).
 
 And the graphs, counted with dynamo's counters (``ndweave.mesh.torch_compat.compile_counts``): the first
 call runs eagerly (DModule's first-call checks, and the auto plan finding out whether its model needs
-plain tensors converted: most do not, and then run without it), the second compiles each block into one
-graph, no graph break, and the third compiles nothing (no recompile)."""
+plain tensors converted: most do not, and then run without it), the second compiles one graph that
+every block runs (the first may compile apart; none of the others again: a block's hooks read
+nothing that differs between blocks), no graph break, and the third compiles nothing."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ SAMPLE = [("nanogpt", "nanogpt", True), ("hf_llama", "auto", True)]
 CASES = [*SAMPLE, ("nanogpt", "nanogpt", False), ("hf_llama", "hf_llama", False), ("hf_llama", "hf_llama", True),
          ("hf_gpt2", "hf_gpt2", True), ("hf_llama", "auto", False)]
 AUTO_FAMILIES = ["qwen2", "mistral", "phi3"]
+#: each zoo family's number of blocks: the GPT ten (beyond torch's recompile limit of 8); transformers'
+#: three (their float32 norms drift further from eager under inductor with depth; three blocks compiled
+#: apart would show as three graphs)
+DEPTH = {"nanogpt": {"n_layer": 10}, "hf_llama": {"num_hidden_layers": 3}, "hf_gpt2": {"n_layer": 3}}
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -49,6 +54,8 @@ def _check_compiled(reference: torch.nn.Module, name: str, plan: str, sequence_p
     from ndweave.dmodule import parallelize_module
     from ndweave.dmodule.plans import get_plan
 
+    if hasattr(reference, "config"):  # training: no KV cache (its per-layer state would make each block compile again)
+        reference.config.use_cache = False
     model = copy.deepcopy(reference)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("TP",))
     model = parallelize_module(model, mesh, get_plan(plan, model, sequence_parallel=sequence_parallel))
@@ -75,7 +82,10 @@ def _check_compiled(reference: torch.nn.Module, name: str, plan: str, sequence_p
         assert (counts.frames > 0) == (step == 1), f"step {step}: {counts}"
         if not whole:
             assert not counts.graph_breaks, f"step {step}: graph breaks {counts.graph_breaks}"
-            assert counts.graphs == (len(blocks) if step == 1 else 0), f"step {step}: {counts}"
+            # one graph serves every block: nothing per block (an FQN read in a hook) is guarded, else
+            # each compiles again and past torch's recompile limit (8) blocks run eagerly. (The first block
+            # may compile apart: its input comes from outside the blocks, on an equal mesh object or not.)
+            assert counts.graphs <= (2 if step == 1 else 0), f"step {step}: {counts}"
         assert_close(out, ref_out, name=f"step {step} output", tol=tol)
         assert_close(loss, ref_loss, name=f"step {step} loss", tol=tol)
         model.finish_grad_sync()
@@ -93,7 +103,7 @@ def _check_compiled(reference: torch.nn.Module, name: str, plan: str, sequence_p
 def _zoo_case(name: str, plan: str, sequence_parallel: bool) -> None:
     torch.set_default_dtype(STRICT_DTYPE)
     torch.manual_seed(0)
-    _check_compiled(build(name), name, plan, sequence_parallel)
+    _check_compiled(build(name, **DEPTH[name]), name, plan, sequence_parallel)
 
 
 @pytest.mark.parity

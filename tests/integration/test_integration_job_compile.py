@@ -100,8 +100,8 @@ def test_the_compiled_job_trains_and_resumes_as_the_eager_one_with_tp_and_ep(tmp
 def test_compiled_tp_blocks_inside_ddp_and_zero_train_like_one_process(zero_stage):
     """As a library user composes it: the GPT under DModule TP+SP, each block compiled, wrapped in
     ndweave's DDP (all-reduce, or laid out for the DistributedOptimizer: ZeRO-1 and ZeRO-2) on DP=2 x
-    TP=2, AdamW steps against one process in float64; each block one graph, no break, and nothing
-    compiled again after the step that compiled. (Dynamo fakes every parameter and its ``.grad``:
+    TP=2, AdamW steps against one process in float64; one graph for every block, no break, and
+    nothing compiled again after the step that compiled. (Dynamo fakes every parameter and its ``.grad``:
     DDP's grads and ZeRO's parameters live in flat buffers, as DTensors over their memory.)"""
     run_distributed(_tp_ddp_zero_compiled, 4, zero_stage, timeout=600)
 
@@ -144,6 +144,6 @@ def _tp_ddp_zero_compiled(zero_stage: int) -> None:
         optimizer.step()
         optimizer.zero_grad()
         assert (counts.frames > 0) == (step == 1) and not counts.graph_breaks, f"step {step}: {counts}"
-        assert counts.graphs == (2 if step == 1 else 0), f"step {step}: {counts}"
+        assert counts.graphs == (1 if step == 1 else 0) and not counts.recompiles, f"step {step}: {counts}"
         for name, p in model.module.named_parameters():
             assert_close(p.full_tensor(), expected.params[step][name], name=f"step {step} {name}")

@@ -56,18 +56,27 @@ def log_redistributions() -> Iterator[list[str]]:
         _LOG = previous
 
 
-def _log(where: str, src: Any, dst: tuple, shape: torch.Size, how: str = "") -> None:
-    line = f"{where}: {tuple(src)} -> {tuple(dst)} shape {tuple(shape)}{how}"
+#: Where a value sits in the plan (``"transformer.h.0.attn.input[0]"``), formatted only when a message
+#: or the log needs it: a string read in a compiled forward would be guarded per module (each block's
+#: FQN differs), so every block would compile again.
+Where = Callable[[], str]
+
+
+def _log(where: Where, src: Any, dst: tuple, shape: torch.Size, how: str = "") -> None:
+    line = f"{where()}: {tuple(src)} -> {tuple(dst)} shape {tuple(shape)}{how}"
     _LOG.append(line)
     logger.info(line)
 
 
-def _layout(x: Any, mesh: DeviceMesh, spec: PlacementSpec | None, where: str) -> Any:
+def _layout(x: Any, mesh: DeviceMesh, spec: PlacementSpec | None, where: Where) -> Any:
     """An input laid out per ``spec``: plain tensors are local pieces, DTensors get redistributed."""
     if spec is None or not isinstance(x, torch.Tensor):
         return x
     if isinstance(x, DTensor):
-        if tuple(x.placements) == spec.placements and x.device_mesh == mesh:
+        # placements alone: a DTensor of another mesh cannot be redistributed here anyway, and comparing
+        # the mesh objects would be guarded per module under torch.compile (a block's input mesh may be an
+        # equal, other object than its hooks'), so each block would compile again
+        if tuple(x.placements) == spec.placements:
             return x
         if _LOG is not None:
             _log(where, x.placements, spec.placements, x.shape)
@@ -77,7 +86,7 @@ def _layout(x: Any, mesh: DeviceMesh, spec: PlacementSpec | None, where: str) ->
     return DTensor.from_local(x, mesh, spec.placements, run_check=False)
 
 
-def _finish_output(x: Any, mesh: DeviceMesh, spec: PlacementSpec | None, where: str) -> Any:
+def _finish_output(x: Any, mesh: DeviceMesh, spec: PlacementSpec | None, where: Where) -> Any:
     if spec is None or not isinstance(x, torch.Tensor):
         return x
     x = _layout(x, mesh, spec, where)
@@ -86,7 +95,7 @@ def _finish_output(x: Any, mesh: DeviceMesh, spec: PlacementSpec | None, where: 
     return x
 
 
-def _lay_tree(x: Any, tree: Any, where: str, lay: Callable[[Any, PlacementSpec, str], Any]) -> Any:
+def _lay_tree(x: Any, tree: Any, where: Where, lay: Callable[[Any, PlacementSpec, Where], Any]) -> Any:
     """``x`` with ``lay`` applied at every spec of the plan value ``tree``, following its nesting:
     a list by position (tuple/list), a dict by name (dict, dataclass, HF ``ModelOutput``)."""
     if tree is None or x is None:
@@ -95,31 +104,35 @@ def _lay_tree(x: Any, tree: Any, where: str, lay: Callable[[Any, PlacementSpec, 
         return lay(x, tree, where)
     if isinstance(tree, list):
         if not isinstance(x, (tuple, list)):
-            raise TypeError(f"{where}: the plan lists {len(tree)} entries by position, but got a {type(x).__name__}; "
+            raise TypeError(f"{where()}: the plan lists {len(tree)} entries by position, but got a {type(x).__name__}; "
                             "plan a dict, dataclass or ModelOutput by name ({'field': [...]})")
         if len(tree) > len(x):
-            raise ValueError(f"{where}: the plan lists {len(tree)} entries, but got {len(x)}; drop the extra entries")
-        done = [_lay_tree(v, t, f"{where}[{i}]", lay) for i, (v, t) in enumerate(zip(x, tree))]
+            raise ValueError(f"{where()}: the plan lists {len(tree)} entries, but got {len(x)}; drop the extra entries")
+        done = [_lay_tree(v, t, _at(where, i), lay) for i, (v, t) in enumerate(zip(x, tree))]
         done += x[len(done):]
         return type(x)(*done) if hasattr(x, "_fields") else type(x)(done)  # a namedtuple takes fields
     if dataclasses.is_dataclass(x) and not isinstance(x, type):  # HF ModelOutput too: by field name
         fields = [f.name for f in dataclasses.fields(x)]
         _check_names(tree, fields, where, type(x).__name__)
-        changes = {k: _lay_tree(getattr(x, k), t, f"{where}[{k}]", lay) for k, t in tree.items()}
+        changes = {k: _lay_tree(getattr(x, k), t, _at(where, k), lay) for k, t in tree.items()}
         return dataclasses.replace(x, **changes)
     if isinstance(x, Mapping):
         _check_names(tree, list(x), where, type(x).__name__)
         out = copy.copy(x)
-        out.update({k: _lay_tree(x[k], t, f"{where}[{k}]", lay) for k, t in tree.items()})
+        out.update({k: _lay_tree(x[k], t, _at(where, k), lay) for k, t in tree.items()})
         return out
-    raise TypeError(f"{where}: the plan names {sorted(tree)}, but got a {type(x).__name__}; "
+    raise TypeError(f"{where()}: the plan names {sorted(tree)}, but got a {type(x).__name__}; "
                     "plan a tensor, tuple or list by position ([[...], ...])")
 
 
-def _check_names(tree: dict, names: list[str], where: str, what: str) -> None:
+def _at(where: Where, key: Any) -> Where:
+    return lambda: f"{where()}[{key}]"
+
+
+def _check_names(tree: dict, names: list[str], where: Where, what: str) -> None:
     for k in tree:
         if k not in names:
-            raise PlanKeyError(f"{where}: the plan names {k!r}, which this {what} does not have"
+            raise PlanKeyError(f"{where()}: the plan names {k!r}, which this {what} does not have"
                                f"{suggest(str(k), names)} (it has {names})")
 
 
@@ -135,9 +148,9 @@ class _ForwardPlan:
         self.plain_inputs: dict[str, tuple] | None = {}
         """Shapes of the plain inputs of the first call, checked across ranks; ``None`` once checked."""
 
-    def _input(self, x: Any, spec: PlacementSpec, where: str) -> Any:
+    def _input(self, x: Any, spec: PlacementSpec, where: Where) -> Any:
         if self.plain_inputs is not None and isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
-            self.plain_inputs[where] = (tuple(x.shape), str(x.dtype))
+            self.plain_inputs[where()] = (tuple(x.shape), str(x.dtype))
         return _layout(x, self.mesh, spec, where)
 
     @torch.compiler.disable  # (a collective of Python objects, once: outside any compiled graph)
@@ -154,7 +167,7 @@ class _ForwardPlan:
                      "on every rank of the mesh (Replicate: the whole value; Shard: an even piece); pass "
                      "equal shapes (e.g. the same batch size on every rank) or a DTensor")
 
-    def _output(self, x: Any, spec: PlacementSpec, where: str) -> Any:
+    def _output(self, x: Any, spec: PlacementSpec, where: Where) -> Any:
         return _finish_output(x, self.mesh, spec, where)
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -162,11 +175,12 @@ class _ForwardPlan:
             param = own_parameters(module).get(name)
             if param is None:
                 param = own_buffers(module)[name]
-            module.__dict__[name] = _layout(param, self.mesh, spec, f"{self.fqn}.{name}")
+            module.__dict__[name] = _layout(param, self.mesh, spec, lambda name=name: f"{self.fqn}.{name}")
         if self.inputs is None:
             return args, kwargs
         laid = apply_input_slots(self.inputs, args, kwargs,
-                                 lambda x, tree, label: _lay_tree(x, tree, f"{self.fqn}.input[{label}]", self._input))
+                                 lambda x, tree, label: _lay_tree(x, tree, lambda: f"{self.fqn}.input[{label}]",
+                                                                  self._input))
         if self.plain_inputs is not None:
             self._check_plain_inputs()
         return laid
@@ -176,11 +190,13 @@ class _ForwardPlan:
             module.__dict__.pop(name, None)
         if self.outputs is None:
             return output
-        where = f"{self.fqn}.output"
+        def where() -> str:
+            return f"{self.fqn}.output"
+
         if isinstance(output, torch.Tensor) and isinstance(self.outputs, list):
-            return _lay_tree(output, self.outputs[0], f"{where}[0]", self._output)
+            return _lay_tree(output, self.outputs[0], _at(where, 0), self._output)
         if output is None or isinstance(output, torch.Tensor):
-            raise TypeError(f"{where} plan names fields {sorted(self.outputs)}, but the module returned a "
+            raise TypeError(f"{where()} plan names fields {sorted(self.outputs)}, but the module returned a "
                             f"{type(output).__name__}; plan it by position: [[...]]")
         return _lay_tree(output, self.outputs, where, self._output)
 
