@@ -86,3 +86,40 @@ def test_a_manager_closes_on_leaving_its_block_and_raises_what_its_last_save_rai
         manager.save(3, {"model": mlp(seed=0), "step": 3}).wait()
     manager.close()  # the error was raised by wait() already: not again
     assert manager.steps() == [1]
+
+
+def test_a_block_compiled_and_assigned_back_saves_and_loads_under_the_models_own_names(tmp_path):
+    """``model[0] = torch.compile(model[0])`` puts ``_orig_mod.`` in the module's FQNs; the checkpoint
+    keeps the model's own names (as torch's ``get_model_state_dict``), so it loads into the model
+    uncompiled, and a checkpoint of the model uncompiled loads into the compiled one, optimizer state
+    included."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from checkpoint_cases import step
+
+    compiled = mlp(seed=0)
+    compiled[0] = torch.compile(compiled[0], backend="eager")
+    assert "0._orig_mod.weight" in compiled.state_dict()
+    optimizer = torch.optim.AdamW(compiled.parameters(), lr=0.1)
+    step(compiled, optimizer, seed=1)
+    manager = CheckpointManager(tmp_path, keep_last=None)
+    manager.save(1, {"model": compiled, "optimizer": optimizer})
+    saved = FileSystemReader(tmp_path / "step_00000001").read_metadata().state_dict_metadata
+    assert "model.0.weight" in saved and not any("_orig_mod" in key for key in saved), sorted(saved)
+
+    plain = mlp(seed=2)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=0.1)
+    step(plain, plain_optimizer, seed=3)  # (state to overwrite)
+    assert manager.load_latest({"model": plain, "optimizer": plain_optimizer}) == 1
+    assert torch.equal(plain[0].weight, compiled[0].weight) and torch.equal(plain[2].bias, compiled[2].bias)
+    assert torch.equal(plain_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+
+    manager.save(2, {"model": plain, "optimizer": plain_optimizer})  # and back: plain into the compiled model
+    again = mlp(seed=4)
+    again[0] = torch.compile(again[0], backend="eager")
+    again_optimizer = torch.optim.AdamW(again.parameters(), lr=0.1)
+    step(again, again_optimizer, seed=5)
+    assert manager.load_latest({"model": again, "optimizer": again_optimizer}) == 2
+    assert torch.equal(again[0]._orig_mod.weight, plain[0].weight)
+    assert torch.equal(again_optimizer.state_dict()["state"][1]["exp_avg_sq"],
+                       plain_optimizer.state_dict()["state"][1]["exp_avg_sq"])

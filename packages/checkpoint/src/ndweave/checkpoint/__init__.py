@@ -14,7 +14,7 @@ from ndweave.checkpoint.loader import LoadResult, load
 from ndweave.checkpoint.manager import CheckpointManager
 from ndweave.checkpoint.saver import SaveHandle, save
 
-__version__ = "0.4.1"
+__version__ = "0.4.2"
 
 __all__ = [
     "CheckpointError",

@@ -29,6 +29,7 @@ from ndweave.checkpoint.pieces import PieceSet, needs_pieces
 
 __all__ = [
     "as_list",
+    "canonical_fqn",
     "entry_kind",
     "group_names",
     "is_torch_format",
@@ -71,13 +72,20 @@ def modules_of(state: dict[str, Any]) -> list[nn.Module]:
     return [m for v in state.values() if entry_kind(v) == "modules" for m in as_list(v)]
 
 
+def canonical_fqn(fqn: str) -> str:
+    """``fqn`` without ``torch.compile``'s ``_orig_mod.`` segments: a block compiled with
+    ``model.layers[0] = torch.compile(model.layers[0])`` saves and loads under the names of the model
+    uncompiled (as torch's ``get_model_state_dict`` names them), so a checkpoint serves either."""
+    return fqn if "_orig_mod" not in fqn else ".".join(part for part in fqn.split(".") if part != "_orig_mod")
+
+
 def module_state(modules: Iterable[nn.Module]) -> dict[str, Any]:
-    """The union of the modules' state dicts (chunks of one model hold disjoint FQNs; a tied weight
-    that two chunks both hold is taken from the first)."""
+    """The union of the modules' state dicts by canonical FQN (chunks of one model hold disjoint FQNs;
+    a tied weight that two chunks both hold is taken from the first)."""
     merged: dict[str, Any] = {}
     for module in modules:
         for key, value in module.state_dict().items():
-            merged.setdefault(key, value)
+            merged.setdefault(canonical_fqn(key), value)
     return merged
 
 
@@ -88,7 +96,7 @@ def named_params(state: dict[str, Any], optimizer: Any) -> dict[str, torch.Tenso
     params: dict[str, torch.Tensor] = {}
     for module in modules:
         for name, param in module.named_parameters():
-            params.setdefault(name, param)
+            params.setdefault(canonical_fqn(name), param)
     return params
 
 

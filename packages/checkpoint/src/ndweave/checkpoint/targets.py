@@ -24,6 +24,7 @@ from ndweave.mesh.torch_compat import local_tensor
 
 from ndweave.checkpoint.entries import (
     as_list,
+    canonical_fqn,
     entry_kind,
     group_names,
     is_torch_format,
@@ -84,7 +85,7 @@ def _modules(dest: Destination, state: dict[str, Any], key: str, metadata: Metad
     merged: dict[str, Any] = {}
     for sd in own:
         for fqn, value in sd.items():
-            merged.setdefault(fqn, value)
+            merged.setdefault(canonical_fqn(fqn), value)
     dest.tree[key] = {fqn: sharded_leaf(v, with_replicas=True) if isinstance(v, torch.Tensor) else v
                       for fqn, v in merged.items()}
     dest.fqns[key] = set(merged)
@@ -95,10 +96,11 @@ def _modules(dest: Destination, state: dict[str, Any], key: str, metadata: Metad
         with torch.no_grad():
             for module, sd in zip(modules, own):
                 for fqn, value in sd.items():
+                    name = canonical_fqn(fqn)
                     if not isinstance(value, torch.Tensor):  # a value DCP replaced (a module's extra state)
-                        sd[fqn] = dest.tree[key][fqn]
-                    elif merged[fqn] is not value:  # a tied weight two chunks hold: read once, copied
-                        value.copy_(merged[fqn])
+                        sd[fqn] = dest.tree[key][name]
+                    elif merged[name] is not value:  # a tied weight two chunks hold: read once, copied
+                        value.copy_(merged[name])
                 module.load_state_dict(sd)
 
     dest._hand_over.append((0, hand_over))
