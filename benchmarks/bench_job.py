@@ -2,6 +2,7 @@
 
     python benchmarks/bench_job.py             # GPT and HF Llama tiny, DP x TP (4 ranks) and PP x DP x TP (8)
     python benchmarks/bench_job.py --models nanogpt --meshes pp=2,dp=2,tp=2 --profile /tmp/job.prof
+    python benchmarks/bench_job.py --compile   # each block compiled on both sides, and ours eager beside them
     python benchmarks/bench_job.py --quick     # tiny sizes, one round: a smoke test
 
 Ours is the job's own functions (``ndweave_gpt.build``, imported, not copied): ``build_model`` ->
@@ -45,6 +46,14 @@ Parity, checked before timing and failing loudly: both compositions built in flo
 sharding, scaling, clipping or the optimizer moves them far more; here they come out bit-equal).
 The timed fp32 runs' losses are compared too, against a bound measured in the same run: ``SAFETY``
 (20) times how far fp32 moves the loss from float64 over the parity steps, per step trained.
+
+``--compile``: each side compiles each block (inductor): ours through the job's ``--compile`` (after
+the plan, before DDP), theirs with ``block.compile()`` after ``parallelize_module`` and before
+``fully_shard`` (torchtitan's order); ours eager runs as a third side, so one run gives compiled ours
+against compiled torch and against ours eager, and the compile time (the warm-up's extra time over ours
+eager's). Parity then holds each compiled side's float64 losses to ours eager within ``COMPILED_BOUND``
+(inductor fuses transformers' float32 norms otherwise); a torch side that departs or fails is reported
+and ours is timed against ours eager alone.
 
 ``--profile PATH``: after the timing, ``--profile-steps`` more steps of each side under cProfile on
 every rank; prints, for the rank busiest on ours, self time by area (DTensor, torch's Python
@@ -413,6 +422,10 @@ def _worker(rank: int, world: int, port: int, spec: str, model: str, args, tmp: 
 
     device = init_rank(rank, world, port, args.device, args.threads)
     _quiet()
+    if args.compile:
+        # both sides compile the same block classes in one process: dynamo skips guards on module hooks
+        # by default, so one side's graph (its TP hooks traced in) would serve the other's blocks
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
     sizes = dict(item.split("=") for item in spec.split(","))
     pp, dp, tp = (int(sizes.get(d, 1)) for d in ("pp", "dp", "tp"))
     tmesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
@@ -451,14 +464,18 @@ def _worker(rank: int, world: int, port: int, spec: str, model: str, args, tmp: 
         sides[name].save()
         save_cpu[name].append(time.process_time() - c0)
 
-    for name in list(sides):  # warm-up: the first steps (shape agreement, caches) and a first save
+    warmup_s: dict[str, float] = {}
+    for name in list(sides):  # warm-up: the first steps (shape agreement, caches, compiling) and a first save
+        started = time.perf_counter()
         try:
             job_round(name, args.warmup)
+            warmup_s[name] = time.perf_counter() - started
         except Exception as failed:  # noqa: BLE001 (compiled, torch's side may fail where ours runs: said)
             if not (args.compile and name == "torch"):
                 raise
             result["torch_failed"] = f"{type(failed).__name__}: {str(failed).splitlines()[0][:160]}"
             del sides[name], feeds[name], losses[name]
+    result["warmup_s"] = warmup_s
     save_cpu = {name: [] for name in sides}
     timing = interleaved({name: (lambda name=name: job_round(name, args.steps)) for name in sides}, device,
                          args.rounds, 1)
@@ -476,15 +493,20 @@ def _worker(rank: int, world: int, port: int, spec: str, model: str, args, tmp: 
 
 
 def _compiled_against_eager(model: str, spec: str, args, r0: dict, world: int, note: str = "") -> list[Row]:
-    """--compile: ours compiled against ours eager (the busiest rank's CPU), printed; its row."""
+    """--compile: ours compiled against ours eager (the busiest rank's CPU), printed; its row. The
+    compile time is rank 0's warm-up (its first steps and save) less ours eager's warm-up, with
+    inductor's on-disk cache as this run found it."""
     (ours, ours_cpu), (eager, eager_cpu) = r0["timing"]["ndweave"], r0["timing"][EAGER]
+    warm = r0["warmup_s"]
+    compiling = {name: warm[name] - warm[EAGER] for name in ("ndweave", "torch") if name in warm}
+    note = "; ".join([f"compiling: ours {compiling['ndweave']:.1f} s"
+                      + (f", torch {compiling['torch']:.1f} s" if "torch" in compiling else "")] + ([note] if note else []))
     print(f"{_describe(model, args):>16} | {spec:>14} | compiled / eager, ours: wall {ours / eager:.2f}, busiest rank's "
-          f"CPU {ours_cpu / eager_cpu:.2f} ({ours_cpu * 1e3:.1f} / {eager_cpu * 1e3:.1f} ms){'; ' + note if note else ''}",
-          flush=True)
+          f"CPU {ours_cpu / eager_cpu:.2f} ({ours_cpu * 1e3:.1f} / {eager_cpu * 1e3:.1f} ms); {note}", flush=True)
     return [Row("ndweave job compiled (--compile)", f"the same job eager, {_describe(model, args)}, "
                 f"{spec.replace(',', ' x ')}", world, ours / eager, ours_cpu / eager_cpu,
                 note=f"CPU ms/step compiled {ours_cpu * 1e3:.1f}, eager {eager_cpu * 1e3:.1f} ({args.steps} steps + 1 "
-                     f"checkpoint per round){'; ' + note if note else ''}")]
+                     f"checkpoint per round); {note}")]
 
 
 def _worst(ours: list[float], theirs: list[float]) -> float:

@@ -39,7 +39,7 @@ RUNS = [
     ("bench_experts.py", []),
     ("bench_job.py", []),
     ("bench_data.py", []),
-    ("bench_compile.py", []),
+    ("bench_job.py", ["--compile"]),
 ]
 # --quick: sizes and rounds small enough to show that everything runs, not to measure anything
 QUICK = {
@@ -56,7 +56,6 @@ QUICK = {
                          "--warmup", "1"],
     "bench_job.py": ["--quick"],
     "bench_data.py": ["--quick"],
-    "bench_compile.py": ["--quick"],
 }
 COLUMNS = ("component", "vs (torch native)", "world", "wall ours/theirs", "CPU ours/theirs", "memory",
            "theoretical bound", "note")
