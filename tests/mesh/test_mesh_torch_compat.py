@@ -206,10 +206,12 @@ def test_dtensor_params_and_grads_in_flat_buffers_compile_and_deep_copy():
     linear = torch.nn.Linear(4, 6, bias=False, dtype=torch.float64)
     linear.weight = torch.nn.Parameter(DTensor.from_local(torch.ones(3, 4, dtype=torch.float64), mesh, [Shard(0)]))
     params, grads = torch.zeros(30, dtype=torch.float64), torch.zeros(30, dtype=torch.float64)
-    move_param_into(linear.weight, params, 10)
-    linear.weight.grad = tc.dtensor_over(grads[5:17].view(3, 4), mesh, [Shard(0)], (6, 4), (4, 1))
+    move_param_into(linear.weight, params, 10, compilable=True)
+    linear.weight.grad = tc.dtensor_over(grads[5:17].view(3, 4), mesh, [Shard(0)], (6, 4), (4, 1), compilable=True)
     assert tc.own_storage_view(params[10:]).storage_offset() == 0
+    assert not tc.holds_compiled_code(linear)
     compiled = torch.compile(linear, backend="aot_eager")
+    assert tc.holds_compiled_code(compiled)
     x = DTensor.from_local(torch.ones(2, 4, dtype=torch.float64), mesh, [Replicate()])
     for _ in range(2):
         compiled(x).to_local().sum().backward()

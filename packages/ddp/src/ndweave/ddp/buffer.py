@@ -52,6 +52,8 @@ class ParamSlot:
     once that buffer is reduced and freed (``grad_shard.py``)."""
     reduced_over: int = 1
     """Ranks the bucket's collective sums over (its group's size; 1 without one)."""
+    compilable: bool = False
+    """Publish DTensor grads that ``torch.compile`` can fake (the model holds compiled modules)."""
     dp_mesh_dim: int | None = None
     """Which dim of a DTensor param's mesh spans the bucket's group, if its mesh includes it."""
     grad_placements: tuple | None = None
@@ -195,6 +197,7 @@ def build_buckets(
     group_of: Callable[[str, torch.nn.Parameter], dist.ProcessGroup | None],
     with_param_data: bool,
     shard_grads: bool = False,
+    compilable: bool = False,
 ) -> tuple[list[GradBucket], list[ParamSlot], list[torch.Tensor]]:
     """Lay ``named_params`` out in flat buffers; return (buckets, slots, group grad buffers).
 
@@ -203,6 +206,8 @@ def build_buckets(
     params' local tensors are moved into the new parameter buffers (values preserved). With
     ``shard_grads`` (ZeRO-2) the grad buffer holds only this rank's range of each bucket, which is the
     bucket's ``grad_data``, and the slots have no ``main_grad`` yet (``grad_shard.py`` makes them).
+    ``compilable``: DTensor params and grads in the buffers are laid out so ``torch.compile`` can fake
+    them (``move_param_into``).
     """
     by_name = {name: p for name, p in named_params}
     plans = plan_buffers([(name, p.dtype, local_tensor(p).numel(), slot_numel(p), (local_tensor(p).device, group),
@@ -227,9 +232,9 @@ def build_buckets(
                 local = local_tensor(p)
                 view = None if shard_grads else grad_data[offset : offset + n].view(local.shape)
                 slots.append(ParamSlot(name=name, param=p, bucket_index=bucket_index, main_grad=view,
-                                       reduced_over=dp_size))
+                                       reduced_over=dp_size, compilable=compilable))
                 if param_data is not None:
-                    move_param_into(p, param_data, offset)
+                    move_param_into(p, param_data, offset, compilable=compilable)
             buckets.append(
                 GradBucket(
                     params=tuple(BucketParam(name, p, offset, n) for name, p, offset, n in entries),

@@ -19,7 +19,7 @@ from ndweave.ddp.grad_shard import GradShards
 from ndweave.mesh import ParallelMesh
 from ndweave.mesh.agree import raise_on_every_rank
 from ndweave.mesh.contracts import GradBucket, GradReduction, MicroBatchControl
-from ndweave.mesh.torch_compat import dtensor_over, local_tensor, queue_backward_callback
+from ndweave.mesh.torch_compat import dtensor_over, holds_compiled_code, local_tensor, queue_backward_callback
 
 __all__ = ["DistributedDataParallel", "DDP", "DEFAULT_BUCKET_SIZE"]
 
@@ -172,6 +172,8 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             group_of=lambda name, p: group_of[id(p)],
             with_param_data=use_distributed_optimizer,
             shard_grads=self.zero_stage == 2,
+            # blocks compiled before wrapping (block.compile()): dynamo fakes each param and its grad
+            compilable=any(holds_compiled_code(m) for m in module.modules()),
         )
         self._bucket_slots: list[list[ParamSlot]] = [[] for _ in self._buckets]
         # ZeRO-1 reduce-scatters each bucket, except where an all-reduce in place costs less (gloo)

@@ -291,4 +291,5 @@ def publish(slot: ParamSlot) -> None:
 def _view_as_dtensor(slot: ParamSlot, placements) -> DTensor:
     param = slot.param
     # dtensor_over, not from_local: a DTensor over a view at an offset of the buffer cannot be deep-copied
-    return dtensor_over(slot.main_grad, param.device_mesh, placements, param.shape, param.stride())
+    return dtensor_over(slot.main_grad, param.device_mesh, placements, param.shape, param.stride(),
+                        compilable=slot.compilable)

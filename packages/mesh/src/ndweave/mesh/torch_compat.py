@@ -66,6 +66,7 @@ __all__ = [
     "chunk_sizes",
     "compile_counts",
     "compiled_backward_retained",
+    "holds_compiled_code",
     "reset_compile_counts",
     "is_compiled_wrapper",
     "current_backward_id",
@@ -162,6 +163,7 @@ PRIVATE_TORCH: dict[str, str] = {
     "torch._C.DisableTorchFunction": "torch_function_disabled: an analysis's own calls hidden from a trace",
     "OpOverload._schema": "op_schema: an op's arguments (which ops take a generator)",
     # modules, optimizers and pipelining
+    "Module._compiled_call_impl": "holds_compiled_code: set by module.compile() (compiled in place)",
     "Module._parameters": "own_parameters: a module's parameter slots, set without __setattr__'s checks",
     "Module._buffers": "own_buffers: likewise its buffers",
     "Module._modules": "own_submodules: likewise its children",
@@ -404,15 +406,16 @@ def own_storage_view(view: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def dtensor_over(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
-                 shape: Sequence[int], stride: Sequence[int]) -> DTensor:
+                 shape: Sequence[int], stride: Sequence[int], *, compilable: bool = False) -> DTensor:
     """``DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)`` whose local tensor
     shares ``local``'s memory (a view of a flat buffer stays one, in memory), with no autograd node.
 
     ``DTensor.from_local`` on a view at a storage offset gives the wrapper that offset too, which
-    neither deep-copies nor compiles (:func:`own_storage_view`); over the same memory at offset 0
-    the DTensor does both. Where DLPack is missing (meta), the wrapper is built at offset 0 and its
-    local tensor re-pointed at ``local``'s storage and offset: it deep-copies, but does not compile."""
-    shared = own_storage_view(local)
+    neither deep-copies nor compiles (:func:`own_storage_view`). Built at offset 0 with its local
+    tensor re-pointed at ``local``'s storage and offset, it deep-copies. ``compilable``: over the same
+    memory at offset 0 of a storage of its own instead (where the device has DLPack), which also
+    compiles, while a tracker of live storages (``TensorMemory``) counts that memory once more."""
+    shared = own_storage_view(local) if compilable else local
     if shared.storage_offset() == 0:
         return DTensor.from_local(shared, mesh, list(placements), run_check=False, shape=tuple(shape),
                                   stride=tuple(stride))
@@ -684,6 +687,12 @@ def compiled_backward_retained():
 
     with torch._functorch.config.patch(donated_buffer=False):
         yield
+
+
+def holds_compiled_code(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs compiled: compiled in place (``module.compile()``) or ``torch.compile``'s
+    wrapper (its submodules not searched)."""
+    return module._compiled_call_impl is not None or is_compiled_wrapper(module)
 
 
 def is_compiled_wrapper(module: torch.nn.Module) -> bool:

@@ -141,19 +141,21 @@ def slot_numel(param: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def move_param_into(param: torch.nn.Parameter, param_data: torch.Tensor, offset: int) -> None:
+def move_param_into(param: torch.nn.Parameter, param_data: torch.Tensor, offset: int, *,
+                    compilable: bool = False) -> None:
     """Make ``param``'s local tensor a view of ``param_data`` at ``offset``, keeping its values: how a
-    wrapper laid out for a sharded optimizer makes its ``param_data`` views *be* the parameters."""
+    wrapper laid out for a sharded optimizer makes its ``param_data`` views *be* the parameters.
+    ``compilable``: a DTensor's local tensor is over that memory at offset 0 of a storage of its own
+    (``torch_compat.own_storage_view``), which ``torch.compile`` can fake; a tracker of live storages
+    then counts it once more."""
     local = local_tensor(param)
     shape = local.shape
     target = param_data[offset : offset + local.numel()].view(shape)
     target.copy_(local)
     if isinstance(param, DTensor):
         # A DTensor keeps its shard as a separate local tensor; re-point that tensor in place so every
-        # reference to it (the param, optimizer state keyed by the param) sees the buffer. Over the
-        # buffer's memory at offset 0 of a storage of its own, where the device allows: the DTensor then
-        # deep-copies and compiles (own_storage_view says why)
-        shared = own_storage_view(target)
+        # reference to it (the param, optimizer state keyed by the param) sees the buffer
+        shared = own_storage_view(target) if compilable else target
         local.set_(shared.untyped_storage(), shared.storage_offset(), shape, target.stride())
     else:
         param.data = target
