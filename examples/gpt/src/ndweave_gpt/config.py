@@ -65,7 +65,7 @@ class ParallelConfig:
     """tensor parallel without sequence parallel"""
     compile: bool = False
     """torch.compile each transformer block (inductor) before DDP wraps it; the step that compiles is reported
-    apart, with its graph breaks (under ep, one per MoE block at the token dispatch). The estimate and --mesh
+    apart, with its graph breaks (under ep, only at each MoE block's token dispatch). The estimate and --mesh
     auto price the eager job"""
     tp_plan: str = field(default="zoo", metadata={"flag": "--plan", "choices": ("zoo", "auto")})
     """the TP plan: the zoo's hand-written one for the model's family (nanogpt, hf_llama, hf_gpt2, the MoE
