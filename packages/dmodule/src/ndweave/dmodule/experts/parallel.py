@@ -25,6 +25,7 @@ dim of the mesh given to ``parallelize_module``::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -112,15 +113,11 @@ def _routed_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     return out if layout is None else DTensor.from_local(out, *layout, run_check=False)
 
 
-_ROUTED_CLASSES: dict[type, type] = {}
-
-
+@functools.cache
 def _routed_class(cls: type) -> type:
     """``cls`` with the routed forward: the module's class becomes it, as FSDP2's ``fully_shard`` makes
     its own (one per class; the module's name, methods and ``isinstance`` stay)."""
-    if cls not in _ROUTED_CLASSES:
-        _ROUTED_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _routed_forward})
-    return _ROUTED_CLASSES[cls]
+    return type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _routed_forward})
 
 
 @register_patch(EXPERT_PATCH)
