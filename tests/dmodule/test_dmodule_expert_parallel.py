@@ -73,7 +73,6 @@ def test_mixtral_experts_over_ep_match_one_process():
 
 
 @pytest.mark.parity
-@pytest.mark.slow  # (its compiled logits are NaN under ATEN_CPU_CAPABILITY=avx2 or default: not yet understood)
 @distributed(world_size=2, timeout=300)
 def test_compiled_mixtral_layers_over_ep_break_only_at_the_dispatch_and_match_one_process():
     """Each decoder layer compiled (inductor) after the plan: the experts' token dispatch stays out of the
