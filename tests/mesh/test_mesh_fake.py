@@ -129,3 +129,21 @@ def test_expert_parallel_is_a_role_like_the_others(rank):
         dense = init_device_mesh("cpu", (2, 2))
         assert dense.get_expert_parallel_rank() == 0
         assert dense.get_expert_parallel_mesh() is None and dense.get_expert_parallel_group() is None
+
+
+@pytest.mark.parametrize("rank", [0, 9, 15])
+def test_context_parallel_is_a_role_like_the_others(rank):
+    """``"CP"`` is a mesh role (``ROLE_DIMS``, ``CONTEXT_DIM``) with its getters; size one without it."""
+    from ndweave.mesh import CONTEXT_DIM, ROLE_DIMS
+
+    assert CONTEXT_DIM == ROLE_DIMS["context"] == "CP"
+    with fake_world(16, rank=rank):
+        mesh = init_device_mesh("cpu", (2, 4, 2), mesh_dim_names=("DP", "CP", "TP"))
+        dp, cp, tp = rank // 8, (rank // 2) % 4, rank % 2
+        assert (mesh.get_context_parallel_rank(), mesh.get_data_parallel_rank()) == (cp, dp)
+        assert mesh.get_context_parallel_mesh().mesh.tolist() == [8 * dp + 2 * i + tp for i in range(4)]
+        assert mesh.get_context_parallel_group() is mesh.get_group("CP")
+    with fake_world(4, rank=1):
+        dense = init_device_mesh("cpu", (2, 2))
+        assert dense.get_context_parallel_rank() == 0
+        assert dense.get_context_parallel_mesh() is None and dense.get_context_parallel_group() is None

@@ -5,6 +5,7 @@ documented default mesh (:data:`DEVICE_MESH`), and the contracts other ndweave p
 """
 
 from ndweave.mesh.parallel_mesh import (
+    CONTEXT_DIM,
     DEFAULT_DIM_NAMES,
     DEVICE_MESH,
     EXPERT_DIM,
@@ -17,8 +18,8 @@ from ndweave.mesh.lifecycle import ShutdownError, shutdown
 from ndweave.mesh.resolve import resolve_mesh
 from ndweave.mesh.spec import init_mesh_from_spec, parse_spec, resolve_spec
 
-__version__ = "0.10.8"
+__version__ = "0.10.9"
 
-__all__ = ["DEFAULT_DIM_NAMES", "DEVICE_MESH", "EXPERT_DIM", "ROLE_DIMS", "ParallelMesh", "ShutdownError", "fake_world",
+__all__ = ["CONTEXT_DIM", "DEFAULT_DIM_NAMES", "DEVICE_MESH", "EXPERT_DIM", "ROLE_DIMS", "ParallelMesh", "ShutdownError", "fake_world",
            "init_device_mesh", "init_mesh_from_spec", "parse_spec", "resolve_mesh", "resolve_spec", "shutdown",
            "__version__"]

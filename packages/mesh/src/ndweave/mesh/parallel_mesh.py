@@ -28,7 +28,8 @@ from ndweave.mesh.mesh_args import check_device_type, check_mesh_dim_names, chec
 from ndweave.mesh.torch_compat import adopt_mesh_state, drop_mesh_state, flatten_mesh, set_group_timeout
 from ndweave.mesh.vescale import VeScaleAliases
 
-__all__ = ["ParallelMesh", "DEVICE_MESH", "init_device_mesh", "DEFAULT_DIM_NAMES", "Dim", "ROLE_DIMS", "EXPERT_DIM"]
+__all__ = ["ParallelMesh", "DEVICE_MESH", "init_device_mesh", "DEFAULT_DIM_NAMES", "Dim", "ROLE_DIMS", "EXPERT_DIM",
+           "CONTEXT_DIM"]
 
 #: Default names for a mesh of n <= 3 dims are the last n of these (outermost first): a 2-D mesh is
 #: ("DP", "TP"), so TP, the most communication-hungry dim, gets neighbouring ranks (same node).
@@ -38,11 +39,15 @@ DEFAULT_DIM_NAMES = ("PP", "DP", "TP")
 Dim = Union[str, int]
 
 #: The dim each role's getters read (``get_<role>_parallel_rank/mesh/group``): a role whose dim the
-#: mesh lacks has size 1. Expert-parallel ranks split the batch like DP ranks and divide the experts.
-ROLE_DIMS = {"pipeline": "PP", "data": "DP", "expert": "EP", "tensor": "TP"}
+#: mesh lacks has size 1. Expert-parallel ranks split the batch like DP ranks and divide the experts;
+#: context-parallel ranks split each sequence (their parameters' grads reduce as DP ranks' do).
+ROLE_DIMS = {"pipeline": "PP", "data": "DP", "context": "CP", "expert": "EP", "tensor": "TP"}
 
 #: The dim experts are divided over (dmodule's ``expert_parallel`` patch; DDP's data dims with DP).
 EXPERT_DIM = ROLE_DIMS["expert"]
+
+#: The dim each sequence is split over (dmodule's ``context.ContextParallel``).
+CONTEXT_DIM = ROLE_DIMS["context"]
 
 
 def _default_backend(device_type: str) -> str:
@@ -323,6 +328,15 @@ class ParallelMesh(VeScaleAliases, DeviceMesh):
 
     def get_data_parallel_group(self) -> dist.ProcessGroup | None:
         return self._role_group("data")
+
+    def get_context_parallel_rank(self) -> int:
+        return self._role_rank("context")
+
+    def get_context_parallel_mesh(self) -> DeviceMesh | None:
+        return self._role_mesh("context")
+
+    def get_context_parallel_group(self) -> dist.ProcessGroup | None:
+        return self._role_group("context")
 
     def get_expert_parallel_rank(self) -> int:
         return self._role_rank("expert")

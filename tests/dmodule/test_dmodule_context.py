@@ -1,0 +1,247 @@
+"""Context parallel (``ndweave.dmodule.context``): the sequence split over a CP dim with causal load
+balance, attention across it, against one process on the whole sequence. Each rank computes the loss
+of its own tokens (their mean, outside the model, against plain targets); every rank holds as many
+tokens, so the mean of the ranks' losses is one process's loss and the mean of their gradients one
+process's gradients (what DDP over DP x CP reduces). Logits, loss and every gradient: float64 strict
+for the GPT and torch's own layers; transformers' models, which normalize in float32, to FLOAT32_INSIDE."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from ndweave.dmodule.context import ContextParallel, ContextParallelError, SequenceLayout
+from ndweave.mesh import init_device_mesh
+from ndweave.mesh.testing import STRICT, STRICT_DTYPE, Tolerance, assert_close, distributed
+
+_T, _B, _VOCAB = 32, 2, 128
+
+
+def test_each_rank_holds_a_head_and_a_tail_chunk():
+    layout = SequenceLayout(8, 2)
+    assert layout.positions(0).tolist() == [0, 1, 6, 7] and layout.positions(1).tolist() == [2, 3, 4, 5]
+    assert SequenceLayout(8, 2, load_balance=False).positions(1).tolist() == [4, 5, 6, 7]
+    whole = torch.arange(3 * 16).view(3, 16)
+    four = SequenceLayout(16, 4)
+    shards = [four.shard(whole, r) for r in range(4)]
+    assert torch.equal(four.unshard(torch.cat(shards, dim=1)), whole)
+    # causal work even: the sum of positions (the keys each query sees) is the same on every rank
+    assert len({int(four.positions(r).sum()) for r in range(4)}) == 1
+
+
+def test_a_sequence_that_does_not_split_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"sequence of 30 tokens does not divide into 8.*multiple of 8"):
+        SequenceLayout(30, 4)
+
+
+def _cp(**kwargs) -> ContextParallel:
+    """Float64, seed 0, and context parallel over every rank."""
+    torch.set_default_dtype(STRICT_DTYPE)
+    torch.manual_seed(0)
+    return ContextParallel(init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("CP",)), **kwargs)
+
+
+def _gpt(**overrides):
+    from gpt_model import GPT, GPTConfig
+
+    return GPT(GPTConfig(**{**{"vocab_size": _VOCAB, "block_size": _T, "n_layer": 2, "n_head": 4, "n_embd": 32, "dropout": 0.0},
+                            **overrides}))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, _VOCAB, (_B, _T), generator=torch.Generator().manual_seed(100 + step))
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def _logits(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _check_cp_parity(reference, model, cp: ContextParallel, *, steps: int, tol: Tolerance,
+                     ref_kwargs=None, positions=None, attention=None) -> None:
+    """``steps`` AdamW steps: the reference on whole sequences (``ref_kwargs(step)`` besides the ids),
+    ``model`` on this rank's tokens at ``positions(step)`` (default: their global positions) within
+    ``cp.attention(**attention(step))``."""
+    ref_kwargs = ref_kwargs or (lambda step: {})
+    positions = positions or (lambda step: cp.position_ids(_T))
+    attention = attention or (lambda step: {})
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    for step in range(steps):
+        ids, targets = _batch(step)
+        ref_logits = _logits(reference(ids, **ref_kwargs(step)))
+        ref_loss = _loss(ref_logits, targets)
+        ref_loss.backward()
+        with cp.attention(**attention(step)):
+            logits = _logits(model(cp.shard(ids), position_ids=positions(step)))
+        loss = _loss(logits, cp.shard(targets))
+        loss.backward()
+        assert_close(logits, cp.shard(ref_logits), name=f"step {step} logits of this rank's tokens", tol=tol)
+        group = cp.mesh.get_group()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=group)
+        assert_close(mean / cp.size, ref_loss, name=f"step {step} loss (mean over CP ranks)", tol=tol)
+        for (name, p), ref_p in zip(model.named_parameters(), reference.parameters()):
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # (TP's shard: its CP peers hold the same)
+            dist.all_reduce(grad, group=group)  # (what DDP over the CP ranks does: their mean)
+            grad /= cp.size
+            assert_close(p.grad, ref_p.grad, name=f"step {step} {name}.grad", tol=tol)
+        for optimizer in (ref_opt, opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    for (name, p), ref_p in zip(model.named_parameters(), reference.parameters()):
+        assert_close(p, ref_p, name=f"{name} after {steps} steps", tol=tol)
+
+
+def _gpt_causal() -> None:
+    cp = _cp()
+    reference = _gpt()
+    _check_cp_parity(reference, copy.deepcopy(reference), cp, steps=2, tol=STRICT)
+
+
+@pytest.mark.parity
+@distributed(world_size=2)
+def test_the_gpt_at_cp2_trains_like_one_process():
+    _gpt_causal()
+
+
+@pytest.mark.parity
+@distributed(world_size=4)
+def test_the_gpt_at_cp4_trains_like_one_process():
+    _gpt_causal()
+
+
+def _documents(step: int) -> torch.Tensor:
+    """(B, T) document ids of a packed batch: documents of 5 to 12 tokens, cut anywhere."""
+    g = torch.Generator().manual_seed(7 + step)
+    rows = []
+    for _ in range(_B):
+        lengths = []
+        while sum(lengths) < _T:
+            lengths.append(int(torch.randint(5, 13, (1,), generator=g)))
+        rows.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:_T])
+    return torch.stack(rows)
+
+
+def _restarting_positions(documents: torch.Tensor) -> torch.Tensor:
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    index = torch.arange(documents.shape[1]).expand_as(documents)
+    return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+
+
+@pytest.mark.parity
+@distributed(world_size=2)
+def test_packed_documents_see_only_their_own_tokens_across_cp():
+    """The GPT on packed batches: one process takes the block-diagonal causal mask and positions that
+    restart per document; CP ranks take the whole batch's document ids (``documents=``) and their
+    shard of those positions."""
+    cp = _cp()
+    reference = _gpt()
+
+    def ref_kwargs(step):
+        docs = _documents(step)
+        causal = torch.ones(_T, _T, dtype=torch.bool).tril()
+        mask = (docs[:, :, None] == docs[:, None, :]) & causal
+        return dict(attention_mask=mask[:, None], position_ids=_restarting_positions(docs))
+
+    _check_cp_parity(reference, copy.deepcopy(reference), cp, steps=2, tol=STRICT, ref_kwargs=ref_kwargs,
+                     positions=lambda step: cp.shard(_restarting_positions(_documents(step))),
+                     attention=lambda step: dict(documents=_documents(step)))
+
+
+def _hf(arch: str, **overrides):
+    from dmodule_auto_models import build_hf
+
+    model = build_hf(arch, **overrides)
+    model.config._attn_implementation = "sdpa"  # (transformers' SDPA attention: F.scaled_dot_product_attention)
+    return model.eval()
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox", "phi3"])
+def test_transformers_decoders_at_cp2_train_like_one_process(arch):
+    _hf_parity(arch)
+
+
+@distributed(world_size=2)
+def _hf_parity(arch: str) -> None:
+    from dmodule_auto_models import FLOAT32_INSIDE
+
+    cp = _cp()
+    reference = _hf(arch)
+    _check_cp_parity(reference, copy.deepcopy(reference), cp, steps=2, tol=FLOAT32_INSIDE)
+
+
+@pytest.mark.parity
+@distributed(world_size=2)
+def test_a_sliding_window_is_rebuilt_from_global_positions():
+    """Mistral with a window of 8 tokens over 32: transformers builds a windowed mask for the local
+    tokens, which CP refuses until ``window=`` and ``replace_model_mask=True`` say what it means."""
+    from dmodule_auto_models import FLOAT32_INSIDE
+
+    cp = _cp()
+    reference = _hf("mistral", sliding_window=8)
+    model = copy.deepcopy(reference)
+    with pytest.raises(ContextParallelError, match="attn_mask of shape .* replace_model_mask=True"), cp.attention():
+        model(cp.shard(_batch(0)[0]), position_ids=cp.position_ids(_T))
+    _check_cp_parity(reference, model, cp, steps=2, tol=FLOAT32_INSIDE,
+                     attention=lambda step: dict(window=8, replace_model_mask=True))
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("load_balance", [True, False])
+def test_bidirectional_attention_an_encoder_at_cp2(load_balance):
+    _encoder_parity(load_balance)
+
+
+@distributed(world_size=2)
+def _encoder_parity(load_balance: bool) -> None:
+    """transformers' BERT (masked LM; SDPA attention, no mask: every token sees every token)."""
+    from dmodule_auto_models import FLOAT32_INSIDE
+    from transformers import BertConfig, BertForMaskedLM
+
+    cp = _cp(load_balance=load_balance)
+    config = BertConfig(vocab_size=_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=_T, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+    reference = BertForMaskedLM(config).eval()
+    _check_cp_parity(reference, copy.deepcopy(reference), cp, steps=1, tol=FLOAT32_INSIDE)
+
+
+@pytest.mark.parity
+@distributed(world_size=4)
+def test_cp2_by_tp2_trains_like_one_process():
+    """The GPT under the zoo's TP plan on ``mesh["TP"]`` and CP over ``mesh["CP"]``: attention runs on
+    each TP rank's heads, across the CP ranks' tokens."""
+    from ndweave.dmodule import get_plan, parallelize_module
+
+    torch.set_default_dtype(STRICT_DTYPE)
+    torch.manual_seed(0)
+    reference = _gpt()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("CP", "TP"))
+    model = parallelize_module(copy.deepcopy(reference), mesh["TP"], get_plan("nanogpt", reference))
+    _check_cp_parity(reference, model, ContextParallel(mesh), steps=2, tol=STRICT)
+
+
+@distributed(world_size=2)
+def test_what_cp_cannot_split_is_refused_on_every_rank():
+    cp = ContextParallel(init_device_mesh("cpu", (2,), mesh_dim_names=("CP",)))
+    with pytest.raises(ValueError, match="sequence of 30 tokens does not divide into 4"):
+        cp.shard(torch.zeros(2, 30))
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ContextParallelError, match="4 queries and 6 keys .* cross-attention"), cp.attention():
+        F.scaled_dot_product_attention(q, torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8))
+    with pytest.raises(ContextParallelError, match=r"attn_mask of shape \(4, 4\)"), cp.attention():
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ContextParallelError, match="'CP' dim"):
+        ContextParallel(init_device_mesh("cpu", (1, 2), mesh_dim_names=("DP", "TP")))
