@@ -11,6 +11,7 @@ schedule (:func:`build_optimizer`). Everything is passed in: the mesh, the confi
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from torch import nn
 from ndweave.checkpoint import load
 from ndweave.ddp import DistributedDataParallel as DDP
 from ndweave.dmodule import get_plan, parallelize_module
+from ndweave.dmodule.context import ContextParallel
 from ndweave.mesh import ParallelMesh, init_mesh_from_spec
 from ndweave.mesh.torch_compat import non_persistent_buffer_names
 from ndweave.optim import DistributedOptimizer
@@ -74,6 +76,20 @@ def mesh_problem(config: JobConfig, sizes: dict[str, int]) -> str | None:
         plan = "the nanogpt plan has" if model.hf_config is None else "the job has"
         return (f"{what.split(' ')[0]} with tp={tp}: {plan} no tensor-parallel layout for MoE blocks; use tp=1 (ep and "
                 "dp split the batch)")
+    cp = sizes["CP"]
+    if cp > 1 and model.block_size % (2 * cp):
+        return (f"--block-size {model.block_size} must split into 2 x cp={2 * cp} chunks (each CP rank a head and a "
+                f"tail chunk of every sequence): use a multiple of {2 * cp}")
+    if cp > 1 and config.plan.memory_check:
+        return f"--memory-check with cp={cp}: the estimate it checks does not price context parallel yet"
+    window = getattr(model.hf_config, "sliding_window", None) if model.hf_config is not None else None
+    if cp > 1 and window and window < model.block_size:
+        return (f"cp={cp} with {model.name}'s sliding window of {window} tokens is not supported yet by the job "
+                f"(ndweave.dmodule.context takes window=; the job passes causal masks only): use a --block-size of at "
+                f"most {window}, or make those ranks dp")
+    if cp > 1 and (experts or config.data.data):
+        return (f"cp={cp} with {'experts' if experts else '--data'} is not supported yet: context parallel trains "
+                "dense models on the default text (make those ranks dp)")
     if ep > 1 and plan_name(config) == "auto":
         return (f"ep={ep} divides experts with the zoo's MoE plans (hf:mixtral, hf:qwen2_moe, hf:qwen3_moe, "
                 f"hf:deepseek_v3, nanogpt); {model.name} with --plan {parallel.tp_plan} has none: make those ranks "
@@ -87,16 +103,22 @@ def data_rank(mesh: ParallelMesh) -> tuple[int, int]:
     return mesh["DP"].get_local_rank() * ep + mesh["EP"].get_local_rank(), mesh["DP"].size() * ep
 
 
+def token_slices(mesh: ParallelMesh) -> int:
+    """Ranks that split each global batch's tokens: DP and EP ranks its rows, CP ranks each row's tokens."""
+    return data_rank(mesh)[1] * mesh["CP"].size()
+
+
 def data_sum(value: torch.Tensor, mesh: ParallelMesh) -> torch.Tensor:
     """``value`` summed over the ranks that split the batch, in place."""
-    for dim in ("DP", "EP"):
-        dist.all_reduce(value, group=mesh[dim].get_group())
+    for dim in ("DP", "CP", "EP"):
+        if mesh[dim].size() > 1:
+            dist.all_reduce(value, group=mesh[dim].get_group())
     return value
 
 
 def data_mean(value: torch.Tensor, mesh: ParallelMesh) -> float:
     """The mean of a value over the ranks that split the batch (equal slices: the global mean)."""
-    return data_sum(value, mesh).item() / data_rank(mesh)[1]
+    return data_sum(value, mesh).item() / token_slices(mesh)
 
 
 def build_data(config: JobConfig, show: bool = False):
@@ -129,9 +151,9 @@ def global_tokens(targets: torch.Tensor, real: int, mesh: ParallelMesh) -> tuple
 
 
 def loss_scale(trained: float, mesh: ParallelMesh, config: JobConfig) -> float:
-    """``MaskedLoss.scale`` for a global batch of ``trained`` tokens trained on: micro-batches x DP slices
-    over them."""
-    return config.parallel.micro_batches * data_rank(mesh)[1] / max(trained, 1.0)
+    """``MaskedLoss.scale`` for a global batch of ``trained`` tokens trained on: micro-batches x the slices
+    (DP, EP, CP) over them."""
+    return config.parallel.micro_batches * token_slices(mesh) / max(trained, 1.0)
 
 
 def build_model(config: JobConfig, device: str | None = None) -> nn.Module:
@@ -236,6 +258,24 @@ class Parallel:
     """The optimizer's lr schedule."""
     loss: MaskedLoss | None = None
     """``--data``: the engine's loss, its scale set per step; ``None``: :func:`loss_fn`, the mean."""
+    cp: ContextParallel | None = None
+    """cp > 1: each sequence split over the CP ranks (:func:`context_batch`), attention across them
+    (:func:`attending`)."""
+
+
+def context_batch(cp: ContextParallel | None, inputs: torch.Tensor, targets: torch.Tensor) -> tuple:
+    """A batch as this CP rank trains on it: its tokens of each sequence, with their global positions."""
+    if cp is None:
+        return inputs, targets
+    positions = cp.position_ids(inputs.shape[1], inputs.device).expand(inputs.shape[0], -1).contiguous()
+    return {"input_ids": cp.shard(inputs), "position_ids": positions}, cp.shard(targets)
+
+
+def attending(job: Parallel) -> contextlib.AbstractContextManager:
+    """Where the engine runs: attention across the CP ranks (cp > 1). A transformers model traced into
+    pipeline stages builds its causal mask for the local tokens (tracing keeps it from passing none), which
+    the job's masks, causal only, may replace."""
+    return job.cp.attention(replace_model_mask=True) if job.cp is not None else contextlib.nullcontext()
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig) -> Parallel:
@@ -250,7 +290,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig) -> Para
     # its batch size too, since a trace answers shape questions from it (HF's mask building)
     rows = config.data.global_batch // (data_rank(mesh)[1] * parallel.micro_batches)
     device = "meta" if on_meta else parallel.device
-    example = example_batch(config, rows, device)  # --data: a dict with the document mask
+    cp = mesh["CP"].size()
+    example = example_batch(config, rows, device, cp)  # --data: a dict with the document mask; cp: positions
     tensor_parallel, expert_parallel = mesh["TP"].size() > 1, mesh["EP"].size() > 1
     # "auto" derives the plan from the whole model, before the cut: stage chunks keep its FQNs, and a
     # plan key naming a module another stage holds matches nothing there, as expected
@@ -272,11 +313,12 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig) -> Para
             for block in blocks(chunk):
                 block.compile()
     for i in range(len(module)):
-        # with EP: the mesh whole, so DDP reduces dense grads over DP x EP and the experts' over DP
-        module[i] = DDP(module[i], mesh if expert_parallel else mesh["DP"], zero_stage=parallel.zero_stage)
+        # with EP or CP: the mesh whole, so DDP reduces dense grads over DP x CP x EP and the experts' over DP x
+        # CP (CP ranks train on other tokens of the same rows)
+        module[i] = DDP(module[i], mesh if expert_parallel or cp > 1 else mesh["DP"], zero_stage=parallel.zero_stage)
     loss = MaskedLoss() if config.data.data else None
     engine = PipeEngine(module, mesh, loss or loss_fn, plan)  # before the optimizer: it marks the tied copy
-    return Parallel(list(module.chunks), engine, loss=loss)
+    return Parallel(list(module.chunks), engine, loss=loss, cp=ContextParallel(mesh) if cp > 1 else None)
 
 
 def blocks(chunk: nn.Module) -> list[nn.Module]:

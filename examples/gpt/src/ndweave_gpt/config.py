@@ -31,14 +31,17 @@ import torch
 from ndweave_gpt.data import VALIDATION_WINDOWS
 from ndweave_gpt.models import hf
 
-__all__ = ["CheckpointConfig", "DataConfig", "DIMS", "DTYPES", "FaultConfig", "JobConfig", "MetricsConfig",
+__all__ = ["CheckpointConfig", "DataConfig", "DIMS", "DTYPES", "PRICED_DIMS", "FaultConfig", "JobConfig", "MetricsConfig",
            "ModelConfig", "ParallelConfig", "PlanConfig", "TrainingConfig", "build_parser", "num_experts",
            "parse_args"]
 
 #: ``--dtype``'s names
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float64}
-#: The mesh's dims, outermost first (EP inside DP: the EP ranks split the batch like DP ranks).
-DIMS = ("PP", "DP", "EP", "TP")
+#: The mesh's dims, outermost first (EP inside DP: the EP ranks split the batch like DP ranks; CP ranks
+#: split each sequence).
+DIMS = ("PP", "DP", "CP", "EP", "TP")
+#: The dims the estimate and ``--mesh auto`` price (context parallel is not priced yet).
+PRICED_DIMS = ("PP", "DP", "EP", "TP")
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,8 @@ class ParallelConfig:
     """How the job is laid out over its ranks."""
 
     mesh: str = field(default="pp=2,dp=2,tp=2", metadata={"metavar": "SPEC"})
-    """sizes of pp, dp, ep, tp (omitted: 1; one of them -1: the rest of the world, e.g. dp=-1); ep (expert
+    """sizes of pp, dp, cp, ep, tp (omitted: 1; one of them -1: the rest of the world, e.g. dp=-1); cp (context
+    parallel): CP ranks split each sequence, attention across them; ep (expert
     parallel, with --moe-experts): EP ranks split the batch like DP ranks and divide the experts; auto: the
     fastest layout (mesh, schedule, micro-batches, recompute) whose estimated memory fits --memory-per-device
     on --world-size ranks, printed, then run"""

@@ -8,8 +8,8 @@ from torch import nn
 
 from ndweave.mesh import ParallelMesh
 from ndweave.pipeline import PipeEngine, generate
-from ndweave_gpt.build import (MaskedLoss, build_data, build_model, data_mean, data_rank, global_tokens, loss_scale,
-                               to_device)
+from ndweave_gpt.build import (Parallel, attending, build_data, build_model, context_batch, data_mean, data_rank,
+                               global_tokens, loss_scale, to_device)
 from ndweave_gpt.config import JobConfig
 from ndweave_gpt.data import TextData
 from ndweave_gpt.data.tokens import TokenData
@@ -17,18 +17,20 @@ from ndweave_gpt.data.tokens import TokenData
 __all__ = ["sample", "sample_final", "sample_one_process", "validation_loss"]
 
 
-def validation_loss(engine: PipeEngine, chunks: list[nn.Module], data: TextData | TokenData, mesh: ParallelMesh,
-                    config: JobConfig, loss: MaskedLoss | None = None) -> float:
-    """The mean loss on the held-out batch, forward only through the pipeline (every rank); ``loss``
+def validation_loss(job: Parallel, data: TextData | TokenData, mesh: ParallelMesh, config: JobConfig) -> float:
+    """The mean loss on the held-out batch, forward only through the pipeline (every rank); ``job.loss``
     (``--data``): the engine's, scaled for this batch, then back to the training step's scale."""
     x, y = to_device(data.validation(config.data.global_batch, *data_rank(mesh)), config.parallel.device)
+    x, y = context_batch(job.cp, x, y)
+    loss = job.loss
     scale = loss.scale if loss is not None else None
     if loss is not None:
         loss.scale = loss_scale(global_tokens(y, 0, mesh)[0], mesh, config)
-    for chunk in chunks:
+    for chunk in job.chunks:
         chunk.eval()
-    value = engine.evaluate(x, y).detach().to(torch.float64)
-    for chunk in chunks:
+    with attending(job):
+        value = job.engine.evaluate(x, y).detach().to(torch.float64)
+    for chunk in job.chunks:
         chunk.train()
     if loss is not None:
         loss.scale = scale

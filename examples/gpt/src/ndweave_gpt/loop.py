@@ -14,8 +14,8 @@ import torch.distributed as dist
 from ndweave.mesh import ParallelMesh
 from ndweave.mesh.torch_compat import compile_counts, reset_compile_counts
 from ndweave_gpt import report
-from ndweave_gpt.build import (Parallel, build_data, build_mesh, build_model, build_optimizer, check_mesh, data_mean,
-                               data_rank, global_tokens, loss_scale, parallelize, to_device)
+from ndweave_gpt.build import (Parallel, attending, build_data, build_mesh, build_model, build_optimizer, check_mesh,
+                               context_batch, data_mean, data_rank, global_tokens, loss_scale, parallelize, to_device)
 from ndweave_gpt.config import DIMS, JobConfig
 from ndweave_gpt.data import TextData
 from ndweave_gpt.data.tokens import TokenData
@@ -69,7 +69,7 @@ def _train(config: JobConfig, memory: Any | None) -> RunResult:
     if memory is not None:
         dist.all_gather_object(tensor_peaks, steps_peak)
     tokens_per_s = tokens / max(seconds, 1e-9)
-    shown = [d for d in DIMS if d != "EP" or mesh["EP"].size() > 1]  # EP where the run has it
+    shown = [d for d in DIMS if d not in ("CP", "EP") or mesh[d].size() > 1]  # CP, EP where the run has them
     return RunResult(losses, gather_params(job.chunks), seconds, tokens_per_s, peaks,
                      " x ".join(f"{d}={mesh[d].size()}" for d in shown), by_step(run.history),
                      by_step(run.val_history), text, utilization(tokens_per_s), tensor_peaks)
@@ -104,21 +104,22 @@ def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: T
         if config.parallel.compile:
             reset_compile_counts()
         tick = time.perf_counter()
-        x, y = to_device(data.batch(run.position, batch, dp_rank, dp_size), device)
+        x, y = context_batch(job.cp, *to_device(data.batch(run.position, batch, dp_rank, dp_size), device))
         reading = time.perf_counter() - tick
         if job.loss is not None:  # --data: the loss is the mean over the global batch's trained tokens
             trained, tokens = global_tokens(y, data.real_tokens, mesh)  # the bar counts tokens, not padding
             job.loss.scale = loss_scale(trained, mesh, config)
         seen += tokens
         job.optimizer.zero_grad()
-        loss = job.engine(x, y).detach().to(torch.float64)  # the mean over this DP rank's micro-batches
+        with attending(job):
+            loss = job.engine(x, y).detach().to(torch.float64)  # the mean over this rank's micro-batches
         job.optimizer.step()
         lr = job.optimizer.param_groups[0]["lr"]  # the one this step used
         job.scheduler.step()
         run.position.advance(batch)
         losses[step] = run.history[step - 1] = data_mean(loss, mesh)
         if eval_every and (step % eval_every == 0 or step == last):
-            run.val_history[step - 1] = validation_loss(job.engine, job.chunks, data, mesh, config, job.loss)
+            run.val_history[step - 1] = validation_loss(job, data, mesh, config)
         seconds = time.perf_counter() - tick
         if config.parallel.compile and show:
             report_compile(step, seconds)

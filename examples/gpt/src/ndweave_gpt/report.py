@@ -27,8 +27,11 @@ def start(mesh: Any, model: torch.nn.Module, config: JobConfig) -> None:
     print(f"{describe_model(model, config)}: {count / 1e6:.2f}M parameters, {config.model.dtype}"
           f"{', activation checkpointing per layer' if parallel.activation_checkpointing else ''}")
     experts = f", EP={ep} (experts divided, the batch split like DP)" if ep > 1 else ""
+    cp = mesh["CP"].size()
+    context = f", CP={cp} (each sequence split, attention across it)" if cp > 1 else ""
     print(f"PP={pp} ({parallel.schedule}, {parallel.micro_batches} micro-batches per data rank), "
-          f"TP={tp}{'' if parallel.no_sp or tp == 1 else ' +SP'}, DP={dp}{experts} with ZeRO-1 (DistributedOptimizer); "
+          f"TP={tp}{'' if parallel.no_sp or tp == 1 else ' +SP'}, DP={dp}{experts}{context} with "
+          f"ZeRO-{parallel.zero_stage} (DistributedOptimizer); "
           f"global batch {config.data.global_batch} x {config.model.block_size} tokens, {config.training.steps} steps")
 
 

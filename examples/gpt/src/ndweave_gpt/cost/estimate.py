@@ -62,7 +62,7 @@ from ndweave.pipeline import PipelineParallelPlan
 from ndweave.pipeline.construct import ModelCut
 from ndweave.pipeline.cost import StageActivations, stage_activations, stage_param_names
 from ndweave.pipeline.plan import ResolvedPlan, resolve_plan
-from ndweave_gpt.config import DIMS, JobConfig
+from ndweave_gpt.config import DIMS, PRICED_DIMS, JobConfig
 from ndweave_gpt.cost.in_flight import activation_terms, rank_actions
 from ndweave_gpt.data import TextData, example_batch
 
@@ -81,7 +81,9 @@ def estimate_memory(args: JobConfig, build_model: Callable[..., nn.Module],
     :class:`RankMemory` per coordinate, in rank order. ``build_model(args, "meta")`` is the job's
     model on meta, ``sharding(model, sizes)`` its TP (or EP) plan for the mesh's sizes, or ``None``."""
     sizes = resolve_spec(args.parallel.mesh, None, dims=DIMS)
-    pp, dp, ep, tp = (sizes[d] for d in DIMS)
+    if sizes["CP"] > 1:
+        raise NotImplementedError(f"context parallel (cp={sizes['CP']}) is not priced yet; estimate the mesh with cp=1")
+    pp, dp, ep, tp = (sizes[d] for d in PRICED_DIMS)
     model = build_model(args, "meta")
     plan = PipelineParallelPlan(schedule_type=args.parallel.schedule, virtual_chunks=args.parallel.virtual_chunks,
                                 num_microbatches=args.parallel.micro_batches)
@@ -114,7 +116,7 @@ def estimate_memory(args: JobConfig, build_model: Callable[..., nn.Module],
 def _coordinates(sizes: dict[str, int]) -> list[dict[str, int]]:
     """Every coordinate of the mesh, row-major (rank order)."""
     out = [{}]
-    for d in DIMS:
+    for d in PRICED_DIMS:
         out = [{**c, d: i} for c in out for i in range(sizes[d])]
     return out
 
@@ -415,10 +417,10 @@ def data_bytes(args: JobConfig) -> int:
 def table(ranks: list[RankMemory]) -> str:
     """The estimate as text: a row per rank, a column per term (MiB), the peak last."""
     names = list(dict.fromkeys(t.name for r in ranks for t in r.terms))
-    head = "rank  " + "  ".join(f"{d}" for d in DIMS) + "  " + "  ".join(f"{n:>15}" for n in names) + "      peak MiB"
+    head = "rank  " + "  ".join(f"{d}" for d in PRICED_DIMS) + "  " + "  ".join(f"{n:>15}" for n in names) + "      peak MiB"
     rows = [head]
     for i, r in enumerate(ranks):
         terms = r.by_name()
-        rows.append(f"{i:>4}  " + "  ".join(f"{r.coordinate[d]:>2}" for d in DIMS) + "  "
+        rows.append(f"{i:>4}  " + "  ".join(f"{r.coordinate[d]:>2}" for d in PRICED_DIMS) + "  "
                     + "  ".join(f"{terms.get(n, 0) / 2**20:>15.2f}" for n in names) + f"  {r.peak / 2**20:>12.2f}")
     return "\n".join(rows)

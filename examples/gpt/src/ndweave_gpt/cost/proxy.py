@@ -58,7 +58,7 @@ from ndweave.pipeline.construct import ModelCut, cut_model
 from ndweave.pipeline.cost import StageActivations
 from ndweave.pipeline.plan import ResolvedPlan, resolve_plan
 from ndweave.pipeline.split import assign_stages, model_layers
-from ndweave_gpt.config import DIMS, DTYPES, JobConfig
+from ndweave_gpt.config import DIMS, DTYPES, PRICED_DIMS, JobConfig
 from ndweave_gpt.cost.estimate import (StageBytes, activation_terms, chunk_buffers, chunk_state, data_bytes, local_shapes,
                                        parameters, peer_shapes, rank_actions, sharding_mesh, state_terms,
                                        tied_across_ranks, trace)
@@ -582,7 +582,7 @@ def _counts(stage: _Stage) -> tuple[int, int, int]:
 def _representatives(sizes: dict[str, int]) -> list[dict[str, int]]:
     """One coordinate per PP rank and end of each of the other dims."""
     out = [{}]
-    for d in DIMS:
+    for d in PRICED_DIMS:
         ends = range(sizes[d]) if d == "PP" else sorted({0, sizes[d] - 1})
         out = [{**c, d: i} for c in out for i in ends]
     return out

@@ -61,7 +61,7 @@ from ndweave.pipeline import PipelineParallelPlan
 from ndweave.pipeline.cost import stage_activations
 from ndweave.pipeline.plan import resolve_plan
 from ndweave.pipeline.step_time import simulate_schedule
-from ndweave_gpt.config import DIMS, DTYPES, JobConfig
+from ndweave_gpt.config import DIMS, DTYPES, PRICED_DIMS, JobConfig
 from ndweave_gpt.cost.estimate import fused_attention, parameters, sharding_mesh
 from ndweave_gpt.data import example_batch
 
@@ -90,7 +90,9 @@ def estimate_step_seconds(args: JobConfig, machine: Machine, build_model: Callab
     ``optimizer_kwargs`` AdamW's. ``machine`` must rate ``--dtype``'s matmuls
     (``calibrate(device, dtypes=[...])``)."""
     sizes = resolve_spec(args.parallel.mesh, None, dims=DIMS)
-    pp, dp, ep, tp = (sizes[d] for d in DIMS)
+    if sizes["CP"] > 1:
+        raise NotImplementedError(f"context parallel (cp={sizes['CP']}) is not priced yet; estimate the mesh with cp=1")
+    pp, dp, ep, tp = (sizes[d] for d in PRICED_DIMS)
     plan = PipelineParallelPlan(schedule_type=args.parallel.schedule, virtual_chunks=args.parallel.virtual_chunks,
                                 num_microbatches=args.parallel.micro_batches)
     resolved = resolve_plan(plan, pp)

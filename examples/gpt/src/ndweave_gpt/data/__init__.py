@@ -43,11 +43,15 @@ def keeps_documents_apart(config: Any) -> bool:
     return bool(config.data.data) and config.data.packing in ("auto", *DOCUMENT_PACKINGS)
 
 
-def example_batch(config: Any, rows: int, device: str | torch.device) -> torch.Tensor | dict[str, torch.Tensor]:
+def example_batch(config: Any, rows: int, device: str | torch.device,
+                  cp: int = 1) -> torch.Tensor | dict[str, torch.Tensor]:
     """One micro-batch of ``rows`` samples' inputs as the model takes them (zeros; ``device="meta"``
     allocates nothing): token ids, or a dict of ``input_ids``, ``position_ids`` and the ``(B, 1, S, S)``
-    document mask (:func:`keeps_documents_apart`). What the pipeline traces and the estimate prices."""
-    ids = torch.zeros((rows, config.model.block_size), dtype=torch.long, device=device)
+    document mask (:func:`keeps_documents_apart`). What the pipeline traces and the estimate prices.
+    ``cp`` > 1: a CP rank's share of each sequence, with its (global) position ids."""
+    ids = torch.zeros((rows, config.model.block_size // cp), dtype=torch.long, device=device)
+    if cp > 1:
+        return {"input_ids": ids, "position_ids": ids.clone()}
     if not keeps_documents_apart(config):
         return ids
     size = config.model.block_size

@@ -2,15 +2,17 @@
 
 Data parallelism splits the batch over the ``"DP"`` dim. Expert parallelism splits it over its
 ``"EP"`` dim too: every EP rank routes its own tokens, and only the experts are divided among the EP
-ranks. So the *data dims* of a mesh are ``"DP"`` and, where the mesh has one, ``"EP"``, and each
-parameter's grad is reduced over the data dims it is **not** sharded on:
+ranks. Context parallelism splits each sequence over its ``"CP"`` dim: every CP rank trains on its
+own tokens with the same parameters. So the *data dims* of a mesh are ``"DP"`` and, where the mesh
+has them, ``"CP"`` and ``"EP"``, and each parameter's grad is reduced over the data dims it is
+**not** sharded on (no parameter is sharded over CP):
 
 * dense params (plain tensors, TP DTensors): over DP x EP, one flattened group;
 * experts (DTensors ``Shard(0)`` over EP: each EP rank holds whole experts): over DP only. Their
   local grad already sums the contributions of every EP rank's tokens (the backward of the token
   all-to-all brings them back), so DP is all that is left to sum.
 
-Averaging divides every grad by the number of ranks that split the batch (DP x EP) whatever group
+Averaging divides every grad by the number of ranks that split the batch (DP x CP x EP) whatever group
 it is reduced over: each rank's loss is a mean over its own tokens, and the global loss their mean
 over all of them. Worked example, mesh ``("DP", "EP") = (2, 2)`` on ranks 0..3 (rank = 2 * dp + ep):
 a dense grad is summed over ranks {0, 1, 2, 3}; expert 0's (held by EP rank 0) over {0, 2}; every
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ndweave.mesh import EXPERT_DIM, ParallelMesh, resolve_mesh
+from ndweave.mesh import CONTEXT_DIM, EXPERT_DIM, ParallelMesh, resolve_mesh
 from ndweave.mesh.torch_compat import flatten_mesh, is_shard_like
 
 __all__ = ["DataMesh", "EXPERT_DIM", "resolve_data_mesh"]
@@ -35,7 +37,7 @@ class DataMesh:
 
     def __init__(self, mesh: DeviceMesh, dims: tuple[str, ...], primary: str) -> None:
         self.mesh = mesh
-        """The data submesh: 1-D (``"DP"``, or ``"EP"`` alone) or 2-D (``("DP", "EP")``)."""
+        """The data submesh: 1-D (``"DP"``, or ``"EP"`` alone) or more (``("DP", "CP", "EP")``, in mesh order)."""
         self.dims = dims
         self.primary = primary
         """The data-parallel dim proper (``dim=`` of DDP): params may never be sharded over it."""
@@ -90,13 +92,13 @@ class DataMesh:
 
 
 def resolve_data_mesh(mesh_or_group: ParallelMesh | DeviceMesh | dist.ProcessGroup | None, dim: str) -> DataMesh:
-    """The data dims of DDP's mesh argument: ``dim`` and, if the mesh has one, ``"EP"``; a
+    """The data dims of DDP's mesh argument: ``dim`` and those of ``"CP"`` and ``"EP"`` the mesh has; a
     ``ProcessGroup`` or a 1-D mesh is one data dim."""
     if mesh_or_group is None or isinstance(mesh_or_group, DeviceMesh):
         whole = resolve_mesh(mesh_or_group)
         names = tuple(whole.mesh_dim_names or ())
-        if EXPERT_DIM in names and dim != EXPERT_DIM:
-            dims = tuple(n for n in names if n in (dim, EXPERT_DIM))
+        if any(d in names and d != dim for d in (CONTEXT_DIM, EXPERT_DIM)):
+            dims = tuple(n for n in names if n in (dim, CONTEXT_DIM, EXPERT_DIM))
             return DataMesh(whole if dims == names else whole[dims if len(dims) > 1 else dims[0]], dims, dim)
     return DataMesh(_one_data_dim(mesh_or_group, dim), (dim,), dim)
 

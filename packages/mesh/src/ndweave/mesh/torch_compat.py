@@ -48,6 +48,7 @@ __all__ = [
     "all_to_all_single",
     "dtensor_lacks_backward_rule",
     "flash_attention_cpu",
+    "flash_attention_cpu_backward",
     "flash_attention_cpu_ops",
     "non_persistent_buffer_names",
     "op_schema",
@@ -183,7 +184,8 @@ PRIVATE_TORCH: dict[str, str] = {
     # attention: what a kernel saves, for estimates and FLOP counts
     "torch._fused_sdp_choice": "takes_flash_attention: the kernel sdpa picks for given inputs",
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": "flash_attention_cpu(_ops): CPU's flash kernel",
-    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward": "flash_attention_cpu_ops: its backward",
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward": "flash_attention_cpu_ops, "
+                                                                           "flash_attention_cpu_backward: its backward",
     "torch.ops.aten._scaled_dot_product_flash_attention": "flash_attention_cpu_ops: CUDA's twin of the same math",
     "torch.ops.aten._scaled_dot_product_flash_attention_backward": "flash_attention_cpu_ops: its backward",
 }
@@ -504,6 +506,16 @@ def flash_attention_cpu(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     the output and its log-sum-exp (not the T x T weights), and takes grouped keys as they are."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def flash_attention_cpu_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 out: torch.Tensor, logsumexp: torch.Tensor, is_causal: bool = False, *,
+                                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_query, grad_key, grad_value)`` of :func:`flash_attention_cpu` (no dropout) given the output
+    and log-sum-exp its softmax normalizes by: with those of attention over more keys than ``key``
+    (merged blocks), each block's share of the gradient."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, logsumexp, 0.0, is_causal, scale=scale)
 
 
 def flash_attention_cpu_ops() -> dict[Callable, Callable]:

@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 from ndweave.dmodule.context.layout import SequenceLayout
 from ndweave.mesh import CONTEXT_DIM
 from ndweave.mesh.collectives import all_gather_flat, reduce_scatter_flat
+from ndweave.mesh.torch_compat import flash_attention_cpu, flash_attention_cpu_backward
 
 __all__ = ["ContextParallel", "ContextParallelError"]
 
@@ -95,8 +96,10 @@ class ContextParallel:
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
                *, window: int | None = None, documents: torch.Tensor | None = None,
-               replace_model_mask: bool = False) -> torch.Tensor:
-        """``F.scaled_dot_product_attention`` for this rank's tokens across CP (what ``attention()`` calls)."""
+               replace_model_mask: bool = False, masks: dict | None = None) -> torch.Tensor:
+        """``F.scaled_dot_product_attention`` for this rank's tokens across CP (what ``attention()`` calls).
+        ``masks``: built masks by what they depend on, reused by later calls (``attention()`` keeps one per
+        context: every layer then shares one mask, which autograd saves once, not once per layer)."""
         if attn_mask is not None and not replace_model_mask:
             raise ContextParallelError(
                 f"scaled_dot_product_attention got an attn_mask of shape {tuple(attn_mask.shape)} under context "
@@ -117,8 +120,20 @@ class ContextParallel:
             query, key, value = (t.to_local() if isinstance(t, DTensor) else t for t in (query, key, value))
             wrap = lambda out: DTensor.from_local(out, mesh, placements, run_check=False)  # noqa: E731
         layout = self.layout(local * self.size)
+        if is_causal and window is None and documents is None and not dropout_p and query.device.type == "cpu":
+            # no mask at all: per query chunk, a block of the keys wholly before it and its own chunk's
+            # causal diagonal, through CPU's flash kernel, merged by log-sum-exp
+            out = _CausalBlocks.apply(query, key, value, self.mesh.get_group(), _causal_blocks(layout, self.rank), scale)
+            return wrap(out) if wrap else out
         keys, values = (_GatherSequence.apply(t, self.mesh.get_group(), t.ndim - 2) for t in (key, value))
-        mask = self._mask(layout, query.device, is_causal, window, documents)
+        key = (layout.seq_len, query.dtype, query.device, is_causal, window, None if documents is None else id(documents))
+        mask = masks.get(key) if masks is not None else None
+        if mask is None:
+            mask = self._mask(layout, query.device, is_causal, window, documents)
+            if mask is not None:  # (additive, in the query's dtype: SDPA would convert a bool one on every call)
+                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
+            if masks is not None:
+                masks[key] = mask
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                              enable_gqa=enable_gqa)
         return wrap(out) if wrap else out
@@ -151,24 +166,90 @@ class ContextParallel:
         return mask
 
 
+def _gather(local: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Every CP rank's ``local`` concatenated on ``dim`` in rank order."""
+    flat = local.movedim(dim, 0).contiguous()
+    out = flat.new_empty((dist.get_world_size(group) * flat.shape[0], *flat.shape[1:]))
+    all_gather_flat(out, flat, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(whole: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """This rank's part (on ``dim``, rank order) of ``whole`` summed over the CP ranks."""
+    flat = whole.movedim(dim, 0).contiguous()
+    out = flat.new_empty((flat.shape[0] // dist.get_world_size(group), *flat.shape[1:]))
+    reduce_scatter_flat(out, flat, group=group)
+    return out.movedim(0, dim)
+
+
 class _GatherSequence(torch.autograd.Function):
-    """Every CP rank's tokens concatenated on ``dim`` in rank order; backward: each rank gets the sum,
-    over every rank's use, of its own tokens' gradient (a reduce-scatter)."""
+    """:func:`_gather`; backward: each rank gets the sum, over every rank's use, of its own tokens'
+    gradient (:func:`_reduce_scatter`)."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
-        flat = local.movedim(dim, 0).contiguous()
-        out = flat.new_empty((dist.get_world_size(group) * flat.shape[0], *flat.shape[1:]))
-        all_gather_flat(out, flat, group=group)
-        return out.movedim(0, dim)
+        return _gather(local, group, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        flat = grad.movedim(ctx.dim, 0).contiguous()
-        out = flat.new_empty((flat.shape[0] // dist.get_world_size(ctx.group), *flat.shape[1:]))
-        reduce_scatter_flat(out, flat, group=ctx.group)
-        return out.movedim(0, ctx.dim), None, None
+        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+def _causal_blocks(layout: SequenceLayout, rank: int) -> list[tuple[slice, list[tuple[slice, bool]]]]:
+    """Per chunk ``rank`` holds: its rows among the rank's tokens, and the chunks of keys its queries see,
+    each as rows of the gathered keys (rank order): every chunk before it wholly, its own causally."""
+    size = layout.seq_len // layout.pieces
+    gathered = layout.gathered_positions().tolist()
+    where = {gathered[i] // size: slice(i, i + size) for i in range(0, layout.seq_len, size)}  # chunk -> its rows
+    return [(slice(i * size, (i + 1) * size), [*((where[c], False) for c in range(chunk)), (where[chunk], True)])
+            for i, chunk in enumerate(layout.chunks(rank))]
+
+
+class _CausalBlocks(torch.autograd.Function):
+    """Causal attention of this rank's query chunks over the whole sequence's keys, without a mask.
+    Forward: the keys and values gathered over CP; each (query chunk, key chunk) block through CPU's
+    flash kernel; the blocks' outputs merged by their log-sum-exps. Saved: the local queries, keys and
+    values, the merged output and log-sum-exp (no T x T weights, and not the gathered keys: backward
+    gathers them again, as ring attention passes them round again). Backward: each block's gradients
+    from the kernel's backward given the *merged* output and log-sum-exp, which normalize its softmax
+    over every key; the keys' and values' reduce-scattered back to the ranks that hold them."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, group, blocks, scale):
+        dim = key.ndim - 2
+        keys, values = _gather(key, group, dim), _gather(value, group, dim)
+        outs, lses = [], []
+        for rows, seen in blocks:
+            q = query[..., rows, :]
+            parts = [flash_attention_cpu(q, keys[..., cols, :], values[..., cols, :], is_causal=causal, scale=scale)
+                     for cols, causal in seen]
+            lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
+            outs.append(sum(torch.exp(part_lse - lse).unsqueeze(-1).to(out.dtype) * out for out, part_lse in parts))
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.group, ctx.blocks, ctx.scale = group, blocks, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, out, lse = ctx.saved_tensors
+        dim = key.ndim - 2
+        keys, values = _gather(key, ctx.group, dim), _gather(value, ctx.group, dim)
+        grad_q, grad_k, grad_v = torch.zeros_like(query), torch.zeros_like(keys), torch.zeros_like(values)
+        grad = grad.contiguous()
+        for rows, seen in ctx.blocks:
+            for cols, causal in seen:
+                gq, gk, gv = flash_attention_cpu_backward(
+                    grad[..., rows, :].contiguous(), query[..., rows, :].contiguous(), keys[..., cols, :].contiguous(),
+                    values[..., cols, :].contiguous(), out[..., rows, :].contiguous(), lse[..., rows].contiguous(),
+                    causal, scale=ctx.scale)
+                grad_q[..., rows, :] += gq
+                grad_k[..., cols, :] += gk
+                grad_v[..., cols, :] += gv
+        del keys, values
+        return grad_q, _reduce_scatter(grad_k, ctx.group, dim), _reduce_scatter(grad_v, ctx.group, dim), None, None, None
 
 
 class _Attention(TorchFunctionMode):
@@ -178,10 +259,11 @@ class _Attention(TorchFunctionMode):
                  replace_model_mask: bool) -> None:
         super().__init__()
         self.cp, self.window, self.documents, self.replace = cp, window, documents, replace_model_mask
+        self.masks: dict = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self.cp.attend(*args, **kwargs, window=self.window, documents=self.documents,
-                                  replace_model_mask=self.replace)
+                                  replace_model_mask=self.replace, masks=self.masks)
         return func(*args, **kwargs)
