@@ -37,6 +37,7 @@ RUNS = [
                            "--batch", "16", "--steps", "1", "--rounds", "3", "--warmup", "1"]),
     ("bench_checkpoint.py", []),
     ("bench_experts.py", []),
+    ("bench_context.py", []),
     ("bench_job.py", []),
     ("bench_data.py", []),
     ("bench_job.py", ["--compile"]),
@@ -54,6 +55,7 @@ QUICK = {
     "bench_checkpoint.py": ["--mb", "8", "--tensors", "4", "--rounds", "1", "--step-ms", "5", "--after", "1"],
     "bench_experts.py": ["--layers", "1", "--hidden", "32", "--tokens", "32", "--steps", "1", "--rounds", "1",
                          "--warmup", "1"],
+    "bench_context.py": ["--seq", "256", "--layers", "1", "--width", "32", "--steps", "1", "--rounds", "1"],
     "bench_job.py": ["--quick"],
     "bench_data.py": ["--quick"],
 }

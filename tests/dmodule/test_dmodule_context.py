@@ -327,3 +327,37 @@ def test_keys_and_values_cross_cp_as_the_theory_says():
     kv = 2 * _B * _T * 32 * 8  # K and V of the whole sequence, one layer: (B, T, n_embd) float64 each
     assert forward == 3 * kv * 3 // 4, (forward, kv)  # (3 layers, (CP - 1) / CP of each)
     assert moved["gathered"] == 2 * forward and moved["scattered"] == forward, moved
+
+
+@pytest.mark.parity
+@distributed(world_size=2)
+def test_compiled_blocks_under_cp_break_only_at_attention():
+    """Each GPT block compiled (inductor): attention across CP runs between the block's graphs, the
+    only graph break, giving its reason; nothing compiles again after the first step; the logits and
+    every grad equal one process's (float64, strict)."""
+    from ndweave.dmodule.context import ATTENTION_BREAK
+    from ndweave.mesh.torch_compat import compile_counts, reset_compile_counts
+
+    cp = _cp()
+    reference = _gpt(n_layer=3)
+    model = copy.deepcopy(reference)
+    torch.compiler.reset()  # (a pooled rank may have compiled this code for an earlier test)
+    for block in model.transformer.h:
+        block.compile()
+    for step in range(3):
+        ids, targets = _batch(step)
+        ref_logits = _logits(reference(ids))
+        _loss(ref_logits, targets).backward()
+        reset_compile_counts()
+        with cp.attention():
+            logits = _logits(model(cp.shard(ids), position_ids=cp.position_ids(_T)))
+        _loss(logits, cp.shard(targets)).backward()
+        counts = compile_counts()
+        assert_close(logits, cp.shard(ref_logits), name=f"step {step} logits", tol=STRICT)
+        for (name, p), ref_p in zip(model.named_parameters(), reference.parameters()):
+            dist.all_reduce(p.grad)
+            assert_close(p.grad / 2, ref_p.grad, name=f"step {step} {name}.grad", tol=STRICT)
+        for m in (model, reference):
+            m.zero_grad()
+        assert set(counts.break_reasons()) == ({ATTENTION_BREAK} if step == 0 else set()), counts.break_reasons()
+        assert (counts.graphs > 0) == (step == 0) and not counts.recompiles, f"step {step}: {counts}"

@@ -27,7 +27,11 @@ from ndweave.mesh import CONTEXT_DIM
 from ndweave.mesh.collectives import all_gather_flat, reduce_scatter_flat
 from ndweave.mesh.torch_compat import flash_attention_cpu, flash_attention_cpu_backward
 
-__all__ = ["ContextParallel", "ContextParallelError"]
+__all__ = ["ATTENTION_BREAK", "ContextParallel", "ContextParallelError"]
+
+#: Why ``torch.compile`` breaks a compiled block's graph at each attention inside ``cp.attention()``.
+ATTENTION_BREAK = ("context parallel: attention gathers keys and values over the CP ranks (collectives in an "
+                   "autograd function, blocks chosen by position); it runs eagerly between the block's graphs")
 
 class ContextParallelError(ValueError):
     """What context parallelism cannot split, with the fix."""
@@ -93,6 +97,7 @@ class ContextParallel:
         with _Attention(self, window, documents, replace_model_mask):
             yield
 
+    @torch.compiler.disable(reason=ATTENTION_BREAK)
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
                *, window: int | None = None, documents: torch.Tensor | None = None,
