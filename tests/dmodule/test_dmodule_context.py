@@ -86,6 +86,8 @@ def _check_cp_parity(reference, model, cp: ContextParallel, *, steps: int, tol: 
         loss = _loss(logits, cp.shard(targets))
         loss.backward()
         assert_close(logits, cp.shard(ref_logits), name=f"step {step} logits of this rank's tokens", tol=tol)
+        if step == 0:  # (every rank's tokens back in order)
+            assert_close(cp.unshard(logits.detach()), ref_logits, name="the whole sequence's logits", tol=tol)
         group = cp.mesh.get_group()
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=group)

@@ -2,12 +2,13 @@
 
 Keys and values are all-gathered over CP (an autograd collective: their gradients come back as a
 reduce-scatter, each rank receiving the sum over every rank's queries of its own tokens' share);
-queries stay local, so each rank's score matrix is ``T / CP`` rows by ``T`` columns and activation
-memory outside attention divides by CP. The mask is rebuilt from global positions (causal,
-sliding window, documents), since a mask the model builds for its local tokens cannot know them.
-Every ``F.scaled_dot_product_attention`` call inside ``ContextParallel.attention()`` takes this path
-(a ``TorchFunctionMode``, as torch's experimental ``context_parallel`` does), which is how a model
-needs no change: the GPT, torch's modules and transformers' ``"sdpa"`` attention all call it.
+queries stay local, so activation memory outside attention divides by CP. Causal attention on CPU
+needs no mask (:class:`_CausalBlocks`: block by block through the flash kernel, merged by
+log-sum-exp); other masks are rebuilt from global positions (sliding window, documents), since a
+mask the model builds for its local tokens cannot know them. Every
+``F.scaled_dot_product_attention`` call inside ``ContextParallel.attention()`` takes this path (a
+``TorchFunctionMode``, as torch's experimental ``context_parallel`` does), which is how a model needs
+no change: the GPT, torch's modules and transformers' ``"sdpa"`` attention all call it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = ["ATTENTION_BREAK", "ContextParallel", "ContextParallelError"]
 #: Why ``torch.compile`` breaks a compiled block's graph at each attention inside ``cp.attention()``.
 ATTENTION_BREAK = ("context parallel: attention gathers keys and values over the CP ranks (collectives in an "
                    "autograd function, blocks chosen by position); it runs eagerly between the block's graphs")
+
 
 class ContextParallelError(ValueError):
     """What context parallelism cannot split, with the fix."""
@@ -131,14 +133,14 @@ class ContextParallel:
             out = _CausalBlocks.apply(query, key, value, self.mesh.get_group(), _causal_blocks(layout, self.rank), scale)
             return wrap(out) if wrap else out
         keys, values = (_GatherSequence.apply(t, self.mesh.get_group(), t.ndim - 2) for t in (key, value))
-        key = (layout.seq_len, query.dtype, query.device, is_causal, window, None if documents is None else id(documents))
-        mask = masks.get(key) if masks is not None else None
+        built = (layout.seq_len, query.dtype, query.device, is_causal, window, None if documents is None else id(documents))
+        mask = masks.get(built) if masks is not None else None
         if mask is None:
             mask = self._mask(layout, query.device, is_causal, window, documents)
             if mask is not None:  # (additive, in the query's dtype: SDPA would convert a bool one on every call)
                 mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
             if masks is not None:
-                masks[key] = mask
+                masks[built] = mask
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                              enable_gqa=enable_gqa)
         return wrap(out) if wrap else out
