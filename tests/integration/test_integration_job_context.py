@@ -61,3 +61,18 @@ def test_a_cp_checkpoint_resumes_at_cp4_and_on_one_process(tmp_path):
     for result, what in ((first, "CP=2"), (second, "resumed at CP=4"), (third, "resumed on one process")):
         _check(result, uninterrupted, what)
     _check_params(third, uninterrupted, "resumed on one process, step 3")
+
+
+def test_sample_with_cp_is_written_on_one_process_after_the_run(tmp_path):
+    """The pipeline's stages take a CP rank's position ids, which generation has not: rank 0 writes the
+    sample from the final parameters, as with --data."""
+    import os
+    import subprocess
+    import sys
+
+    argv = [a for a in TINY if a != "--quiet"]
+    done = subprocess.run([sys.executable, "-m", "ndweave_gpt", "--mesh", "cp=2", *argv, "--steps", "1", "--sample", "8",
+                           "--checkpoint-dir", str(tmp_path / "ckpt")], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=400, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "sample:" in done.stdout, done.stdout[-2000:]

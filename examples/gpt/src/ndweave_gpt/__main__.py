@@ -255,7 +255,7 @@ def _main(argv: list[str] | None) -> int:
             if not ok:
                 record_failure("--compare-single-device: FAIL, the parallel run differs from one process in "
                                "float64 beyond the strict tolerance (the table above): a bug, not rounding")
-        if config.metrics.sample and config.data.data:
+        if config.metrics.sample and not result.sample:  # (--data, cp: the pipeline did not sample)
             result.sample = sample_final(result.params, config)
         if result.sample:
             report.sample(result.sample)

@@ -63,8 +63,8 @@ def sample_one_process(model: nn.Module, config: JobConfig, data: TextData | Tok
 
 
 def sample_final(params: dict[str, torch.Tensor], config: JobConfig) -> str:
-    """``--sample`` with ``--data``, on one process (rank 0, after the run): the model built again with the
-    run's final parameters (``params``, gathered by FQN), writing after the data's prompt."""
+    """``--sample`` with ``--data`` or a ``cp`` dim, on one process (rank 0, after the run): the model built
+    again with the run's final parameters (``params``, gathered by FQN), writing after the data's prompt."""
     model = build_model(config)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -61,8 +61,10 @@ def _train(config: JobConfig, memory: Any | None) -> RunResult:
     losses, steps_peak, tokens = loop(config, mesh, job, run, data, sinks, utilization, memory, show)
     seconds = time.perf_counter() - begin
     sinks.close()
-    # --data: rank 0 samples after the run (sample_final), the pipeline's stages taking a mask generation lacks
-    text = sample(job.engine, job.chunks, config, data) if config.metrics.sample and not config.data.data else ""
+    # --data or cp: rank 0 samples after the run (sample_final): the pipeline's stages take a mask, or position ids
+    # of a CP rank's tokens, which generation lacks
+    through_pipeline = config.metrics.sample and not config.data.data and job.cp is None
+    text = sample(job.engine, job.chunks, config, data) if through_pipeline else ""
     peaks: list[int] = [0] * world
     dist.all_gather_object(peaks, peak_memory(device))
     tensor_peaks: list[int] = [0] * world if memory is not None else []
