@@ -259,6 +259,18 @@ def test_what_cp_cannot_split_is_refused_on_every_rank():
         ContextParallel(init_device_mesh("cpu", (1, 2), mesh_dim_names=("DP", "TP")))
 
 
+@distributed(world_size=2)
+def test_attention_written_by_hand_is_refused_not_run_locally():
+    """transformers' "eager" attention (matmul, softmax, matmul) calls no SDPA: each rank would attend to
+    its own tokens only, so leaving cp.attention() raises, naming the fix."""
+    cp = _cp()
+    model = _hf("llama")
+    model.config._attn_implementation = "eager"
+    with pytest.raises(ContextParallelError, match="no F.scaled_dot_product_attention ran.*attn_implementation"):
+        with cp.attention():
+            model(cp.shard(_batch(0)[0]), position_ids=cp.position_ids(_T))
+
+
 def _activation_peak(seq: int, layers: int) -> int:
     """Peak bytes of live tensors a forward and backward of this rank's tokens add (the model built
     first), fp32: CP over every rank, or plain attention on one."""

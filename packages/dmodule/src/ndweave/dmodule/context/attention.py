@@ -66,6 +66,7 @@ class ContextParallel:
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
         self.load_balance = load_balance
+        self._state: dict | None = None  # inside attention(): its masks and calls (see attend)
 
     def layout(self, seq_len: int) -> SequenceLayout:
         """The split of a ``seq_len``-token sequence (raises if ``2 * CP`` does not divide it)."""
@@ -96,17 +97,34 @@ class ContextParallel:
         what it meant (transformers builds one for a sliding window: pass ``window=`` and this)."""
         if window is not None and window < 1:
             raise ContextParallelError(f"window={window}: a sliding window holds at least one position")
-        with _Attention(self, window, documents, replace_model_mask):
-            yield
+        outer, self._state = self._state, {"masks": {}, "calls": 0}
+        try:
+            with _Attention(self, window, documents, replace_model_mask):
+                yield
+            calls = self._state["calls"]
+        finally:
+            self._state = outer
+        if not calls:  # (each rank attended to its own tokens only: wrong, and silently so)
+            raise ContextParallelError(
+                "no F.scaled_dot_product_attention ran inside cp.attention(), so no attention was split across CP and "
+                "each rank attended to its own tokens only. Attention written by hand (matmul, softmax, matmul: "
+                "transformers' \"eager\", Gemma 2's soft-capping) is not split by CP yet: use the model's SDPA "
+                "attention (transformers: attn_implementation=\"sdpa\")")
 
     @torch.compiler.disable(reason=ATTENTION_BREAK)
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
                *, window: int | None = None, documents: torch.Tensor | None = None,
-               replace_model_mask: bool = False, masks: dict | None = None) -> torch.Tensor:
+               replace_model_mask: bool = False) -> torch.Tensor:
         """``F.scaled_dot_product_attention`` for this rank's tokens across CP (what ``attention()`` calls).
-        ``masks``: built masks by what they depend on, reused by later calls (``attention()`` keeps one per
-        context: every layer then shares one mask, which autograd saves once, not once per layer)."""
+        Inside ``attention()`` the masks it builds are kept by what they depend on and reused by later
+        calls (every layer then shares one mask, which autograd saves once, not once per layer), and its
+        calls are counted. (That state is read here only, eagerly: a compiled caller's guards never see
+        it, so nothing compiles again.)"""
+        state = self._state
+        if state is not None:
+            state["calls"] += 1
+        masks = state["masks"] if state is not None else None
         if attn_mask is not None and not replace_model_mask:
             raise ContextParallelError(
                 f"scaled_dot_product_attention got an attn_mask of shape {tuple(attn_mask.shape)} under context "
@@ -266,11 +284,10 @@ class _Attention(TorchFunctionMode):
                  replace_model_mask: bool) -> None:
         super().__init__()
         self.cp, self.window, self.documents, self.replace = cp, window, documents, replace_model_mask
-        self.masks: dict = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self.cp.attend(*args, **kwargs, window=self.window, documents=self.documents,
-                                  replace_model_mask=self.replace, masks=self.masks)
+                                  replace_model_mask=self.replace)
         return func(*args, **kwargs)
