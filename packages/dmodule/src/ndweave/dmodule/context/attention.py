@@ -225,8 +225,8 @@ def _causal_blocks(layout: SequenceLayout, rank: int) -> list[tuple[slice, list[
     """Per chunk ``rank`` holds: its rows among the rank's tokens, and the chunks of keys its queries see,
     each as rows of the gathered keys (rank order): every chunk before it wholly, its own causally."""
     size = layout.seq_len // layout.pieces
-    gathered = layout.gathered_positions().tolist()
-    where = {gathered[i] // size: slice(i, i + size) for i in range(0, layout.seq_len, size)}  # chunk -> its rows
+    held = [c for r in range(layout.cp) for c in layout.chunks(r)]  # the gathered order: rank by rank, in its order
+    where = {c: slice(i * size, (i + 1) * size) for i, c in enumerate(held)}  # chunk -> its rows
     return [(slice(i * size, (i + 1) * size), [*((where[c], False) for c in range(chunk)), (where[chunk], True)])
             for i, chunk in enumerate(layout.chunks(rank))]
 
