@@ -14,13 +14,15 @@ from ndweave_gpt.reference import train_single_device
 from test_integration_gpt_job import TINY, _check, _check_params, _run
 
 
-def _matches_one_process(flags: list[str], world: int, tmp_path) -> None:
-    argv = [*TINY, *flags, "--steps", "2", "--eval-every", "2", "--checkpoint-dir", str(tmp_path)]
+def _matches_one_process(flags: list[str], world: int, tmp_path, evaluate: bool = True) -> None:
+    argv = [*TINY, *flags, "--steps", "2", "--eval-every", "2" if evaluate else "0", "--checkpoint-dir", str(tmp_path)]
     results = run_distributed(_run, world, argv, timeout=600)
     reference = train_single_device(parse_args(argv))
     for rank, result in enumerate(results):
         _check(result, reference, f"{flags}, rank {rank}")
         _check_params(result, reference, f"{flags}, rank {rank}")
+        if not evaluate:
+            continue
         assert sorted(result.val_losses) == sorted(reference.val_losses) == [2], result.val_losses
         assert_close(torch.tensor(result.val_losses[2], dtype=torch.float64),
                      torch.tensor(reference.val_losses[2], dtype=torch.float64), name="validation loss")
@@ -32,14 +34,35 @@ def _matches_one_process(flags: list[str], world: int, tmp_path) -> None:
     (["--mesh", "pp=2,cp=2"], 4),
     (["--mesh", "dp=2,cp=2", "--model", "hf:llama", "--block-size", "32"], 4),
     pytest.param(["--mesh", "dp=2,cp=2,tp=2"], 8, marks=pytest.mark.heavy),
+    (["--mesh", "cp=2,ep=2", "--moe-experts", "2"], 4),
+    pytest.param(["--mesh", "cp=2,ep=2", "--model", "hf:mixtral", "--moe-experts", "4", "--moe-top-k", "2"], 4,
+                 marks=pytest.mark.heavy),
+    pytest.param(["--mesh", "dp=2,cp=2,ep=2", "--model", "hf:mixtral", "--moe-experts", "4", "--moe-top-k", "2"], 8,
+                 marks=pytest.mark.slow),
 ])
 def test_the_job_with_cp_trains_like_one_process(flags, world, tmp_path):
     _matches_one_process(flags, world, tmp_path)
 
 
+@pytest.mark.parity
+@pytest.mark.parametrize("model, mesh, world", [("gpt", "cp=2", 2), ("llama", "pp=2,cp=2", 4)])
+def test_packed_documents_under_cp_train_like_one_process(model, mesh, world, tmp_path):
+    """--data packed with documents kept apart: each CP rank takes its tokens' own (restarting) positions
+    and its rows of the document mask, which spans the whole sequence's keys; the GPT, and a Llama
+    folder with its tokenizer through two pipeline stages."""
+    from test_integration_job_data import _jsonl, _llama, _texts
+
+    data = [_jsonl(tmp_path / "train.jsonl", _texts(120))]
+    if model == "llama":
+        _llama(tmp_path / "llama")
+        data += ["--init-from", str(tmp_path / "llama")]
+    else:
+        data += ["--packing", "documents"]
+    _matches_one_process(["--data", *data, "--mesh", mesh], world, tmp_path, evaluate=False)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--mesh", "cp=2", "--block-size", "18"], "--block-size 18 must split into 2 x cp=4 chunks"),
-    (["--mesh", "cp=2", "--moe-experts", "2"], "cp=2 with experts is not supported yet"),
 ])
 def test_what_cp_cannot_run_yet_is_refused(flags, message, tmp_path):
     from ndweave_gpt.build import mesh_problem

@@ -1,8 +1,8 @@
 """The GPT job's step-time estimate (``ndweave_gpt.cost.step_time``) against the job's measured steps:
 the estimate must put the layouts in the order the job runs them.
 
-On 4 and 8 CPU ranks, a small grid of the job's layouts (PP x DP x TP; GPipe, 1F1B, interleaved
-1F1B; a few micro-batch counts) is built as the job builds it, and the job's training step of each
+On 4 and 8 CPU ranks, a small grid of the job's layouts (PP x DP x CP x TP; GPipe, 1F1B,
+interleaved 1F1B; a few micro-batch counts) is built as the job builds it, and the job's training step of each
 is timed in rounds, one step of every layout per round (``interleaved_steps``), so that load from
 elsewhere on the machine slows every layout alike; a layout's step is its fastest of ``ROUNDS``.
 The estimate is ``estimate_step_seconds`` with this machine's calibration (``ndweave.plan.calibrate``,
@@ -42,7 +42,7 @@ MODEL = ["--n-layer", "8", "--n-embd", "128", "--n-head", "4", "--block-size", "
 LAYOUTS = {
     4: [("dp=4", "1f1b", 1, 1), ("pp=4", "1f1b", 1, 8), ("pp=2,dp=2", "interleaved_1f1b", 2, 4),
         ("pp=4", "gpipe", 1, 16), ("pp=2,dp=2", "1f1b", 1, 8), ("dp=2,tp=2", "1f1b", 1, 1),
-        ("pp=2,tp=2", "1f1b", 1, 4)],
+        ("pp=2,tp=2", "1f1b", 1, 4), ("dp=2,cp=2", "1f1b", 1, 1), ("cp=4", "1f1b", 1, 1)],
     8: [("dp=8", "1f1b", 1, 1), ("pp=8", "1f1b", 1, 8), ("pp=2,dp=4", "1f1b", 1, 4), ("pp=4,dp=2", "1f1b", 1, 8),
         ("pp=8", "1f1b", 1, 16), ("pp=2,dp=2,tp=2", "1f1b", 1, 2), ("dp=4,tp=2", "1f1b", 1, 2)],
 }

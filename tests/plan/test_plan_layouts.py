@@ -36,6 +36,23 @@ def test_experts_and_grouped_query_heads_and_the_callers_rules():
     assert {v.ep for v in enumerate_layouts(8, SHAPE, 16)[0]} == {1}  # dense: no EP
 
 
+def test_context_parallel_is_tried_where_it_splits_the_sequence():
+    """With the sequence length, CP takes ranks from DP where ``2 x cp`` divides it; the rows a data rank
+    gets are DP x EP's (CP ranks share them); its spec names cp; without the length no CP is tried."""
+    valid, cut = enumerate_layouts(8, ModelShape(num_layers=4, num_heads=4, seq_len=12), 16)
+    assert {v.cp for v in valid} == {1, 2}  # 12 tokens: 2 x cp=4 does not divide them
+    assert any(why.startswith("cp does not split the sequence") for _, why in cut)
+    assert all(v.world_size == 8 and (16 // (v.dp * v.ep)) % v.micro_batches == 0 for v in valid)
+    two = next(v for v in valid if v.cp == 2 and v.pp == 1 and v.tp == 1)
+    assert two.spec() == "pp=1,dp=4,cp=2,tp=1"
+    assert resolve_spec(two.spec(), 8, dims=("PP", "DP", "CP", "TP")) == {"PP": 1, "DP": 4, "CP": 2, "TP": 1}
+    # memory tight enough that only splitting the sequence fits: CP is chosen over a pipeline or TP
+    def estimate(layout: Layout) -> tuple[int, float]:
+        return 1000 // (layout.cp * layout.pp * layout.tp), 1.0 + 0.1 * (layout.pp + layout.tp) + 0.02 * layout.cp
+    planned = plan_layout(8, 300, 16, ModelShape(num_layers=4, num_heads=4, seq_len=64), estimate=estimate)
+    assert planned.best.cp == 4 and planned.best.dp == 2, planned.table()
+
+
 def _estimate(layout: Layout) -> tuple[int, float]:
     """A toy cost: memory divided by the model dims and grown by held micro-batches; time: compute over
     the world, a pipeline bubble, and a TP collective cost."""

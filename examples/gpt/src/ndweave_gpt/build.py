@@ -80,16 +80,11 @@ def mesh_problem(config: JobConfig, sizes: dict[str, int]) -> str | None:
     if cp > 1 and model.block_size % (2 * cp):
         return (f"--block-size {model.block_size} must split into 2 x cp={2 * cp} chunks (each CP rank a head and a "
                 f"tail chunk of every sequence): use a multiple of {2 * cp}")
-    if cp > 1 and config.plan.memory_check:
-        return f"--memory-check with cp={cp}: the estimate it checks does not price context parallel yet"
     window = getattr(model.hf_config, "sliding_window", None) if model.hf_config is not None else None
     if cp > 1 and window and window < model.block_size:
         return (f"cp={cp} with {model.name}'s sliding window of {window} tokens is not supported yet by the job "
                 f"(ndweave.dmodule.context takes window=; the job passes causal masks only): use a --block-size of at "
                 f"most {window}, or make those ranks dp")
-    if cp > 1 and (experts or config.data.data):
-        return (f"cp={cp} with {'experts' if experts else '--data'} is not supported yet: context parallel trains "
-                "dense models on the default text (make those ranks dp)")
     if ep > 1 and plan_name(config) == "auto":
         return (f"ep={ep} divides experts with the zoo's MoE plans (hf:mixtral, hf:qwen2_moe, hf:qwen3_moe, "
                 f"hf:deepseek_v3, nanogpt); {model.name} with --plan {parallel.tp_plan} has none: make those ranks "
@@ -144,6 +139,7 @@ def to_device(batch: tuple, device: str) -> tuple:
 def global_tokens(targets: torch.Tensor, real: int, mesh: ParallelMesh) -> tuple[float, int]:
     """The global batch's trained tokens (targets not ``-100``) and real ones (not padding; ``real`` this
     rank's), summed over the ranks that split it in one all-reduce."""
+    real = real if mesh["CP"].get_local_rank() == 0 else 0  # (CP ranks share rows: count them once)
     counts = torch.stack([(targets != -100).sum().to(torch.float64),
                           torch.tensor(float(real), dtype=torch.float64, device=targets.device)])
     trained, total = data_sum(counts, mesh).tolist()
@@ -263,19 +259,24 @@ class Parallel:
     (:func:`attending`)."""
 
 
-def context_batch(cp: ContextParallel | None, inputs: torch.Tensor, targets: torch.Tensor) -> tuple:
-    """A batch as this CP rank trains on it: its tokens of each sequence, with their global positions."""
+def context_batch(cp: ContextParallel | None, inputs: torch.Tensor | dict, targets: torch.Tensor) -> tuple:
+    """A batch as this CP rank trains on it: its tokens of each sequence, with their global positions
+    (--data's packed documents: their own positions, and this rank's rows of the document mask, which
+    covers the whole sequence's keys)."""
     if cp is None:
         return inputs, targets
+    if isinstance(inputs, dict):
+        return {"input_ids": cp.shard(inputs["input_ids"]), "position_ids": cp.shard(inputs["position_ids"]),
+                "attention_mask": cp.shard(inputs["attention_mask"], dim=2)}, cp.shard(targets)
     positions = cp.position_ids(inputs.shape[1], inputs.device).expand(inputs.shape[0], -1).contiguous()
     return {"input_ids": cp.shard(inputs), "position_ids": positions}, cp.shard(targets)
 
 
-def attending(job: Parallel) -> contextlib.AbstractContextManager:
+def attending(cp: ContextParallel | None) -> contextlib.AbstractContextManager:
     """Where the engine runs: attention across the CP ranks (cp > 1). A transformers model traced into
     pipeline stages builds its causal mask for the local tokens (tracing keeps it from passing none), which
     the job's masks, causal only, may replace."""
-    return job.cp.attention(replace_model_mask=True) if job.cp is not None else contextlib.nullcontext()
+    return cp.attention(replace_model_mask=True) if cp is not None else contextlib.nullcontext()
 
 
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig) -> Parallel:
@@ -298,7 +299,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig) -> Para
     sizes = {d: mesh[d].size() for d in DIMS}
     auto = sharding_plan(model, config, sizes) if plan_name(config) == "auto" else None
     ties = hf.tied_aliases(model)  # before the cut, which gives the last stage a copy of its own
-    module = construct_pipeline_stage(model, plan, mesh, example_inputs=example)
+    context = ContextParallel(mesh) if cp > 1 else None
+    with attending(context):  # (the cut traces the layers on meta tensors: a CP rank's, its mask over all keys)
+        module = construct_pipeline_stage(model, plan, mesh, example_inputs=example)
     for i in range(len(module)):
         if on_meta:  # this stage only, before TP shards it
             materialize(module[i], parallel.device)
@@ -318,7 +321,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: JobConfig) -> Para
         module[i] = DDP(module[i], mesh if expert_parallel or cp > 1 else mesh["DP"], zero_stage=parallel.zero_stage)
     loss = MaskedLoss() if config.data.data else None
     engine = PipeEngine(module, mesh, loss or loss_fn, plan)  # before the optimizer: it marks the tied copy
-    return Parallel(list(module.chunks), engine, loss=loss, cp=ContextParallel(mesh) if cp > 1 else None)
+    return Parallel(list(module.chunks), engine, loss=loss, cp=context)
 
 
 def blocks(chunk: nn.Module) -> list[nn.Module]:

@@ -31,7 +31,7 @@ import torch
 from ndweave_gpt.data import VALIDATION_WINDOWS
 from ndweave_gpt.models import hf
 
-__all__ = ["CheckpointConfig", "DataConfig", "DIMS", "DTYPES", "PRICED_DIMS", "FaultConfig", "JobConfig", "MetricsConfig",
+__all__ = ["CheckpointConfig", "DataConfig", "DIMS", "DTYPES", "FaultConfig", "JobConfig", "MetricsConfig",
            "ModelConfig", "ParallelConfig", "PlanConfig", "TrainingConfig", "build_parser", "num_experts",
            "parse_args"]
 
@@ -40,8 +40,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float6
 #: The mesh's dims, outermost first (EP inside DP: the EP ranks split the batch like DP ranks; CP ranks
 #: split each sequence).
 DIMS = ("PP", "DP", "CP", "EP", "TP")
-#: The dims the estimate and ``--mesh auto`` price (context parallel is not priced yet).
-PRICED_DIMS = ("PP", "DP", "EP", "TP")
 
 
 @dataclass(frozen=True)

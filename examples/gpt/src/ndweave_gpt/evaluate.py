@@ -28,7 +28,7 @@ def validation_loss(job: Parallel, data: TextData | TokenData, mesh: ParallelMes
         loss.scale = loss_scale(global_tokens(y, 0, mesh)[0], mesh, config)
     for chunk in job.chunks:
         chunk.eval()
-    with attending(job):
+    with attending(job.cp):
         value = job.engine.evaluate(x, y).detach().to(torch.float64)
     for chunk in job.chunks:
         chunk.train()

@@ -113,7 +113,7 @@ def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: T
             job.loss.scale = loss_scale(trained, mesh, config)
         seen += tokens
         job.optimizer.zero_grad()
-        with attending(job):
+        with attending(job.cp):
             loss = job.engine(x, y).detach().to(torch.float64)  # the mean over this rank's micro-batches
         job.optimizer.step()
         lr = job.optimizer.param_groups[0]["lr"]  # the one this step used

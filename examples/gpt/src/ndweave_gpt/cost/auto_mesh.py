@@ -52,12 +52,14 @@ def memory_per_device(args: JobConfig, world: int) -> int:
 
 
 def model_shape(model: nn.Module, args: JobConfig, experts: int) -> ModelShape:
-    """The layers, heads and experts the layouts must divide."""
+    """The layers, heads, experts and sequence length the layouts must divide."""
     c = args.model.hf_config
     if c is None:
-        return ModelShape(num_layers=args.model.n_layer, num_heads=args.model.n_head, num_experts=experts)
+        return ModelShape(num_layers=args.model.n_layer, num_heads=args.model.n_head, num_experts=experts,
+                          seq_len=args.model.block_size)
     return ModelShape(num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
-                      num_kv_heads=getattr(c, "num_key_value_heads", None), num_experts=experts)
+                      num_kv_heads=getattr(c, "num_key_value_heads", None), num_experts=experts,
+                      seq_len=args.model.block_size)
 
 
 def layout_args(args: JobConfig, layout: Layout) -> JobConfig:

@@ -26,12 +26,13 @@ import each other; they meet in ``ndweave.plan.estimate``' ``MemoryTerm``):
   and with ZeRO-2 the full-size buckets still reducing (``cost.in_flight`` adds the pipeline's up).
 
 The attention is traced with the kernel the job's device runs (meta alone takes the math path, which
-saves the T x T weights). A rank's peak is its model state and receive buffers plus the larger of two
+saves the T x T weights); with ``cp > 1`` a CP rank's tokens run through attention across CP
+(``ndweave.dmodule.context``) on meta, whose gathered keys and values are allocated and nothing sent. A rank's peak is its model state and receive buffers plus the larger of two
 moments of its step: the most micro-batches in flight and pending sends, the temporaries of one
 micro-batch of the stage then running on top; or a chunk's grad sync. The terms add up to it
 (``grad sync`` is what the sync holds beyond the first).
-Against every rank's measured peak of live tensor bytes on 34 layouts over 1 to 8 ranks, MoE over
-EP and ZeRO-2 among them (``tests/integration/test_integration_estimate.py``): 0.982 to 1.045 (ZeRO-2
+Against every rank's measured peak of live tensor bytes on 39 layouts over 1 to 8 ranks, MoE over
+EP, CP and ZeRO-2 among them (``tests/integration/test_integration_estimate.py``): 0.979 to 1.045 (ZeRO-2
 counts all its full-size buckets in flight at the backward's peak: an upper bound); the job's
 default model on pp=2, pp=2 x dp=2 (1F1B and interleaved) and pp=2 x dp=2 x tp=2: 0.991 to 1.004.
 
@@ -52,6 +53,7 @@ from torch import nn
 
 from ndweave.ddp.buffer import plan_buffers
 from ndweave.ddp.cost import GradSync, grad_dtype, grad_sync
+from ndweave.dmodule.context import ContextParallel
 from ndweave.dmodule.cost import local_param_shapes, parallelize_on_meta
 from ndweave.mesh import init_device_mesh, resolve_spec
 from ndweave.plan.estimate import MemoryTerm, RankMemory
@@ -62,13 +64,13 @@ from ndweave.pipeline import PipelineParallelPlan
 from ndweave.pipeline.construct import ModelCut
 from ndweave.pipeline.cost import StageActivations, stage_activations, stage_param_names
 from ndweave.pipeline.plan import ResolvedPlan, resolve_plan
-from ndweave_gpt.config import DIMS, PRICED_DIMS, JobConfig
+from ndweave_gpt.config import DIMS, JobConfig
 from ndweave_gpt.cost.in_flight import activation_terms, rank_actions
 from ndweave_gpt.data import TextData, example_batch
 
 __all__ = ["ChunkState", "StageBytes", "activation_terms", "chunk_buffers", "chunk_state", "data_bytes",
            "estimate_memory", "fused_attention", "local_shapes", "parameters", "peer_shapes", "rank_actions",
-           "sharding_mesh", "state_terms", "table", "tied_across_ranks", "tp_mesh", "trace"]
+           "sharding_mesh", "state_terms", "table", "tied_across_ranks", "tp_mesh", "trace", "world_meshes"]
 
 _TRACES = itertools.count()  # a fresh mesh dim name per trace (see trace)
 _PARAMETERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # see parameters()
@@ -81,15 +83,13 @@ def estimate_memory(args: JobConfig, build_model: Callable[..., nn.Module],
     :class:`RankMemory` per coordinate, in rank order. ``build_model(args, "meta")`` is the job's
     model on meta, ``sharding(model, sizes)`` its TP (or EP) plan for the mesh's sizes, or ``None``."""
     sizes = resolve_spec(args.parallel.mesh, None, dims=DIMS)
-    if sizes["CP"] > 1:
-        raise NotImplementedError(f"context parallel (cp={sizes['CP']}) is not priced yet; estimate the mesh with cp=1")
-    pp, dp, ep, tp = (sizes[d] for d in PRICED_DIMS)
+    pp, dp, ep = sizes["PP"], sizes["DP"], sizes["EP"]
     model = build_model(args, "meta")
     plan = PipelineParallelPlan(schedule_type=args.parallel.schedule, virtual_chunks=args.parallel.virtual_chunks,
                                 num_microbatches=args.parallel.micro_batches)
     resolved = resolve_plan(plan, pp)
     rows = args.data.global_batch // (dp * ep * args.parallel.micro_batches)
-    example = example_batch(args, rows, "meta")  # --data: with the document mask the model takes
+    example = example_batch(args, rows, "meta", sizes["CP"])  # --data: the document mask; cp: a CP rank's tokens
     names = stage_param_names(model, plan, pp, example_inputs=example)
     plan_dict = sharding(model, sizes)
     # the dataset stays in host memory: on a GPU it is no part of the device's peak
@@ -116,7 +116,7 @@ def estimate_memory(args: JobConfig, build_model: Callable[..., nn.Module],
 def _coordinates(sizes: dict[str, int]) -> list[dict[str, int]]:
     """Every coordinate of the mesh, row-major (rank order)."""
     out = [{}]
-    for d in PRICED_DIMS:
+    for d in DIMS:
         out = [{**c, d: i} for c in out for i in range(sizes[d])]
     return out
 
@@ -170,12 +170,14 @@ def chunk_state(model: nn.Module, names: list[str], shapes: dict[str, list[torch
                  coordinate: dict[str, int], bucket_size: int, optimizer_kwargs: dict,
                  buffers: tuple[list, int] | None = None) -> ChunkState:
     """``buffers``: :func:`chunk_buffers` of the same chunk, if at hand (the same on every DP rank)."""
-    dp, ep = sizes["DP"], sizes["EP"]
+    dp, cp, ep = sizes["DP"], sizes["CP"], sizes["EP"]
     buffers, published = buffers or chunk_buffers(model, names, shapes, sizes, bucket_size)
     state = masters = 0
     for buffer in buffers:
-        rank_in_group = (coordinate["DP"] if buffer.data_parallel_size == dp
-                         else coordinate["DP"] * ep + coordinate["EP"])
+        # the data ranks, row-major: DP x CP, and x EP for a MoE model's dense parameters
+        rank_in_group = coordinate["DP"] * cp + coordinate["CP"]
+        if buffer.data_parallel_size != dp * cp:
+            rank_in_group = rank_in_group * ep + coordinate["EP"]
         layout = [(b.end - b.start, [(offset, n) for _, offset, n in b.entries]) for b in buffer.buckets]
         opt = state_bytes_per_rank(layout, data_parallel_size=buffer.data_parallel_size, dp_rank=rank_in_group,
                                    param_dtype=buffer.param_dtype, optimizer=torch.optim.AdamW,
@@ -188,13 +190,13 @@ def chunk_buffers(model: nn.Module, names: list[str], shapes: dict[str, list[tor
                    bucket_size: int) -> tuple[list, int]:
     """DDP's buffers of one chunk on a rank of ``shapes`` (its TP and EP coordinates), and the bytes of
     ZeRO-1's ``.grad`` copies."""
-    dp, ep = sizes["DP"], sizes["EP"]
+    data, ep = sizes["DP"] * sizes["CP"], sizes["EP"]  # (CP ranks train on other tokens of the same rows)
     params, published, seen = [], 0, set()
     for n in names:
         p = parameters(model)[n]
         local, *_ = shapes[n]
-        expert = ep > 1 and local != p.shape  # sharded over EP: reduced over DP only; dense over DP x EP
-        group, size = ("DP", dp) if expert or ep == 1 else ("DPxEP", dp * ep)
+        expert = ep > 1 and local != p.shape  # sharded over EP: reduced over DP x CP only; dense over EP too
+        group, size = ("DP", data) if expert or ep == 1 else ("DPxEP", data * ep)
         params.append((n, p.dtype, local.numel(), max(s.numel() for s in shapes[n]), group, size))
         if grad_dtype(p.dtype) != p.dtype and id(p) not in seen:
             published += local.numel() * p.element_size()
@@ -258,11 +260,13 @@ class StageBytes:
 
 def trace(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tensor, sharding: dict | None,
            sizes: dict[str, int], loss_fn: Callable, device: str, *, mesh=None,
+           context: ContextParallel | None = None,
            wrap: Callable[[nn.Module], nn.Module] | None = None, setup: Callable[[], None] | None = None,
            cut: ModelCut | None = None) -> tuple[list[StageActivations], list[StageBytes]]:
     """One micro-batch's activations on every stage as TP rank 0 runs them, and each stage's
     :class:`StageBytes`: forward and backward on meta, the TP plan applied over a fake world of the TP
-    size (``mesh``: the TP mesh of a fake world the caller holds open; by default one of its own).
+    size (``mesh``: the TP mesh of a fake world the caller holds open, ``context`` its CP dim's
+    :class:`ContextParallel` when ``cp > 1``; by default ones of its own: :func:`world_meshes`).
     Without a ``mesh``, the mesh's dim gets a name of its own per trace: DTensor caches sharding
     decisions by mesh *value*, and an equal mesh of an earlier (destroyed) fake world would bring back
     its process groups. ``wrap(chunk)``: called on each stage's chunk, TP applied, before it runs;
@@ -299,14 +303,17 @@ def trace(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tensor, s
                 module.register_forward_hook(weight_op)
         return chunk
 
-    with fused_attention(device), contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
+        if sizes["TP"] * sizes["EP"] * sizes["CP"] > 1 and mesh is None:
+            stack.enter_context(fake_world(sizes["CP"] * sizes["EP"] * sizes["TP"], rank=0))
+            mesh, context = world_meshes(sizes)
+        stack.enter_context(fused_attention(device, context))
+        if context is not None:  # attention across CP: its exchanges allocate on meta what they would for real
+            stack.enter_context(context.attention(replace_model_mask=True))
         if sizes["TP"] == 1 and sizes["EP"] == 1:
             traced = stage_activations(model, plan, sizes["PP"], example, loss_fn=counted_loss, cut=cut,
                                        prepare=lambda chunk: watched(_set_up(chunk, setup)))
         else:
-            if mesh is None:
-                stack.enter_context(fake_world(sizes["EP"] * sizes["TP"], rank=0))
-                mesh = sharding_mesh(sizes)
             traced = stage_activations(model, plan, sizes["PP"], example, loss_fn=counted_loss, cut=cut,
                                        prepare=lambda chunk: watched(parallelize_on_meta(_set_up(chunk, setup), mesh,
                                                                                          sharding)))
@@ -326,6 +333,17 @@ def tp_mesh(size: int):
     """A one-dim TP mesh of ``size`` ranks in the open fake world, its dim named afresh (see :func:`trace`)."""
     name = f"TP{next(_TRACES)}"
     return init_device_mesh("cpu", (size,), mesh_dim_names=(name,))[name]
+
+
+def world_meshes(sizes: dict[str, int]) -> tuple:
+    """In the open fake world of CP x EP x TP ranks: the mesh a stage chunk is parallelized over
+    (:func:`sharding_mesh`'s) and, with ``cp > 1``, the :class:`ContextParallel` over the CP dim beside it."""
+    if sizes["CP"] == 1:
+        return sharding_mesh(sizes), None
+    n = next(_TRACES)
+    inner, name = (sizes["EP"], "EP") if sizes["EP"] > 1 else (sizes["TP"], f"TP{n}")
+    whole = init_device_mesh("cpu", (sizes["CP"], inner), mesh_dim_names=(f"CP{n}", name))
+    return whole[name], ContextParallel(whole[f"CP{n}"])
 
 
 def sharding_mesh(sizes: dict[str, int]):
@@ -372,17 +390,26 @@ def _first(values) -> torch.Tensor | None:
 
 
 @contextlib.contextmanager
-def fused_attention(device: str) -> Iterator[None]:
+def fused_attention(device: str, context: ContextParallel | None = None) -> Iterator[None]:
     """``F.scaled_dot_product_attention`` on meta as the job's device runs it, while the trace runs.
     Meta always takes the math path, which saves the T x T attention weights for backward; CPU's flash
     kernel (where torch picks it: asked of stand-ins with the inputs' shapes and dtypes that allocate
     one row) and CUDA's fused kernels save the output and its log-sum-exp instead. The function is
     swapped in ``torch.nn.functional`` (where the GPT's and transformers' attention look it up at each
     call), not by a torch-function mode: a mode is off inside its own handler, so the backward it
-    would catch recomputes checkpointed layers without it."""
+    would catch recomputes checkpointed layers without it. With ``context`` (inside its ``attention()``)
+    a model's call attends across CP (``context.attend``), whose own attention call comes back here."""
     math = F.scaled_dot_product_attention
+    routed = [False]
 
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if context is not None and not routed[0]:
+            routed[0] = True
+            try:
+                return context.attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                      replace_model_mask=True)
+            finally:
+                routed[0] = False
         tensors = [query, key, value] + ([attn_mask] if attn_mask is not None else [])
         if all(type(t) is torch.Tensor and t.is_meta for t in tensors) and dropout_p == 0.0:
             row = [torch.empty(t.shape[-1], dtype=t.dtype).expand(t.shape) for t in tensors]
@@ -417,10 +444,10 @@ def data_bytes(args: JobConfig) -> int:
 def table(ranks: list[RankMemory]) -> str:
     """The estimate as text: a row per rank, a column per term (MiB), the peak last."""
     names = list(dict.fromkeys(t.name for r in ranks for t in r.terms))
-    head = "rank  " + "  ".join(f"{d}" for d in PRICED_DIMS) + "  " + "  ".join(f"{n:>15}" for n in names) + "      peak MiB"
+    head = "rank  " + "  ".join(f"{d}" for d in DIMS) + "  " + "  ".join(f"{n:>15}" for n in names) + "      peak MiB"
     rows = [head]
     for i, r in enumerate(ranks):
         terms = r.by_name()
-        rows.append(f"{i:>4}  " + "  ".join(f"{r.coordinate[d]:>2}" for d in PRICED_DIMS) + "  "
+        rows.append(f"{i:>4}  " + "  ".join(f"{r.coordinate[d]:>2}" for d in DIMS) + "  "
                     + "  ".join(f"{terms.get(n, 0) / 2**20:>15.2f}" for n in names) + f"  {r.peak / 2**20:>12.2f}")
     return "\n".join(rows)

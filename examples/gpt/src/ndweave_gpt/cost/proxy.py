@@ -4,25 +4,30 @@ whole model per layout.
 Every stage of every layout is made of the same parts: what runs before the blocks (the
 embeddings), some blocks, and what runs after them (the final norm, the head, the loss). So the job's
 model is built again with one block, cut into those three parts as three pipeline stages (one cut
-per shape, before TP: the same for every TP size), and traced twice per TP size (per EP size for a
-MoE model's experts over EP, its tokens routed evenly): for micro-batches
-of one and of two rows (everything a micro-batch holds or does is affine in its rows). With
-activation checkpointing it is traced at one row without TP, over one TP size and each EP size: how much of a
-block's forward its backward runs again, a prefix of it at any TP size. Each trace gives what a
+per shape and CP size, before TP: the same for every TP size), and traced twice per TP size (per EP
+size for a MoE model's experts over EP, its tokens routed evenly), and per CP size (a CP rank's
+``block_size / cp`` tokens of each row, attention across CP, its exchanges over ``"CP"``): for
+micro-batches of one and of two rows (everything a micro-batch holds or does is affine in its rows;
+CP splits a row's tokens, not the rows). With activation checkpointing it is traced at one row
+without TP, over one TP size and each EP size, per CP size: how much of a block's forward its
+backward runs again, a prefix of it at any TP size. Each trace gives what a
 part saves, its peak, what it receives and sends (``estimate.trace``) and the work of its forward
 and backward (under ``step_time``'s work counter). A stage of a layout is then the sum of its parts: its saved bytes and
 work add up, its temporaries are its largest part's. Which blocks a stage holds is the pipeline's
 own split (``ndweave.pipeline.split.assign_stages``, the balance by parameters the traced cut keeps),
 and from there every term is the full estimate's own function (``estimate.chunk_state``, ``state_terms``,
-``estimate.activation_terms``, ``step_time.step_terms``): only the traces are shared. The ranks
-priced are one per PP rank at each end of the DP, EP and TP dims (a ZeRO range's padding and an
-uneven vocabulary's rows fall on the last ones); the other ranks repeat one of those.
+``estimate.activation_terms``, ``step_time.step_terms``): only the traces are shared; the DP x CP
+ranks are the data ranks of the parameters and the optimizer's state. The ranks priced are one per
+PP rank at each end of the DP, CP, EP and TP dims (a ZeRO range's padding and an uneven vocabulary's
+rows fall on the last ones); the other ranks repeat one of those.
 
-Held to the full estimates on layouts of the GPT and HF Llama
-(``tests/integration/test_integration_plan_fast.py``): peak 0.998-1.023, step 1.00-1.09. A 70B,
-80-layer Llama is planned for 512 ranks on meta, nothing allocated. ``price_ahead`` prices all of a
-plan's layouts at once on every core (forked copies of the process: the traces of each TP and EP size,
-then the layouts grouped by those sizes), with the same figures as pricing them one by one.
+Held to the full estimates on layouts of the GPT, its MoE and HF Llama
+(``tests/integration/test_integration_plan_fast.py``): peak 0.988-1.023, step 1.00-1.09 (CP layouts:
+0.988-1.012 and 1.00-1.04; a part's peak at two rows, where its parameter-sized temporaries still
+weigh, extended along the rows: a little under on the tiny test model, whose CP rows hold 16 tokens).
+A 70B, 80-layer Llama is planned for 512 ranks on meta, nothing allocated. ``price_ahead`` prices all
+of a plan's layouts at once on every core (forked copies of the process: the traces of each CP, EP and
+TP size, then the layouts grouped by those sizes), with the same figures as pricing them one by one.
 
     pricer = Pricer(args, machine, build_model, sharding, loss_fn, bucket_size, optimizer_kwargs)
     pricer.peak_bytes(layout_args), pricer.step_seconds(layout_args)
@@ -40,7 +45,7 @@ import select
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,14 +63,17 @@ from ndweave.pipeline.construct import ModelCut, cut_model
 from ndweave.pipeline.cost import StageActivations
 from ndweave.pipeline.plan import ResolvedPlan, resolve_plan
 from ndweave.pipeline.split import assign_stages, model_layers
-from ndweave_gpt.config import DIMS, DTYPES, PRICED_DIMS, JobConfig
+from ndweave_gpt.config import DIMS, DTYPES, JobConfig
 from ndweave_gpt.cost.estimate import (StageBytes, activation_terms, chunk_buffers, chunk_state, data_bytes, local_shapes,
-                                       parameters, peer_shapes, rank_actions, sharding_mesh, state_terms,
-                                       tied_across_ranks, trace)
+                                       parameters, peer_shapes, rank_actions, state_terms, tied_across_ranks,
+                                       trace, world_meshes)
 from ndweave_gpt.cost.step_time import (host_seconds, named_group, optimizer_seconds, sharding_groups, stage_buffers,
                                         step_terms, sync_and_optimizer, work_seconds)
 
 __all__ = ["Part", "Pricer"]
+
+#: (CP, EP, TP) sizes: what a stage's parts are traced over, each a fake world of their product
+Shard = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -128,10 +136,10 @@ class Pricer:
                                                 split_points=self.split_points)
         self.data = data_bytes(args) if torch.device(args.parallel.device).type == "cpu" else 0
         self.optimizer = optimizer_seconds(machine, optimizer_kwargs, args.training.clip)
-        # traces by what a stage is sharded over: (EP, TP) sizes (the job's MoE layouts have tp = 1)
-        self._traced: dict[tuple[int, int], list[list[_Traced]]] = {}
-        self._recompute: dict[tuple[int, int], _Traced] = {}
-        self._parts: dict[tuple[tuple[int, int], bool, int], list[Part]] = {}
+        # traces by what a stage is sharded over: (CP, EP, TP) sizes (the job's MoE layouts have tp = 1)
+        self._traced: dict[Shard, list[list[_Traced]]] = {}
+        self._recompute: dict[Shard, _Traced] = {}
+        self._parts: dict[tuple[Shard, bool, int], list[Part]] = {}
         self._stages: dict[int, list[_Stage]] = {}
         self._plans: dict[tuple, dict | None] = {}
         self._shapes: dict[tuple, dict] = {}
@@ -142,7 +150,7 @@ class Pricer:
         self._buffers: dict[tuple, tuple] = {}
         self._tied_names: dict[tuple, list[list[str]]] = {}
         self._proxies: dict[bool, nn.Module] = {}
-        self._cuts: dict[tuple[bool, int], ModelCut] = {}
+        self._cuts: dict[tuple[bool, int, int], ModelCut] = {}
         self._ahead: dict[tuple, tuple[int, float | None]] = {}  # layout -> (peak, step): price_ahead's
 
     # ---- memory --------------------------------------------------------------------------------
@@ -181,9 +189,9 @@ class Pricer:
     def _model_state(self, stages: list[_Stage], stage: int, sizes: dict[str, int], coordinate: dict[str, int],
                      zero_stage: int):
         # stages holding the same parts hold parameters of the same shapes, in the same order, whatever
-        # the PP size
-        key = (_counts(stages[stage]), sizes["DP"], sizes["EP"], sizes["TP"], coordinate["DP"], coordinate["EP"],
-               coordinate["TP"])
+        # the PP size; DP and CP ranks are alike as data ranks (row-major: DP x CP), whatever the split
+        key = (_counts(stages[stage]), sizes["DP"] * sizes["CP"], sizes["EP"], sizes["TP"],
+               coordinate["DP"] * sizes["CP"] + coordinate["CP"], coordinate["EP"], coordinate["TP"])
         if key not in self._state:  # one chunk state for either ZeRO stage
             shapes = self._local_shapes(sizes, coordinate)
             on_any_dp_rank = key[:4] + key[5:]
@@ -233,7 +241,7 @@ class Pricer:
         return step_terms(resolved, sizes, self.machine, forward, backward, links, sync, optimizer, tp_comm).seconds
 
     def _stage_buffers(self, stages: list[_Stage], stage: int, sizes: dict[str, int]) -> tuple[list, int]:
-        key = (_counts(stages[stage]), sizes["DP"], sizes["EP"], sizes["TP"])
+        key = (_counts(stages[stage]), sizes["DP"] * sizes["CP"], sizes["EP"], sizes["TP"])  # data ranks: DP x CP
         if key not in self._buffers:
             shapes = {n: peers[0] for n, peers in self._local_shapes(sizes, {"EP": 0, "TP": 0}).items()}
             self._buffers[key] = stage_buffers(self.model, stages[stage].names, shapes, sizes, self.bucket_size)
@@ -242,9 +250,10 @@ class Pricer:
     # ---- the parts -----------------------------------------------------------------------------
     def _layout(self, args: JobConfig) -> tuple[dict[str, int], ResolvedPlan, list[_Stage], list[Part]]:
         sizes, resolved = self._resolved(args)
+        # CP ranks split each row's tokens, not the rows
         rows = args.data.global_batch // (sizes["DP"] * sizes["EP"] * args.parallel.micro_batches)
         return (sizes, resolved, self._split(resolved.num_stages),
-                self.parts((sizes["EP"], sizes["TP"]), args.parallel.activation_checkpointing, rows))
+                self.parts(_shard(sizes), args.parallel.activation_checkpointing, rows))
 
     @staticmethod
     def _resolved(args: JobConfig) -> tuple[dict[str, int], ResolvedPlan]:
@@ -272,8 +281,8 @@ class Pricer:
             self._stages[num_stages] = stages
         return self._stages[num_stages]
 
-    def parts(self, shard: tuple[int, int], recompute: bool, rows: int) -> list[Part]:
-        """The three parts for micro-batches of ``rows`` rows over ``shard`` = (EP, TP) ranks, from
+    def parts(self, shard: Shard, recompute: bool, rows: int) -> list[Part]:
+        """The three parts for micro-batches of ``rows`` rows over ``shard`` = (CP, EP, TP) ranks, from
         their traces (once per shard): without recompute at one and two rows, extended along the rows
         (all they hold and do is affine in them, balanced routing included; their seconds need not be,
         a GPU's being the slower of its host and its kernels); with recompute, the block as
@@ -292,7 +301,7 @@ class Pricer:
         """Price ``layouts`` now, in parallel: their peaks, and the steps of those that fit ``budget``
         bytes (``peak_bytes`` and ``step_seconds`` then answer from what was priced). Two rounds, each
         split between this process and forked copies of it, one per spare core: the traces of each
-        (EP, TP) size (independent of each other, and most of a plan: 4.5 of 6.6 s for Llama-3 70B at
+        (CP, EP, TP) size (independent of each other, and most of a plan: 4.5 of 6.6 s for Llama-3 70B at
         512 ranks on 2 cores), then, every trace in hand, the layouts grouped by those sizes (each
         group's model-state terms are its own). A ZeRO-1 layout that does not fit and has more than one
         data rank is priced at ZeRO-2 too, beside it (``plan_layout`` asks for it next; its chunks'
@@ -302,25 +311,24 @@ class Pricer:
         layouts = [layout for layout in layouts if _layout_key(layout) not in self._ahead]
         if cores < 2 or "fork" not in multiprocessing.get_all_start_methods() or not layouts:
             return
-        by_shard: dict[tuple[int, int], list[JobConfig]] = {}
+        by_shard: dict[Shard, list[JobConfig]] = {}
         for layout in layouts:
-            sizes = resolve_spec(layout.parallel.mesh, None, dims=DIMS)
-            by_shard.setdefault((sizes["EP"], sizes["TP"]), []).append(layout)
+            by_shard.setdefault(_shard(resolve_spec(layout.parallel.mesh, None, dims=DIMS)), []).append(layout)
         recompute = any(layout.parallel.activation_checkpointing for layout in layouts)
         # checkpointing is traced without TP or EP, over the smallest TP above one, and over each EP
-        # size (see _recomputed); a trace over TP or EP costs about three without (their dispatch:
-        # 0.4 s against 0.13 s a trace for Llama-3 70B)
+        # size, per CP size (see _recomputed); a trace over TP or EP costs about three without (their
+        # dispatch: 0.4 s against 0.13 s a trace for Llama-3 70B)
         shards = sorted(set(by_shard) - set(self._traced))
-        above_one = next((s for s in shards if s[0] == 1 and s[1] > 1), None)
-        with_recompute = {s: recompute and _recompute_at(s, above_one) == s for s in shards}
+        with_recompute = {s: recompute and _recompute_at(s, shards) == s for s in shards}
         # done once here, not in each copy: the cuts, and loading torch's memory tracker (a first trace does)
-        for setting in [(False, 1), (False, 2)] + [(True, 1)] * recompute:
-            self._cut(*setting)
+        for cp in sorted({s[0] for s in shards}):
+            for setting in [(False, 1), (False, 2)] + [(True, 1)] * recompute:
+                self._cut(*setting, cp)
         torch_compat.TensorMemory  # noqa: B018
         # this process also prepares what pricing any layout needs (the stages of each PP size, each
         # rank's shapes, the schedules' action lists): done once before the pricing is forked, not in
         # every copy (0.35 s for Llama-3 70B, about three traces without TP)
-        shares = _balanced([((s, with_recompute[s]), (1 + 2 * (s != (1, 1))) * (2 + with_recompute[s]))
+        shares = _balanced([((s, with_recompute[s]), (1 + 2 * (s != (1, 1, 1))) * (2 + with_recompute[s]))
                             for s in shards], cores, first_load=3)
         for traced, recomputed in _in_parallel(self._trace_share, shares, first=lambda: self._prepare(layouts)):
             self._traced.update(traced)
@@ -339,7 +347,7 @@ class Pricer:
             if issubclass(resolved.schedule, PipelineScheduleMulti):
                 rank_actions(resolved, 0)  # every PP rank's
 
-    def _trace_share(self, share: list[tuple[tuple[int, int], bool]]) -> tuple[dict, dict]:
+    def _trace_share(self, share: list[tuple[Shard, bool]]) -> tuple[dict, dict]:
         for shard, with_recompute in share:
             if shard not in self._traced:
                 self._traced[shard] = self._trace_parts(shard, ((False, 1), (False, 2)))
@@ -355,10 +363,10 @@ class Pricer:
             peak = max(r.peak for r in ranks)
             priced[_layout_key(layout)] = (peak, self.step_seconds(layout) if peak <= budget else None)
             sizes = resolve_spec(layout.parallel.mesh, None, dims=DIMS)
-            data_ranks = sizes["DP"] * sizes["EP"]
+            data_ranks = sizes["DP"] * sizes["CP"] * sizes["EP"]
             if peak > budget and layout.parallel.zero_stage == 1 and data_ranks > 1:
                 zero2 = layout.replace(zero_stage=2)
-                # ZeRO-2 keeps at least 1/(DP x EP) of each rank's grads and drops at most its grad sync's
+                # ZeRO-2 keeps at least 1/(DP x CP x EP) of each rank's grads and drops at most its grad sync's
                 # extra (the .grad copies): where even that floor does not fit, it is the answer, unpriced
                 floor = max(r.peak - r.by_name()["gradients"] * (1 - 1 / data_ranks) - r.by_name()["grad sync"]
                             for r in ranks)
@@ -366,17 +374,18 @@ class Pricer:
                 priced[_layout_key(zero2)] = (peak, self.step_seconds(zero2) if peak <= budget else None)
         return priced
 
-    def _recomputed(self, block: _Traced, shard: tuple[int, int]) -> _Traced:
-        """``block`` (at the rows priced, over ``shard`` = (EP, TP) ranks) under activation
+    def _recomputed(self, block: _Traced, shard: Shard) -> _Traced:
+        """``block`` (at the rows priced, over ``shard`` = (CP, EP, TP) ranks) under activation
         checkpointing: it keeps only its inputs from forward to backward, and its backward runs its
         forward again first (its saved tensors back, the backward's temporaries on top: the same
         peak). Only as much of the forward runs again as yields what its backward needs (torch's
         checkpoint stops early): traced at one row without TP, over the first TP size above one asked
-        for, and over each EP size (:func:`_recompute_at`); at any rows and TP size, the same ops
-        again, the same share of the forward's FLOPs and bytes, and its collectives as far as the
-        recompute went (:func:`_share_of`; the backward's seconds within 1e-5 of a trace at every TP
-        size for Llama-3 70B and a tiny nanogpt and Llama)."""
-        at = _recompute_at(shard, next((s for s in self._recompute if s[0] == 1 and s[1] > 1), None))
+        for, and over each EP size, each at its own CP size (:func:`_recompute_at`); at any rows and TP
+        size, the same ops again, the same share of the forward's FLOPs and bytes, and its collectives
+        as far as the recompute went (:func:`_share_of`; the backward's seconds within 1e-5 of a trace
+        at every TP size for Llama-3 70B and a tiny nanogpt and Llama; at cp = 2 for a nanogpt of two
+        heads a TP rank, 0.3% over at one head a rank, where attention across CP runs an op fewer)."""
+        at = _recompute_at(shard, self._recompute)
         if at not in self._recompute:
             if at not in self._traced:
                 self._traced[at] = self._trace_parts(at, ((False, 1), (False, 2)))
@@ -385,22 +394,26 @@ class Pricer:
         return _Traced(StageActivations(block.io.received, block.activations.peak_bytes), block.io, block.forward,
                        block.backward + extra)
 
-    def _priced(self, parts: list[_Traced], shard: tuple[int, int]) -> list[Part]:
-        dtype, groups = DTYPES[self.args.model.dtype], sharding_groups({"EP": shard[0], "TP": shard[1]})
-        inside = self.machine.within_host(groups)  # TP (or EP, with tp = 1) is the mesh's innermost dim
+    def _priced(self, parts: list[_Traced], shard: Shard) -> list[Part]:
+        within = dict(zip(("CP", "EP", "TP"), shard))  # the mesh's innermost dims, in its order
+        dtype, groups = DTYPES[self.args.model.dtype], sharding_groups(within)
+        inside = groups.keys() & self.machine.within_host(within)
         return [Part(p.activations, p.io, work_seconds(p.forward, self.machine, dtype, groups, inside),
                      work_seconds(p.backward, self.machine, dtype, groups, inside),
                      self.machine.communication_seconds(p.forward + p.backward, groups, inside)) for p in parts]
 
-    def _trace_parts(self, shard: tuple[int, int], settings: tuple[tuple[bool, int], ...]) -> list[list[_Traced]]:
+    def _trace_parts(self, shard: Shard, settings: tuple[tuple[bool, int], ...]) -> list[list[_Traced]]:
         """The parts under each of ``settings`` (recompute, rows), over one fake world of ``shard`` =
-        (EP, TP) ranks (one mesh: DTensor's sharding decisions cached across the traces). The proxy is
-        cut once per setting, before TP is applied: the same cut for every TP size."""
-        sizes = {"PP": 3, "DP": 1, "EP": shard[0], "TP": shard[1]}
+        (CP, EP, TP) ranks (one mesh: DTensor's sharding decisions cached across the traces; with
+        ``cp > 1`` a CP rank's tokens, attention across CP, its collectives named ``"CP"``). The proxy
+        is cut once per setting and CP size, before TP is applied: the same cut for every TP size."""
+        cp, ep, tp = shard
+        sizes = {"PP": 3, "DP": 1, "CP": cp, "EP": ep, "TP": tp}
         group = next(iter(sharding_groups(sizes)))
         out = []
-        with fake_world(shard[0] * shard[1], rank=0) if shard != (1, 1) else contextlib.nullcontext():
-            mesh = sharding_mesh(sizes) if shard != (1, 1) else None
+        with fake_world(cp * ep * tp, rank=0) if shard != (1, 1, 1) else contextlib.nullcontext():
+            mesh, context = world_meshes(sizes) if shard != (1, 1, 1) else (None, None)
+            names = {context.mesh.get_group().group_name: "CP"} if context is not None else {}
             for recompute, rows in settings:
                 model = self._proxy(recompute)
                 counter, regions = WorkCounter(), iter(range(3))
@@ -409,23 +422,30 @@ class Pricer:
                     counter.region(next(regions))
                     return chunk
 
-                example = torch.zeros((rows, self.args.model.block_size), dtype=torch.long, device="meta")
                 with counter:  # applying TP and handing a stage its inputs are no part's work
-                    traced, io = trace(model, self._parts_plan, example, self.sharding(model, sizes), sizes,
-                                        self.loss_fn, self.args.parallel.device, mesh=mesh, wrap=region,
-                                        setup=lambda: counter.region("setup"), cut=self._cut(recompute, rows))
-                out.append([_Traced(traced[s], io[s], named_group(counter.work[s].forward, group),
-                                    named_group(counter.work[s].backward, group)) for s in range(3)])
+                    traced, io = trace(model, self._parts_plan, self._example(rows, cp), self.sharding(model, sizes),
+                                        sizes, self.loss_fn, self.args.parallel.device, mesh=mesh, context=context,
+                                        wrap=region, setup=lambda: counter.region("setup"),
+                                        cut=self._cut(recompute, rows, cp))
+                out.append([_Traced(traced[s], io[s], named_group(counter.work[s].forward, group, names),
+                                    named_group(counter.work[s].backward, group, names)) for s in range(3)])
         return out
 
-    def _cut(self, recompute: bool, rows: int) -> ModelCut:
-        """The proxy cut into its three parts for micro-batches of ``rows`` rows: once per setting,
-        before TP is applied (the same cut for every TP size, and any copy of the proxy)."""
-        if (recompute, rows) not in self._cuts:
-            example = torch.zeros((rows, self.args.model.block_size), dtype=torch.long, device="meta")
-            self._cuts[recompute, rows] = cut_model(self._proxy(recompute), self._parts_plan,
-                                                    resolve_plan(self._parts_plan, 3), example, "meta")
-        return self._cuts[recompute, rows]
+    def _example(self, rows: int, cp: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """A micro-batch of ``rows`` rows as a CP rank of ``cp`` takes it: its ``block_size / cp``
+        tokens of each row, with their (global) positions where ``cp > 1`` (``data.example_batch``'s)."""
+        ids = torch.zeros((rows, self.args.model.block_size // cp), dtype=torch.long, device="meta")
+        return {"input_ids": ids, "position_ids": ids.clone()} if cp > 1 else ids
+
+    def _cut(self, recompute: bool, rows: int, cp: int) -> ModelCut:
+        """The proxy cut into its three parts for micro-batches of ``rows`` rows of a CP rank's tokens:
+        once per setting and CP size, before TP is applied (the same cut for every TP size, and any
+        copy of the proxy)."""
+        if (recompute, rows, cp) not in self._cuts:
+            self._cuts[recompute, rows, cp] = cut_model(self._proxy(recompute), self._parts_plan,
+                                                        resolve_plan(self._parts_plan, 3), self._example(rows, cp),
+                                                        "meta")
+        return self._cuts[recompute, rows, cp]
 
     def _proxy(self, recompute: bool) -> nn.Module:
         """A fresh copy of the one-block model (built once per recompute setting: a copy of a meta
@@ -544,13 +564,15 @@ def _share_of(forward: Work, base: _Traced, recomputed: _Traced) -> Work:
                 forward.bytes * share("bytes"), forward.collectives[:len(extra.collectives) - len(done.collectives)])
 
 
-def _recompute_at(shard: tuple[int, int], tp_traced: tuple[int, int] | None) -> tuple[int, int]:
-    """Where a block's recompute is traced for ``shard`` (see ``Pricer._recomputed``): without TP or
-    EP for itself; over TP at ``tp_traced``, the first TP size traced (itself if none); over EP at its
-    own size (the token dispatch's moves are no share of a TP trace's)."""
-    if shard == (1, 1) or shard[0] > 1:
+def _recompute_at(shard: Shard, traced: Iterable[Shard]) -> Shard:
+    """Where a block's recompute is traced for ``shard`` (see ``Pricer._recomputed``), at its own CP
+    size (attention across CP runs ops of its own): without TP or EP for itself; over TP at the first
+    TP size among ``traced`` (itself if none); over EP at its own size (the token dispatch's moves are
+    no share of a TP trace's)."""
+    cp, ep, tp = shard
+    if tp == 1 or ep > 1:
         return shard
-    return tp_traced or shard
+    return next((s for s in traced if s[0] == cp and s[1] == 1 and s[2] > 1), shard)
 
 
 def one_block(args: JobConfig, **changes) -> JobConfig:
@@ -579,10 +601,14 @@ def _counts(stage: _Stage) -> tuple[int, int, int]:
     return int(stage.before), stage.blocks, int(stage.after)
 
 
+def _shard(sizes: dict[str, int]) -> Shard:
+    return sizes["CP"], sizes["EP"], sizes["TP"]
+
+
 def _representatives(sizes: dict[str, int]) -> list[dict[str, int]]:
     """One coordinate per PP rank and end of each of the other dims."""
     out = [{}]
-    for d in PRICED_DIMS:
+    for d in DIMS:
         ends = range(sizes[d]) if d == "PP" else sorted({0, sizes[d] - 1})
         out = [{**c, d: i} for c in out for i in ends]
     return out

@@ -40,6 +40,7 @@ as an even split, without the scheduler's wake-up delays.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Collection
@@ -61,8 +62,8 @@ from ndweave.pipeline import PipelineParallelPlan
 from ndweave.pipeline.cost import stage_activations
 from ndweave.pipeline.plan import resolve_plan
 from ndweave.pipeline.step_time import simulate_schedule
-from ndweave_gpt.config import DIMS, DTYPES, PRICED_DIMS, JobConfig
-from ndweave_gpt.cost.estimate import fused_attention, parameters, sharding_mesh
+from ndweave_gpt.config import DIMS, DTYPES, JobConfig
+from ndweave_gpt.cost.estimate import fused_attention, parameters, world_meshes
 from ndweave_gpt.data import example_batch
 
 __all__ = ["StageWork", "estimate_step_seconds", "first_shapes", "host_seconds", "named_group", "optimizer_seconds",
@@ -90,14 +91,12 @@ def estimate_step_seconds(args: JobConfig, machine: Machine, build_model: Callab
     ``optimizer_kwargs`` AdamW's. ``machine`` must rate ``--dtype``'s matmuls
     (``calibrate(device, dtypes=[...])``)."""
     sizes = resolve_spec(args.parallel.mesh, None, dims=DIMS)
-    if sizes["CP"] > 1:
-        raise NotImplementedError(f"context parallel (cp={sizes['CP']}) is not priced yet; estimate the mesh with cp=1")
-    pp, dp, ep, tp = (sizes[d] for d in PRICED_DIMS)
+    pp, dp, ep = sizes["PP"], sizes["DP"], sizes["EP"]
     plan = PipelineParallelPlan(schedule_type=args.parallel.schedule, virtual_chunks=args.parallel.virtual_chunks,
                                 num_microbatches=args.parallel.micro_batches)
     resolved = resolve_plan(plan, pp)
     rows = args.data.global_batch // (dp * ep * args.parallel.micro_batches)
-    example = example_batch(args, rows, "meta")  # --data: with the document mask the model takes
+    example = example_batch(args, rows, "meta", sizes["CP"])  # --data: the document mask; cp: a CP rank's tokens
     traced = stage_work(build_model(args, "meta"), plan, example, sharding, sizes, loss_fn, args.parallel.device)
     dtype = DTYPES[args.model.dtype]
     groups, inside = sharding_groups(sizes), machine.within_host(sizes)
@@ -117,15 +116,19 @@ def estimate_step_seconds(args: JobConfig, machine: Machine, build_model: Callab
 
 
 def sharding_groups(sizes: dict[str, int]) -> dict[str, int]:
-    """The group a stage's own collectives run over, by the name :func:`stage_work` gives them, and its
-    size: TP's (DTensor's), or with ``ep > 1`` EP's (the token dispatch's all-to-alls; the job's MoE
-    layouts have ``tp = 1``)."""
-    return {"EP": sizes["EP"]} if sizes["EP"] > 1 else {"TP": sizes["TP"]}
+    """The groups a stage's own collectives run over, by the names :func:`stage_work` gives them, and
+    their sizes: TP's (DTensor's), or with ``ep > 1`` EP's (the token dispatch's all-to-alls; the job's
+    MoE layouts have ``tp = 1``); and with ``cp > 1`` CP's (attention's keys and values)."""
+    groups = {"EP": sizes["EP"]} if sizes["EP"] > 1 else {"TP": sizes["TP"]}
+    return {**groups, "CP": sizes["CP"]} if sizes.get("CP", 1) > 1 else groups
 
 
-def named_group(work: Work, name: str) -> Work:
-    """``work`` with its collectives' group named ``name`` (a fake world's group: priced for any size)."""
-    return dataclasses.replace(work, collectives=[(kind, nbytes, name) for kind, nbytes, _ in work.collectives])
+def named_group(work: Work, name: str, names: dict[str, str] | None = None) -> Work:
+    """``work`` with its collectives' groups named: ``names`` maps a fake world's group name to one of
+    :func:`sharding_groups`' (CP's), every other group is ``name`` (priced for any size)."""
+    names = names or {}
+    return dataclasses.replace(work, collectives=[(kind, nbytes, names.get(group, name))
+                                                  for kind, nbytes, group in work.collectives])
 
 
 def step_terms(resolved, sizes: dict[str, int], machine: Machine, forward: list[float], backward: list[float],
@@ -133,7 +136,8 @@ def step_terms(resolved, sizes: dict[str, int], machine: Machine, forward: list[
     """The step from each stage's forward and backward of one micro-batch (host time included), the
     links between stages, and the slowest PP rank's grad sync and optimizer step: the schedule
     simulated, every rank's terms slowed where CPU ranks share cores."""
-    pp, dp, tp = sizes["PP"], sizes["DP"] * sizes["EP"], sizes["TP"]  # EP ranks split the batch as DP ranks do
+    # EP ranks split the batch as DP ranks do, CP ranks its sequences: each is a pipeline of its own
+    pp, dp, tp = sizes["PP"], sizes["DP"] * sizes["CP"] * sizes["EP"], sizes["TP"]
     world = pp * dp * tp
     shared = machine.device_type == "cpu" and world > machine.concurrent_ranks
     # more CPU ranks than cores: the dp * ep * tp pipelines run side by side, so a pipeline's ranks have
@@ -159,7 +163,7 @@ def step_terms(resolved, sizes: dict[str, int], machine: Machine, forward: list[
         TimeTerm("bubble", schedule - compute, "pipeline", in_total=False),
         TimeTerm(f"one micro-batch on stage {busiest}", forward[busiest] + backward[busiest], "pipeline",
                  in_total=False),
-        TimeTerm(f"{next(iter(sharding_groups(sizes)))} collectives per micro-batch (busiest stage)", tp_comm,
+        TimeTerm(f"{'+'.join(sharding_groups(sizes))} collectives per micro-batch (busiest stage)", tp_comm,
                  "dmodule", in_total=False),
     ))
 
@@ -254,19 +258,28 @@ def stage_work(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tens
         chunk.register_forward_hook(lambda module, args, output: sent.__setitem__(index, _bytes(output)))
         return chunk
 
-    if sizes["TP"] == 1 and sizes["EP"] == 1:
+    names_of = {}
+    if sizes["TP"] * sizes["EP"] * sizes["CP"] == 1:
         with fused_attention(device), counter:
             stage_activations(model, plan, sizes["PP"], example, prepare=counted, loss_fn=loss_fn)
     else:
         plan_dict = sharding(model, sizes)
-        with fake_world(sizes["EP"] * sizes["TP"], rank=0):
-            shard = functools.partial(parallelize_on_meta, mesh=sharding_mesh(sizes), plan=plan_dict)
-            with fused_attention(device), counter:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(fake_world(sizes["CP"] * sizes["EP"] * sizes["TP"], rank=0))
+            mesh, context = world_meshes(sizes)
+            stack.enter_context(fused_attention(device, context))
+            if context is not None:  # attention across CP: its exchanges recorded over the CP group
+                stack.enter_context(context.attention(replace_model_mask=True))
+                names_of[context.mesh.get_group().group_name] = "CP"
+            shard = (functools.partial(parallelize_on_meta, mesh=mesh, plan=plan_dict)
+                     if sizes["TP"] * sizes["EP"] > 1 else lambda chunk: chunk)
+            with counter:
                 stage_activations(model, plan, sizes["PP"], example, loss_fn=loss_fn,
                                   prepare=lambda chunk: counted(chunk, shard))
     group = next(iter(sharding_groups(sizes)))
-    return [StageWork(named_group(counter.work[s].forward, group), named_group(counter.work[s].backward, group),
-                      sent[s], names[s]) for s in range(len(sent))]
+    return [StageWork(named_group(counter.work[s].forward, group, names_of),
+                      named_group(counter.work[s].backward, group, names_of), sent[s], names[s])
+            for s in range(len(sent))]
 
 
 def _bytes(output) -> int:
@@ -281,7 +294,7 @@ def stage_buffers(model: nn.Module, names: list[str], shapes: dict[str, torch.Si
     estimate builds them; ``shapes``: that rank's local shape of each FQN, :func:`first_shapes`), and
     the bytes of the chunk's parameters TP replicates (their grads are partial over TP: all-reduced
     once per step). With ``ep > 1`` the experts (divided over EP) are reduced over DP, the rest over DP x EP."""
-    dp, ep, tp = sizes["DP"], sizes["EP"], sizes["TP"]
+    dp, ep, tp = sizes["DP"] * sizes["CP"], sizes["EP"], sizes["TP"]  # (CP ranks: other tokens of the same rows)
     params, replicated = [], 0
     for n in names:
         p = parameters(model)[n]

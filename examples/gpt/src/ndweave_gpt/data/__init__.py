@@ -48,14 +48,13 @@ def example_batch(config: Any, rows: int, device: str | torch.device,
     """One micro-batch of ``rows`` samples' inputs as the model takes them (zeros; ``device="meta"``
     allocates nothing): token ids, or a dict of ``input_ids``, ``position_ids`` and the ``(B, 1, S, S)``
     document mask (:func:`keeps_documents_apart`). What the pipeline traces and the estimate prices.
-    ``cp`` > 1: a CP rank's share of each sequence, with its (global) position ids."""
-    ids = torch.zeros((rows, config.model.block_size // cp), dtype=torch.long, device=device)
-    if cp > 1:
-        return {"input_ids": ids, "position_ids": ids.clone()}
-    if not keeps_documents_apart(config):
-        return ids
+    ``cp`` > 1: a CP rank's share of each sequence, with its (global) position ids and its rows of the
+    document mask."""
     size = config.model.block_size
-    mask = torch.ones((rows, 1, size, size), dtype=torch.bool, device=device)
+    ids = torch.zeros((rows, size // cp), dtype=torch.long, device=device)
+    if not keeps_documents_apart(config):
+        return {"input_ids": ids, "position_ids": ids.clone()} if cp > 1 else ids
+    mask = torch.ones((rows, 1, size // cp, size), dtype=torch.bool, device=device)
     return {"input_ids": ids, "position_ids": ids.clone(), "attention_mask": mask}
 
 

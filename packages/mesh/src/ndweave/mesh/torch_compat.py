@@ -32,7 +32,9 @@ from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
 )
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed._functional_collectives import all_gather_single as _all_gather_single
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import reduce_scatter_single as _reduce_scatter_single
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout, _world
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset, compute_local_shape_and_global_offset
@@ -50,6 +52,7 @@ __all__ = [
     "flash_attention_cpu",
     "flash_attention_cpu_backward",
     "flash_attention_cpu_ops",
+    "gather_traced",
     "non_persistent_buffer_names",
     "op_schema",
     "optimizer_load_state_dict_hooks",
@@ -57,6 +60,7 @@ __all__ = [
     "own_buffers",
     "own_parameters",
     "own_submodules",
+    "reduce_scatter_traced",
     "takes_flash_attention",
     "FakeTensor",
     "FakeTensorMode",
@@ -149,6 +153,9 @@ PRIVATE_TORCH: dict[str, str] = {
                                                                 "can hold",
     "torch.distributed._functional_collectives.all_to_all_single_autograd": "all_to_all_single: uneven rows "
                                                                             "moved, with autograd, traceable",
+    "torch.distributed._functional_collectives.all_gather_single": "gather_traced: an all-gather a trace on meta "
+                                                                   "records with its group's name",
+    "torch.distributed._functional_collectives.reduce_scatter_single": "reduce_scatter_traced: likewise",
     "torch.distributed.distributed_c10d._get_default_store": "default_store: the default group's store",
     "torch.distributed.distributed_c10d._set_pg_timeout": "set_group_timeout: a mesh group's timeout",
     "ProcessGroup._get_backend": "group_timeout: the group's backend for a device",
@@ -195,6 +202,18 @@ PRIVATE_TORCH: dict[str, str] = {
 #: meta tensors runs it and a dispatch mode sees it with its group's name. torch's public autograd
 #: version (``torch.distributed.nn.functional``) is deprecated in favour of this one.
 all_to_all_single = all_to_all_single_autograd
+
+
+def gather_traced(tensor: torch.Tensor, group: torch.distributed.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated on dim 0, as a functional collective: on meta tensors over a
+    fake world (an estimate's trace) it runs, and a dispatch mode (``ndweave.plan.work.WorkCounter``)
+    sees it with its group's name, where ``dist``'s in-place collectives show neither."""
+    return _all_gather_single(tensor, 0, group)
+
+
+def reduce_scatter_traced(tensor: torch.Tensor, group: torch.distributed.ProcessGroup) -> torch.Tensor:
+    """``tensor`` summed over the ranks, this rank's equal part of dim 0, as :func:`gather_traced` is run."""
+    return _reduce_scatter_single(tensor, "sum", 0, group)
 
 #: ``_StridedShard(dim, split_factor=f)``: the dim is cut into ``f`` pieces, each piece is sharded
 #: over the ranks, and rank r holds the concatenation of its share of each piece (a fused

@@ -12,7 +12,7 @@ from ndweave.plan.estimate import MemoryTerm, RankMemory, StepTime, TimeTerm
 from ndweave.plan.layouts import Candidate, Layout, ModelShape, Planned, enumerate_layouts, plan_layout
 from ndweave.plan.work import PhasedWork, Work, WorkCounter
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CACHE_PATH",

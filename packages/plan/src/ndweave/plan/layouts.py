@@ -1,8 +1,8 @@
-"""Which layout to launch: every valid way to lay a model over ``world_size`` ranks (PP x DP x EP x
-TP, the pipeline schedule and its virtual chunks, micro-batches, recompute, the ZeRO stage), cut by a
+"""Which layout to launch: every valid way to lay a model over ``world_size`` ranks (PP x DP x CP x
+EP x TP, the pipeline schedule and its virtual chunks, micro-batches, recompute, the ZeRO stage), cut by a
 memory estimate, ranked by a step-time estimate, with a table of the best and why the others were cut.
 
-The search knows only the model's shape (layers, heads, experts) and the batch; what a layout costs
+The search knows only the model's shape (layers, heads, experts, sequence length) and the batch; what a layout costs
 comes from the caller, who adds up the packages' own layout models (a job does; see
 ``ndweave_gpt.cost.estimate`` in ``examples/gpt``), the way a data-parallel wrapper is passed to the optimizer: plan
 imports no other package. It returns a spec ``init_mesh_from_spec`` takes as is::
@@ -37,6 +37,9 @@ class Layout:
     """Tensor (+sequence) parallel ranks."""
     ep: int = 1
     """Expert-parallel ranks (they also split the batch, like DP)."""
+    cp: int = 1
+    """Context-parallel ranks: each holds ``1 / cp`` of every sequence (attention across them); data
+    ranks for the parameters' grads and the optimizer's state, not for the batch's rows."""
     schedule: str = "1f1b"
     """The pipeline schedule (with ``pp == 1``: micro-batches are gradient accumulation)."""
     virtual_chunks: int = 1
@@ -50,12 +53,13 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.ep * self.tp
+        return self.pp * self.dp * self.cp * self.ep * self.tp
 
     def spec(self) -> str:
-        """The mesh as ``--mesh`` / ``init_mesh_from_spec`` take it, e.g. ``"pp=2,dp=2,tp=2"`` (ep when > 1)."""
-        sizes = {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp}
-        return ",".join(f"{k}={v}" for k, v in sizes.items() if k != "ep" or v > 1)
+        """The mesh as ``--mesh`` / ``init_mesh_from_spec`` take it, e.g. ``"pp=2,dp=2,tp=2"`` (cp and ep
+        when > 1)."""
+        sizes = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep, "tp": self.tp}
+        return ",".join(f"{k}={v}" for k, v in sizes.items() if k not in ("cp", "ep") or v > 1)
 
     def describe(self) -> str:
         """The spec and the rest, in one line."""
@@ -76,6 +80,9 @@ class ModelShape:
     """Key/value heads (grouped-query attention; tensor parallel divides them too). None: num_heads."""
     num_experts: int = 0
     """Experts per MoE layer (0: dense); expert parallel divides them."""
+    seq_len: int | None = None
+    """Tokens per sequence: context parallel cuts each into ``2 x cp`` chunks (a head and a tail per
+    rank). None: no layout with ``cp > 1`` is tried."""
 
 
 @dataclass(frozen=True)
@@ -120,12 +127,16 @@ class Planned:
 
 def enumerate_layouts(world_size: int, shape: ModelShape, global_batch: int, *,
                       schedules: dict[str, Sequence[int]] | None = None, max_tp: int | None = None,
+                      max_cp: int = 8,
                       recompute: Iterable[bool] = (False, True), micro_batches: Iterable[int] | None = None,
                       check: Callable[[Layout], str | None] | None = None) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """Every layout of ``world_size`` ranks (valid ones, and the others with the reason each is not).
 
     Valid: the dims multiply to the world; TP divides the heads (and KV heads); EP divides the experts
-    (and is 1 for a dense model); every stage gets a layer (``pp * virtual_chunks <= num_layers``);
+    (and is 1 for a dense model); ``2 x cp`` divides the sequence (``cp`` is 1 without
+    ``shape.seq_len``; at most ``max_cp``, since every CP size is one more the caller's estimate
+    traces, and CP's exchanges per layer grow with it);
+    every stage gets a layer (``pp * virtual_chunks <= num_layers``);
     the data ranks (DP x EP) times the micro-batches divide the global batch; a pipeline gets at least
     ``pp`` micro-batches (fewer leave ranks idle by construction); and ``check(layout)``, the caller's
     own rules (a job's, a schedule's), returns no reason. ``schedules``: name -> virtual chunks to try
@@ -139,21 +150,24 @@ def enumerate_layouts(world_size: int, shape: ModelShape, global_batch: int, *,
     for pp in _divisors(world_size):
         for tp in _divisors(world_size // pp):
             for ep in _divisors(world_size // (pp * tp)) if shape.num_experts else (1,):
-                dp = world_size // (pp * tp * ep)
-                base = Layout(pp=pp, dp=dp, tp=tp, ep=ep)
-                reason = _mesh_reason(base, shape, kv, global_batch, max_tp)
-                if reason:
-                    cut.append((base, reason))
-                    continue
-                rows = global_batch // (dp * ep)
-                counts = sorted(set(micro_batches)) if micro_batches is not None else _divisors(rows)
-                for name, chunks in (schedules.items() if pp > 1 else [("1f1b", (1,))]):
-                    for v in chunks:
-                        for m in counts:
-                            for r in recompute:
-                                layout = replace(base, schedule=name, virtual_chunks=v, micro_batches=m, recompute=r)
-                                why = _run_reason(layout, shape, rows) or (check(layout) if check else None)
-                                (cut.append((layout, why)) if why else valid.append(layout))
+                sizes = [c for c in _divisors(world_size // (pp * tp * ep)) if c <= max_cp] if shape.seq_len else [1]
+                for cp in sizes:
+                    dp = world_size // (pp * tp * ep * cp)
+                    base = Layout(pp=pp, dp=dp, tp=tp, ep=ep, cp=cp)
+                    reason = _mesh_reason(base, shape, kv, global_batch, max_tp)
+                    if reason:
+                        cut.append((base, reason))
+                        continue
+                    rows = global_batch // (dp * ep)  # (CP ranks split the rows' tokens, not the rows)
+                    counts = sorted(set(micro_batches)) if micro_batches is not None else _divisors(rows)
+                    for name, chunks in (schedules.items() if pp > 1 else [("1f1b", (1,))]):
+                        for v in chunks:
+                            for m in counts:
+                                for r in recompute:
+                                    layout = replace(base, schedule=name, virtual_chunks=v, micro_batches=m,
+                                                     recompute=r)
+                                    why = _run_reason(layout, shape, rows) or (check(layout) if check else None)
+                                    (cut.append((layout, why)) if why else valid.append(layout))
     return valid, cut
 
 
@@ -166,15 +180,15 @@ def plan_layout(world_size: int, memory_per_device: int, global_batch: int, shap
     given, sees every valid layout once before any is estimated (an estimator that can do shared
     work ahead, or in parallel, does it there); ``search``: the keywords of :func:`enumerate_layouts`.
     A layout is estimated with ZeRO-1, and where that does not fit and it has more than one data
-    rank, again with ZeRO-2 (which saves memory, never time: each micro-batch reduces its grads).
-    Ties go to the smaller pipeline, then the smaller TP (fewer collectives per layer), then fewer
-    micro-batches."""
+    rank (DP x CP x EP), again with ZeRO-2 (which saves memory, never time: each micro-batch reduces
+    its grads). Ties go to the smaller pipeline, then the smaller TP (fewer collectives per layer),
+    then the smaller CP, then fewer micro-batches."""
     layouts, cut = enumerate_layouts(world_size, shape, global_batch, **search)
     if prepare is not None:
         prepare(layouts)
     estimates = [(layout, *estimate(layout)) for layout in layouts]
     zero2 = [replace(layout, zero_stage=2) for layout, peak, _ in estimates
-             if peak > memory_per_device and layout.dp * layout.ep > 1]
+             if peak > memory_per_device and layout.dp * layout.cp * layout.ep > 1]
     if prepare is not None and zero2:
         prepare(zero2)
     zero2_estimates = {layout: estimate(layout) for layout in zero2}
@@ -187,8 +201,8 @@ def plan_layout(world_size: int, memory_per_device: int, global_batch: int, shap
             cut.append((layout, f"does not fit: peak {peak / 2**30:.3f} GiB > {memory_per_device / 2**30:.3f} GiB"))
         else:
             ranked.append(Candidate(layout, peak, seconds))
-    ranked.sort(key=lambda c: (c.step_seconds, c.layout.pp, c.layout.tp, c.layout.micro_batches, c.layout.recompute,
-                               c.layout.zero_stage))
+    ranked.sort(key=lambda c: (c.step_seconds, c.layout.pp, c.layout.tp, c.layout.cp, c.layout.micro_batches,
+                               c.layout.recompute, c.layout.zero_stage))
     return Planned(ranked[0].layout if ranked else None, ranked, cut, memory_per_device)
 
 
@@ -199,6 +213,8 @@ def _mesh_reason(layout: Layout, shape: ModelShape, kv: int, global_batch: int, 
         return f"tp above max_tp: tp={layout.tp} > {max_tp} (tensor parallel stays inside a node)"
     if shape.num_experts and shape.num_experts % layout.ep:
         return f"ep does not divide the experts: {shape.num_experts} experts over ep={layout.ep}"
+    if shape.seq_len and shape.seq_len % (2 * layout.cp):
+        return f"cp does not split the sequence: {shape.seq_len} tokens into 2 x cp={2 * layout.cp} chunks"
     if global_batch % (layout.dp * layout.ep):
         return f"the data ranks do not divide the batch: {global_batch} samples over dp x ep={layout.dp * layout.ep}"
     return None

@@ -8,7 +8,8 @@ values of the whole sequence, gathered over CP (:mod:`~ndweave.dmodule.context.a
 masks come from global token positions, so norms, MLPs and embeddings stay local and unchanged.
 """
 
-from ndweave.dmodule.context.attention import ATTENTION_BREAK, ContextParallel, ContextParallelError
-from ndweave.dmodule.context.layout import SequenceLayout
+from ndweave.dmodule.context.attention import ContextParallel
+from ndweave.dmodule.context.exchange import ATTENTION_BREAK
+from ndweave.dmodule.context.layout import ContextParallelError, SequenceLayout
 
 __all__ = ["ATTENTION_BREAK", "ContextParallel", "ContextParallelError", "SequenceLayout"]

@@ -17,26 +17,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from ndweave.dmodule.context.layout import SequenceLayout
+from ndweave.dmodule.context.eager import MASKINGS, MATMULS, HandWritten
+from ndweave.dmodule.context.exchange import ATTENTION_BREAK, GatherSequence, gather, reduce_scatter
+from ndweave.dmodule.context.layout import ContextParallelError, SequenceLayout
 from ndweave.mesh import CONTEXT_DIM
-from ndweave.mesh.collectives import all_gather_flat, reduce_scatter_flat
 from ndweave.mesh.torch_compat import flash_attention_cpu, flash_attention_cpu_backward
 
-__all__ = ["ATTENTION_BREAK", "ContextParallel", "ContextParallelError"]
+__all__ = ["ContextParallel"]
 
-#: Why ``torch.compile`` breaks a compiled block's graph at each attention inside ``cp.attention()``.
-ATTENTION_BREAK = ("context parallel: attention gathers keys and values over the CP ranks (collectives in an "
-                   "autograd function, blocks chosen by position); it runs eagerly between the block's graphs")
-
-
-class ContextParallelError(ValueError):
-    """What context parallelism cannot split, with the fix."""
+_SDPA = F.scaled_dot_product_attention  # torch's, whatever a caller sets F's attribute to meanwhile
+_BACKWARDS = frozenset({torch.autograd.backward, torch.autograd.grad, torch.Tensor.backward})
 
 
 class ContextParallel:
@@ -78,7 +73,7 @@ class ContextParallel:
 
     def unshard(self, local: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The whole sequence on every rank from each rank's shard (for evaluation, generation)."""
-        gathered = _GatherSequence.apply(local, self.mesh.get_group(), dim % local.ndim)
+        gathered = GatherSequence.apply(local, self.mesh.get_group(), dim % local.ndim)
         return self.layout(local.shape[dim] * self.size).unshard(gathered, dim)
 
     def position_ids(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -106,10 +101,10 @@ class ContextParallel:
             self._state = outer
         if not calls:  # (each rank attended to its own tokens only: wrong, and silently so)
             raise ContextParallelError(
-                "no F.scaled_dot_product_attention ran inside cp.attention(), so no attention was split across CP and "
-                "each rank attended to its own tokens only. Attention written by hand (matmul, softmax, matmul: "
-                "transformers' \"eager\", Gemma 2's soft-capping) is not split by CP yet: use the model's SDPA "
-                "attention (transformers: attn_implementation=\"sdpa\")")
+                "no attention ran inside cp.attention(): neither F.scaled_dot_product_attention nor attention written "
+                "by hand (q @ k^T with as many keys as queries, softmax, @ v), so nothing was split across CP and each "
+                "rank attended to its own tokens only. Attention in another form (einsum, a fused kernel) is not "
+                "split: use the model's SDPA attention (transformers: attn_implementation=\"sdpa\")")
 
     @torch.compiler.disable(reason=ATTENTION_BREAK)
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -121,61 +116,98 @@ class ContextParallel:
         calls (every layer then shares one mask, which autograd saves once, not once per layer), and its
         calls are counted. (That state is read here only, eagerly: a compiled caller's guards never see
         it, so nothing compiles again.)"""
-        state = self._state
-        if state is not None:
-            state["calls"] += 1
-        masks = state["masks"] if state is not None else None
-        if attn_mask is not None and not replace_model_mask:
+        self._attended()
+        local = query.shape[-2]
+        # this rank's rows of a mask over the whole sequence (keys in order): the caller built it for CP
+        whole = attn_mask is not None and attn_mask.shape[-1] == local * self.size
+        if attn_mask is not None and not whole and not replace_model_mask:
             raise ContextParallelError(
                 f"scaled_dot_product_attention got an attn_mask of shape {tuple(attn_mask.shape)} under context "
                 "parallel: a mask the model built for its local tokens cannot say which of the whole sequence's keys "
                 "a query sees. Let the model attend without one (is_causal, or nothing for bidirectional) and say "
-                "what it means with ContextParallel.attention(documents=..., window=..., replace_model_mask=True)")
-        if attn_mask is not None:  # (a causal model that builds its own mask passes is_causal=False with it)
-            is_causal = is_causal or self._causal_mask(attn_mask)
-        local = query.shape[-2]
+                "what it means with ContextParallel.attention(documents=..., window=..., replace_model_mask=True), "
+                f"or pass this rank's rows of the whole sequence's mask, (..., {local}, {local * self.size})")
         if key.shape[-2] != local:
             raise ContextParallelError(
                 f"scaled_dot_product_attention with {local} queries and {key.shape[-2]} keys under context parallel: "
                 "cross-attention to another sequence (or a KV cache) is not split by CP; run it outside "
                 "ContextParallel.attention()")
+        if attn_mask is not None and not whole:  # (a causal model that builds its own mask passes is_causal=False)
+            is_causal = is_causal or self._causal_mask(self._model_visible(attn_mask))
         wrap = None
         if isinstance(query, DTensor):  # (heads sharded over TP: attention is per head, so local tensors)
             mesh, placements = query.device_mesh, query.placements
             query, key, value = (t.to_local() if isinstance(t, DTensor) else t for t in (query, key, value))
             wrap = lambda out: DTensor.from_local(out, mesh, placements, run_check=False)  # noqa: E731
         layout = self.layout(local * self.size)
-        if is_causal and window is None and documents is None and not dropout_p and query.device.type == "cpu":
+        if (is_causal and not whole and window is None and documents is None and not dropout_p
+                and query.device.type in ("cpu", "meta")):  # (meta: a trace, an estimate of the CPU's)
             # no mask at all: per query chunk, a block of the keys wholly before it and its own chunk's
             # causal diagonal, through CPU's flash kernel, merged by log-sum-exp
             out = _CausalBlocks.apply(query, key, value, self.mesh.get_group(), _causal_blocks(layout, self.rank), scale)
             return wrap(out) if wrap else out
-        keys, values = (_GatherSequence.apply(t, self.mesh.get_group(), t.ndim - 2) for t in (key, value))
-        built = (layout.seq_len, query.dtype, query.device, is_causal, window, None if documents is None else id(documents))
-        mask = masks.get(built) if masks is not None else None
-        if mask is None:
-            mask = self._mask(layout, query.device, is_causal, window, documents)
-            if mask is not None:  # (additive, in the query's dtype: SDPA would convert a bool one on every call)
-                mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
-            if masks is not None:
-                masks[built] = mask
+        keys, values = (GatherSequence.apply(t, self.mesh.get_group(), t.ndim - 2) for t in (key, value))
+        if whole:  # (its columns to the gathered order; kept with it, so its id names it while cached)
+            given = attn_mask.to_local() if isinstance(attn_mask, DTensor) else attn_mask
+            visible = self._cached(("whole", id(given)), lambda: (given, self._model_visible(given).index_select(
+                -1, layout.gathered_positions(given.device))))[1]
+        else:
+            visible = self._visible(layout.seq_len, query.device, is_causal, window, documents)
+        mask = None if visible is None else self._cached(  # (additive: SDPA would convert a bool one on every call)
+            ("additive", query.dtype, id(visible)),
+            lambda: torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf")))
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                              enable_gqa=enable_gqa)
         return wrap(out) if wrap else out
 
+    def _attended(self) -> None:
+        """Count an attention split across CP (``attention()`` raises if none was)."""
+        if self._state is not None:
+            self._state["calls"] += 1
+
+    def _cached(self, key: tuple, build):
+        """``build()``, kept inside ``attention()`` by what it depends on: every layer then shares one mask,
+        which autograd saves once, not once per layer."""
+        masks = self._state["masks"] if self._state is not None else {}
+        if key not in masks:
+            masks[key] = build()
+        return masks[key]
+
     @staticmethod
-    def _causal_mask(mask: torch.Tensor) -> bool:
-        """Whether a model's local mask hides every later key (its upper triangle all masked)."""
-        square = mask[..., -mask.shape[-1]:, :]
-        later = torch.ones(square.shape[-2:], dtype=torch.bool, device=mask.device).triu(1)
-        hidden = ~square if mask.dtype == torch.bool else square < torch.finfo(mask.dtype).min / 2
-        return bool(hidden[..., later].all())
+    def _model_visible(mask: torch.Tensor) -> torch.Tensor:
+        """Where a model's (bool or additive) mask lets a query see a key. An additive one that adds
+        anything but 0 there is a bias on the scores (relative positions, ALiBi), refused."""
+        if mask.dtype == torch.bool:
+            return mask
+        visible = mask > torch.finfo(mask.dtype).min / 2
+        if not mask.is_meta and bool((mask[visible] != 0).any()):
+            raise ContextParallelError(
+                f"the model adds a bias to its attention scores (a mask of shape {tuple(mask.shape)} with values other "
+                "than 0 where keys are seen: relative positions or ALiBi) built for its local tokens: context parallel "
+                "cannot split it; train this model without a CP dim")
+        return visible
+
+    @staticmethod
+    def _causal_mask(visible: torch.Tensor) -> bool:
+        """Whether a model's local mask (True: seen) hides every later key (its upper triangle)."""
+        if visible.is_meta:  # (a trace on meta tensors, the pipeline's or the estimate's: read as causal)
+            return True
+        square = visible[..., -visible.shape[-1]:, :]
+        later = torch.ones(square.shape[-2:], dtype=torch.bool, device=visible.device).triu(1)
+        return not bool(square[..., later].any())
+
+    def _visible(self, seq_len: int, device: torch.device, causal: bool, window: int | None,
+                 documents: torch.Tensor | None, *, in_order: bool = False) -> torch.Tensor | None:
+        """True where a query (rows: this rank's tokens) may see a key (columns: the gathered order, or
+        the sequence's with ``in_order``); None where every query sees every key."""
+        key = ("visible", seq_len, device, causal, window, None if documents is None else id(documents), in_order)
+        return self._cached(key, lambda: self._mask(self.layout(seq_len), device, causal, window, documents, in_order))
 
     def _mask(self, layout: SequenceLayout, device: torch.device, causal: bool, window: int | None,
-              documents: torch.Tensor | None) -> torch.Tensor | None:
-        """True where a query (rows: this rank's tokens) may see a key (columns: the gathered order)."""
+              documents: torch.Tensor | None, in_order: bool) -> torch.Tensor | None:
+        """:meth:`_visible`, built."""
         q = layout.positions(self.rank, device)[:, None]
-        k = layout.gathered_positions(device)[None, :]
+        k = (torch.arange(layout.seq_len, device=device) if in_order else layout.gathered_positions(device))[None, :]
         mask = (k <= q) if causal else None
         if window is not None:
             near = (q - k < window) & (k - q < (1 if causal else window))
@@ -189,36 +221,6 @@ class ContextParallel:
                     == documents[..., k[0]][..., None, :])[:, None]  # (B, 1, local, T)
             mask = same if mask is None else mask & same
         return mask
-
-
-def _gather(local: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    """Every CP rank's ``local`` concatenated on ``dim`` in rank order."""
-    flat = local.movedim(dim, 0).contiguous()
-    out = flat.new_empty((dist.get_world_size(group) * flat.shape[0], *flat.shape[1:]))
-    all_gather_flat(out, flat, group=group)
-    return out.movedim(0, dim)
-
-
-def _reduce_scatter(whole: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-    """This rank's part (on ``dim``, rank order) of ``whole`` summed over the CP ranks."""
-    flat = whole.movedim(dim, 0).contiguous()
-    out = flat.new_empty((flat.shape[0] // dist.get_world_size(group), *flat.shape[1:]))
-    reduce_scatter_flat(out, flat, group=group)
-    return out.movedim(0, dim)
-
-
-class _GatherSequence(torch.autograd.Function):
-    """:func:`_gather`; backward: each rank gets the sum, over every rank's use, of its own tokens'
-    gradient (:func:`_reduce_scatter`)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _gather(local, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
 
 
 def _causal_blocks(layout: SequenceLayout, rank: int) -> list[tuple[slice, list[tuple[slice, bool]]]]:
@@ -243,7 +245,7 @@ class _CausalBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, group, blocks, scale):
         dim = key.ndim - 2
-        keys, values = _gather(key, group, dim), _gather(value, group, dim)
+        keys, values = gather(key, group, dim), gather(value, group, dim)
         outs, lses = [], []
         for rows, seen in blocks:
             q = query[..., rows, :]
@@ -261,7 +263,7 @@ class _CausalBlocks(torch.autograd.Function):
     def backward(ctx, grad):
         query, key, value, out, lse = ctx.saved_tensors
         dim = key.ndim - 2
-        keys, values = _gather(key, ctx.group, dim), _gather(value, ctx.group, dim)
+        keys, values = gather(key, ctx.group, dim), gather(value, ctx.group, dim)
         grad_q, grad_k, grad_v = torch.zeros_like(query), torch.zeros_like(keys), torch.zeros_like(values)
         grad = grad.contiguous()
         for rows, seen in ctx.blocks:
@@ -274,20 +276,57 @@ class _CausalBlocks(torch.autograd.Function):
                 grad_k[..., cols, :] += gk
                 grad_v[..., cols, :] += gv
         del keys, values
-        return grad_q, _reduce_scatter(grad_k, ctx.group, dim), _reduce_scatter(grad_v, ctx.group, dim), None, None, None
+        return grad_q, reduce_scatter(grad_k, ctx.group, dim), reduce_scatter(grad_v, ctx.group, dim), None, None, None
 
 
 class _Attention(TorchFunctionMode):
-    """Routes ``F.scaled_dot_product_attention`` to :meth:`ContextParallel.attend`."""
+    """Routes ``F.scaled_dot_product_attention`` to :meth:`ContextParallel.attend`, and attention written
+    by hand through :class:`~ndweave.dmodule.context.eager.HandWritten`."""
 
     def __init__(self, cp: ContextParallel, window: int | None, documents: torch.Tensor | None,
                  replace_model_mask: bool) -> None:
         super().__init__()
         self.cp, self.window, self.documents, self.replace = cp, window, documents, replace_model_mask
+        self.hand_written = HandWritten(cp, window, documents, replace_model_mask)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is F.scaled_dot_product_attention or func is _SDPA:  # (a caller may have swapped F's for a while)
             return self.cp.attend(*args, **kwargs, window=self.window, documents=self.documents,
                                   replace_model_mask=self.replace)
+        if func in _BACKWARDS:
+            return self._backward(func, args, kwargs)
+        if func in MATMULS and len(args) == 2 and not kwargs:
+            out = self.hand_written.matmul(func, *args)
+            if out is not None:
+                return out
+        elif func in MASKINGS:
+            out = self.hand_written.masking(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
         return func(*args, **kwargs)
+
+    def _backward(self, func, args: tuple, kwargs: dict):
+        """``func`` (a backward) with F's SDPA routed to :meth:`ContextParallel.attend`: backward runs with
+        this mode off (a mode is off inside its own handler), and a checkpointed layer recomputed in it
+        would otherwise attend to local tokens only. (Attention written by hand cannot be routed so: its
+        recompute makes scores of another shape, which torch's checkpoint refuses.)"""
+        torch_sdpa, inside = F.scaled_dot_product_attention, [False]
+        if torch_sdpa is not _SDPA:  # (a caller swapped it already, and routes it to attend itself)
+            return func(*args, **kwargs)
+
+        def routed(*sdpa_args, **sdpa_kwargs):
+            if inside[0]:  # (attend's own call: the kernel)
+                return torch_sdpa(*sdpa_args, **sdpa_kwargs)
+            inside[0] = True
+            try:
+                return self.cp.attend(*sdpa_args, **sdpa_kwargs, window=self.window, documents=self.documents,
+                                      replace_model_mask=self.replace)
+            finally:
+                inside[0] = False
+
+        F.scaled_dot_product_attention = routed
+        try:
+            return func(*args, **kwargs)
+        finally:
+            F.scaled_dot_product_attention = torch_sdpa

@@ -13,7 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SequenceLayout"]
+__all__ = ["ContextParallelError", "SequenceLayout"]
+
+
+class ContextParallelError(ValueError):
+    """What context parallelism cannot split, with the fix."""
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class SequenceLayout:
     def __post_init__(self) -> None:
         pieces = self.pieces
         if self.seq_len % pieces:
-            raise ValueError(
+            raise ContextParallelError(
                 f"context parallel over {self.cp} ranks{' with causal load balance' if self.load_balance else ''} "
                 f"cuts each sequence into {pieces} equal chunks, and a sequence of {self.seq_len} tokens does not "
                 f"divide into {pieces}: choose a sequence length that is a multiple of {pieces}")
@@ -61,7 +65,7 @@ class SequenceLayout:
     def shard(self, tensor: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
         """``rank``'s tokens of a whole-sequence ``tensor`` (``dim``: its sequence dim)."""
         if tensor.shape[dim] != self.seq_len:
-            raise ValueError(f"a tensor of shape {tuple(tensor.shape)} has {tensor.shape[dim]} tokens on dim {dim}, "
+            raise ContextParallelError(f"a tensor of shape {tuple(tensor.shape)} has {tensor.shape[dim]} tokens on dim {dim}, "
                              f"where this layout splits sequences of {self.seq_len}: pass the sequence dim as dim=")
         pieces = tensor.chunk(self.pieces, dim=dim)
         return torch.cat([pieces[c] for c in self.chunks(rank)], dim=dim)
