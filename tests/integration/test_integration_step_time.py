@@ -30,8 +30,8 @@ from ndweave.checkpoint import DataPosition
 from ndweave.ddp import DEFAULT_BUCKET_SIZE
 from ndweave.plan.calibrate import calibrate
 from ndweave.mesh.testing import run_distributed, shutdown_pools
-from ndweave_gpt.build import (adamw_kwargs, build_mesh, build_model, build_optimizer, check_mesh, data_mean, data_rank,
-                               loss_fn, parallelize, sharding_plan)
+from ndweave_gpt.build import (adamw_kwargs, attending, build_mesh, build_model, build_optimizer, check_mesh,
+                               context_batch, data_mean, data_rank, loss_fn, parallelize, sharding_plan)
 from ndweave_gpt.config import parse_args
 from ndweave_gpt.cost import step_time
 from ndweave_gpt.data import TextData
@@ -113,16 +113,18 @@ class _Job:
         check_mesh(self.mesh, args)
         self.dp_rank, self.dp_size = data_rank(self.mesh)
         job = parallelize(build_model(args), self.mesh, args)
-        self.engine = job.engine
+        self.engine, self.cp = job.engine, job.cp
         self.optimizer, self.scheduler = build_optimizer(job.chunks, args)
         self.data, self.position = TextData(args.model.block_size, args.training.seed), DataPosition()
         self.step()
 
     def step(self) -> float:
         tick = time.perf_counter()
-        x, y = self.data.batch(self.position, self.args.data.global_batch, self.dp_rank, self.dp_size)
+        x, y = context_batch(self.cp, *self.data.batch(self.position, self.args.data.global_batch, self.dp_rank,
+                                                        self.dp_size))
         self.optimizer.zero_grad()
-        loss = self.engine(x, y).detach().to(torch.float64)
+        with attending(self.cp):
+            loss = self.engine(x, y).detach().to(torch.float64)
         self.optimizer.step()
         self.scheduler.step()
         self.position.advance(self.args.data.global_batch)
