@@ -29,6 +29,7 @@ import torch
 # (sleeping kernels), the only way to hold its bubble against the theory on a few shared cores
 RUNS = [
     ("bench_ddp.py", []),
+    ("bench_overlap.py", []),
     ("bench_dmodule.py", []),
     ("bench_dmodule_auto.py", []),
     ("bench_optim.py", []),
@@ -45,6 +46,8 @@ RUNS = [
 # --quick: sizes and rounds small enough to show that everything runs, not to measure anything
 QUICK = {
     "bench_ddp.py": ["--layers", "2", "--width", "256", "--steps", "2", "--rounds", "2", "--warmup", "1"],
+    "bench_overlap.py": ["--layers", "4", "--width", "256", "--kernel-ms", "2", "--steps", "1", "--rounds", "1",
+                         "--warmup", "1"],
     "bench_dmodule.py": ["--layers", "1", "--width", "64", "--tokens", "32", "--steps", "2", "--rounds", "2",
                          "--warmup", "1"],
     "bench_dmodule_auto.py": ["--layers", "1", "--width", "64", "--tokens", "16", "--steps", "2", "--rounds", "2",
