@@ -358,6 +358,18 @@ class _UserLM(torch.nn.Module):
         return self.out(x + y)
 
 
+@distributed(world_size=1)
+def test_one_cp_rank_runs_attention_written_by_hand_as_it_is():
+    """A CP dim of one rank: its tokens are the whole sequence, so attention written by hand runs as
+    written (no matmul or mask is taken for attention's), and no attention call is asked for."""
+    cp = _cp()
+    model = _UserLM()
+    ids = _batch(0)[0]
+    with cp.attention(window=4):  # (a window would refuse any matmul taken for attention's)
+        out = model(cp.shard(ids), position_ids=cp.position_ids(_T))
+    assert torch.equal(out, model(ids))
+
+
 @distributed(world_size=2)
 def test_attention_cp_cannot_read_is_refused_not_run_locally():
     """Attention in a form CP does not recognise (einsum) would leave each rank attending to its own

@@ -99,7 +99,7 @@ class ContextParallel:
             calls = self._state["calls"]
         finally:
             self._state = outer
-        if not calls:  # (each rank attended to its own tokens only: wrong, and silently so)
+        if not calls and self.size > 1:  # (each rank attended to its own tokens only: wrong, and silently so)
             raise ContextParallelError(
                 "no attention ran inside cp.attention(): neither F.scaled_dot_product_attention nor attention written "
                 "by hand (q @ k^T with as many keys as queries, softmax, @ v), so nothing was split across CP and each "
@@ -296,6 +296,8 @@ class _Attention(TorchFunctionMode):
                                   replace_model_mask=self.replace)
         if func in _BACKWARDS:
             return self._backward(func, args, kwargs)
+        if self.cp.size == 1:  # (one CP rank: its tokens are the sequence, attention written by hand as it is)
+            return func(*args, **kwargs)
         if func in MATMULS and len(args) == 2 and not kwargs:
             out = self.hand_written.matmul(func, *args)
             if out is not None:
