@@ -41,7 +41,11 @@ def _model(args) -> torch.nn.Module:
     from ndweave.pipeline.testing import KernelStack
 
     torch.manual_seed(0)
-    return KernelStack(args.layers, args.width, args.kernel_ms)
+    model = KernelStack(args.layers, args.width, args.kernel_ms)
+    if args.compile:  # each block in place, before a wrapper's hooks (the simulated kernel breaks its graph)
+        for block in model.layers:
+            block[0].compile()
+    return model
 
 
 class _ByHand(torch.nn.Module):
@@ -181,12 +185,14 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=4.0)
     parser.add_argument("--wrappers", nargs="+", default=["ndweave", "zero2", "torch", "by_hand"],
                         choices=["ndweave", "zero2", "torch", "by_hand"])
+    parser.add_argument("--compile", action="store_true", help="compile each block's Linear (inductor)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    print(f"model: {args.layers} blocks of Linear({args.width}) + a {args.kernel_ms:g} ms kernel (backward "
-          f"{2 * args.kernel_ms:g} ms); batch {args.batch}/rank; buckets {args.bucket_mb:g} MiB; device {args.device}")
+    print(f"model: {args.layers} blocks of Linear({args.width}){' compiled' if args.compile else ''} + a "
+          f"{args.kernel_ms:g} ms kernel (backward {2 * args.kernel_ms:g} ms); batch {args.batch}/rank; buckets "
+          f"{args.bucket_mb:g} MiB; device {args.device}")
     print(f"{'world':>5} | {'wrapper':>8} | {'step ms':>8} | {'no-sync ms':>10} | {'reduce ms':>9} | "
           f"{'hidden':>6} | {'theory':>6} | {'buckets':>7}", flush=True)
     rows = []
@@ -202,7 +208,8 @@ def main() -> None:
                                (("zero2", "ZeRO-2"), ("torch", "torch"), ("by_hand", "by hand")) if kind in result)
             rows.append(Row(
                 "ndweave.ddp", f"torch DDP, overlap on a simulated device ({args.layers} x {args.kernel_ms:g} ms "
-                f"kernels, {ours['mib']:.0f} MiB of grads, {args.bucket_mb:g} MiB buckets)", world,
+                f"kernels, {ours['mib']:.0f} MiB of grads, {args.bucket_mb:g} MiB buckets"
+                f"{', blocks compiled' if args.compile else ''})", world,
                 ours["step"] / theirs["step"], ours["cpu"] / theirs["cpu"],
                 bound=f"hidden {ours['hidden']:.0%} ({others}) of the reduction, theory {ours['theory']:.0%}",
                 note=f"step {ours['step'] * 1e3:.0f} vs {theirs['step'] * 1e3:.0f} ms; no-sync step "
