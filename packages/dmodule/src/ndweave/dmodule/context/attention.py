@@ -8,7 +8,9 @@ log-sum-exp); other masks are rebuilt from global positions (sliding window, doc
 mask the model builds for its local tokens cannot know them. Every
 ``F.scaled_dot_product_attention`` call inside ``ContextParallel.attention()`` takes this path (a
 ``TorchFunctionMode``, as torch's experimental ``context_parallel`` does), which is how a model needs
-no change: the GPT, torch's modules and transformers' ``"sdpa"`` attention all call it.
+no change: the GPT, torch's modules and transformers' ``"sdpa"`` attention all call it. Attention
+written by hand (matmul, softmax, matmul) is found by the same mode from its ops' shapes
+(:mod:`~ndweave.dmodule.context.eager`); the exchanges are in :mod:`~ndweave.dmodule.context.exchange`.
 """
 
 from __future__ import annotations
