@@ -275,7 +275,8 @@ def context_batch(cp: ContextParallel | None, inputs: torch.Tensor | dict, targe
 def attending(cp: ContextParallel | None) -> contextlib.AbstractContextManager:
     """Where the engine runs: attention across the CP ranks (cp > 1). A transformers model traced into
     pipeline stages builds its causal mask for the local tokens (tracing keeps it from passing none), which
-    the job's masks, causal only, may replace."""
+    CP may replace with the causal one of global positions; --data's document mask, this rank's rows of
+    the whole sequence's (:func:`context_batch`), is used as given."""
     return cp.attention(replace_model_mask=True) if cp is not None else contextlib.nullcontext()
 
 
