@@ -171,29 +171,56 @@ def _hf(arch: str, **overrides):
     return model.eval()
 
 
-@pytest.mark.parity
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox", "phi3"])
-def test_transformers_decoders_at_cp2_train_like_one_process(arch):
-    _hf_parity(arch)
+#: (model, its attention) at CP=2: transformers' "sdpa" attention; their "eager" attention, written by
+#: hand (matmul, softmax, matmul, the causal mask added to the scores; Gemma 2's soft-capped scores,
+#: tanh between the matmul and the mask); a module as a user writes it ("user": ``masked_fill`` of a
+#: ``tril``). No SDPA in the last three: the shapes say which ops are attention's.
+DECODERS = [("llama", "sdpa"), ("qwen2", "sdpa"), ("gpt_neox", "sdpa"), ("phi3", "sdpa"), ("llama", "eager"),
+            ("gemma2", "eager"), ("user", "eager")]
 
 
 @pytest.mark.parity
-@distributed(world_size=4)
-def test_llama_at_cp4_trains_like_one_process():
-    _hf_body("llama")
+@pytest.mark.parametrize("arch, attention", DECODERS)
+def test_decoders_at_cp2_train_like_one_process(arch, attention):
+    _decoder_at_cp2(arch, attention)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("arch, attention", [("llama", "sdpa"), ("gemma2", "eager")])
+def test_decoders_at_cp4_train_like_one_process(arch, attention):
+    _decoder_at_cp4(arch, attention)
 
 
 @distributed(world_size=2)
-def _hf_parity(arch: str) -> None:
-    _hf_body(arch)
+def _decoder_at_cp2(arch: str, attention: str) -> None:
+    _decoder_body(arch, attention)
 
 
-def _hf_body(arch: str) -> None:
-    from dmodule_auto_models import FLOAT32_INSIDE
+@distributed(world_size=4)
+def _decoder_at_cp4(arch: str, attention: str) -> None:
+    _decoder_body(arch, attention)
+
+
+def _decoder_body(arch: str, attention: str) -> None:
+    """Transformers' models to the float32 bound of their float32 norms (and eager softmax); the user's
+    module strict. Attention written by hand applies its own causal mask, which CP replaces only when
+    told so (Gemma 2's window, 4096 by default, covers the sequence)."""
+    from dmodule_auto_models import FLOAT32_INSIDE, build_hf
 
     cp = _cp()
-    reference = _hf(arch)
-    _check_cp_parity(reference, copy.deepcopy(reference), cp, steps=2, tol=FLOAT32_INSIDE)
+    if arch == "user":
+        reference, tol = _UserLM(), STRICT
+    else:
+        reference, tol = build_hf(arch).eval(), FLOAT32_INSIDE
+        reference.config._attn_implementation = attention
+    model = copy.deepcopy(reference)
+    replace = None
+    if attention == "eager":
+        with pytest.raises(ContextParallelError, match=r"scores with a mask of shape .* replace_model_mask=True"):
+            with cp.attention():
+                model(cp.shard(_batch(0)[0]), position_ids=cp.position_ids(_T))
+        replace = lambda step: dict(replace_model_mask=True)  # noqa: E731
+    _check_cp_parity(reference, model, cp, steps=2, tol=tol, attention=replace)
 
 
 @pytest.mark.parity
@@ -299,42 +326,6 @@ def test_what_cp_cannot_split_is_refused_on_every_rank():
         F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
     with pytest.raises(ContextParallelError, match="'CP' dim"):
         ContextParallel(init_device_mesh("cpu", (1, 2), mesh_dim_names=("DP", "TP")))
-
-
-@pytest.mark.parity
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "user"])
-def test_attention_written_by_hand_at_cp2_trains_like_one_process(arch):
-    """transformers' "eager" attention (matmul, softmax, matmul, its causal mask added to the scores),
-    Gemma 2's soft-capped scores (tanh between the matmul and the mask), and a module as a user writes it
-    (``masked_fill`` of a ``tril`` mask): no SDPA anywhere, the shapes say which ops are attention's."""
-    _hand_written_parity(arch)
-
-
-@pytest.mark.parity
-@distributed(world_size=4)
-def test_gemma2_at_cp4_trains_like_one_process():
-    _hand_written_body("gemma2")
-
-
-@distributed(world_size=2)
-def _hand_written_parity(arch: str) -> None:
-    _hand_written_body(arch)
-
-
-def _hand_written_body(arch: str) -> None:
-    from dmodule_auto_models import FLOAT32_INSIDE, build_hf
-
-    cp = _cp()
-    if arch == "user":
-        reference, tol = _UserLM(), STRICT
-    else:  # (build_hf's models attend "eager"; Gemma 2's window, 4096 by default, covers the sequence)
-        reference, tol = build_hf(arch).eval(), FLOAT32_INSIDE
-    model = copy.deepcopy(reference)
-    if arch != "user":  # (transformers adds its own causal mask, which CP replaces only when told so)
-        with pytest.raises(ContextParallelError, match=r"scores with a mask of shape .* replace_model_mask=True"):
-            with cp.attention():
-                model(cp.shard(_batch(0)[0]), position_ids=cp.position_ids(_T))
-    _check_cp_parity(reference, model, cp, steps=2, tol=tol, attention=lambda step: dict(replace_model_mask=True))
 
 
 class _UserLM(torch.nn.Module):

@@ -70,7 +70,8 @@ from ndweave_gpt.data import TextData, example_batch
 
 __all__ = ["ChunkState", "StageBytes", "activation_terms", "chunk_buffers", "chunk_state", "data_bytes",
            "estimate_memory", "fused_attention", "local_shapes", "parameters", "peer_shapes", "rank_actions",
-           "sharding_mesh", "state_terms", "table", "tied_across_ranks", "tp_mesh", "trace", "world_meshes"]
+           "sharding_mesh", "state_terms", "table", "tied_across_ranks", "tp_mesh", "trace", "traced_world",
+           "world_meshes"]
 
 _TRACES = itertools.count()  # a fresh mesh dim name per trace (see trace)
 _PARAMETERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # see parameters()
@@ -304,12 +305,9 @@ def trace(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tensor, s
         return chunk
 
     with contextlib.ExitStack() as stack:
-        if sizes["TP"] * sizes["EP"] * sizes["CP"] > 1 and mesh is None:
-            stack.enter_context(fake_world(sizes["CP"] * sizes["EP"] * sizes["TP"], rank=0))
-            mesh, context = world_meshes(sizes)
+        if mesh is None:
+            mesh, context = stack.enter_context(traced_world(sizes))
         stack.enter_context(fused_attention(device, context))
-        if context is not None:  # attention across CP: its exchanges allocate on meta what they would for real
-            stack.enter_context(context.attention(replace_model_mask=True))
         if sizes["TP"] == 1 and sizes["EP"] == 1:
             traced = stage_activations(model, plan, sizes["PP"], example, loss_fn=counted_loss, cut=cut,
                                        prepare=lambda chunk: watched(_set_up(chunk, setup)))
@@ -333,6 +331,17 @@ def tp_mesh(size: int):
     """A one-dim TP mesh of ``size`` ranks in the open fake world, its dim named afresh (see :func:`trace`)."""
     name = f"TP{next(_TRACES)}"
     return init_device_mesh("cpu", (size,), mesh_dim_names=(name,))[name]
+
+
+@contextlib.contextmanager
+def traced_world(sizes: dict[str, int]) -> Iterator[tuple]:
+    """A fake world of the CP x EP x TP ranks a stage is traced over, and in it :func:`world_meshes`;
+    ``(None, None)`` and no world where they are all 1."""
+    if sizes["CP"] * sizes["EP"] * sizes["TP"] == 1:
+        yield None, None
+        return
+    with fake_world(sizes["CP"] * sizes["EP"] * sizes["TP"], rank=0):
+        yield world_meshes(sizes)
 
 
 def world_meshes(sizes: dict[str, int]) -> tuple:
@@ -397,8 +406,10 @@ def fused_attention(device: str, context: ContextParallel | None = None) -> Iter
     one row) and CUDA's fused kernels save the output and its log-sum-exp instead. The function is
     swapped in ``torch.nn.functional`` (where the GPT's and transformers' attention look it up at each
     call), not by a torch-function mode: a mode is off inside its own handler, so the backward it
-    would catch recomputes checkpointed layers without it. With ``context`` (inside its ``attention()``)
-    a model's call attends across CP (``context.attend``), whose own attention call comes back here."""
+    would catch recomputes checkpointed layers without it. With ``context`` (its ``attention()`` entered
+    too: attention written by hand, masks kept once) a model's call attends across CP
+    (``context.attend``, its exchanges allocating on meta what they would for real), whose own attention
+    call comes back here."""
     math = F.scaled_dot_product_attention
     routed = [False]
 
@@ -422,7 +433,8 @@ def fused_attention(device: str, context: ContextParallel | None = None) -> Iter
 
     F.scaled_dot_product_attention = attention
     try:
-        yield
+        with context.attention(replace_model_mask=True) if context is not None else contextlib.nullcontext():
+            yield
     finally:
         F.scaled_dot_product_attention = math
 

@@ -35,7 +35,6 @@ TP size, then the layouts grouped by those sizes), with the same figures as pric
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import multiprocessing
@@ -57,7 +56,6 @@ from ndweave.mesh import resolve_spec, torch_compat
 from ndweave.plan.calibrate import Machine
 from ndweave.plan.work import Work, WorkCounter
 from ndweave.plan.estimate import MemoryTerm, RankMemory
-from ndweave.mesh import fake_world
 from ndweave.pipeline import PipelineParallelPlan
 from ndweave.pipeline.construct import ModelCut, cut_model
 from ndweave.pipeline.cost import StageActivations
@@ -66,7 +64,7 @@ from ndweave.pipeline.split import assign_stages, model_layers
 from ndweave_gpt.config import DIMS, DTYPES, JobConfig
 from ndweave_gpt.cost.estimate import (StageBytes, activation_terms, chunk_buffers, chunk_state, data_bytes, local_shapes,
                                        parameters, peer_shapes, rank_actions, state_terms, tied_across_ranks,
-                                       trace, world_meshes)
+                                       trace, traced_world)
 from ndweave_gpt.cost.step_time import (host_seconds, named_group, optimizer_seconds, sharding_groups, stage_buffers,
                                         step_terms, sync_and_optimizer, work_seconds)
 
@@ -411,8 +409,7 @@ class Pricer:
         sizes = {"PP": 3, "DP": 1, "CP": cp, "EP": ep, "TP": tp}
         group = next(iter(sharding_groups(sizes)))
         out = []
-        with fake_world(cp * ep * tp, rank=0) if shard != (1, 1, 1) else contextlib.nullcontext():
-            mesh, context = world_meshes(sizes) if shard != (1, 1, 1) else (None, None)
+        with traced_world(sizes) as (mesh, context):
             names = {context.mesh.get_group().group_name: "CP"} if context is not None else {}
             for recompute, rows in settings:
                 model = self._proxy(recompute)

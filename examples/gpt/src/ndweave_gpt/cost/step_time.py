@@ -40,7 +40,6 @@ as an even split, without the scheduler's wake-up delays.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Collection
@@ -55,7 +54,6 @@ from ndweave.mesh import resolve_spec
 from ndweave.plan.calibrate import Machine
 from ndweave.plan.work import Work, WorkCounter
 from ndweave.plan.estimate import StepTime, TimeTerm
-from ndweave.mesh import fake_world
 from ndweave.mesh.torch_compat import local_tensor, tree_flatten
 from ndweave.optim.cost import owned_runs
 from ndweave.pipeline import PipelineParallelPlan
@@ -63,7 +61,7 @@ from ndweave.pipeline.cost import stage_activations
 from ndweave.pipeline.plan import resolve_plan
 from ndweave.pipeline.step_time import simulate_schedule
 from ndweave_gpt.config import DIMS, DTYPES, JobConfig
-from ndweave_gpt.cost.estimate import fused_attention, parameters, world_meshes
+from ndweave_gpt.cost.estimate import fused_attention, parameters, traced_world
 from ndweave_gpt.data import example_batch
 
 __all__ = ["StageWork", "estimate_step_seconds", "first_shapes", "host_seconds", "named_group", "optimizer_seconds",
@@ -258,24 +256,14 @@ def stage_work(model: nn.Module, plan: PipelineParallelPlan, example: torch.Tens
         chunk.register_forward_hook(lambda module, args, output: sent.__setitem__(index, _bytes(output)))
         return chunk
 
-    names_of = {}
-    if sizes["TP"] * sizes["EP"] * sizes["CP"] == 1:
-        with fused_attention(device), counter:
-            stage_activations(model, plan, sizes["PP"], example, prepare=counted, loss_fn=loss_fn)
-    else:
-        plan_dict = sharding(model, sizes)
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(fake_world(sizes["CP"] * sizes["EP"] * sizes["TP"], rank=0))
-            mesh, context = world_meshes(sizes)
-            stack.enter_context(fused_attention(device, context))
-            if context is not None:  # attention across CP: its exchanges recorded over the CP group
-                stack.enter_context(context.attention(replace_model_mask=True))
-                names_of[context.mesh.get_group().group_name] = "CP"
-            shard = (functools.partial(parallelize_on_meta, mesh=mesh, plan=plan_dict)
-                     if sizes["TP"] * sizes["EP"] > 1 else lambda chunk: chunk)
-            with counter:
-                stage_activations(model, plan, sizes["PP"], example, loss_fn=loss_fn,
-                                  prepare=lambda chunk: counted(chunk, shard))
+    with traced_world(sizes) as (mesh, context), fused_attention(device, context):
+        # (attention across CP: its exchanges recorded over the CP group, named so)
+        names_of = {context.mesh.get_group().group_name: "CP"} if context is not None else {}
+        shard = (functools.partial(parallelize_on_meta, mesh=mesh, plan=sharding(model, sizes))
+                 if sizes["TP"] * sizes["EP"] > 1 else lambda chunk: chunk)
+        with counter:
+            stage_activations(model, plan, sizes["PP"], example, loss_fn=loss_fn,
+                              prepare=lambda chunk: counted(chunk, shard))
     group = next(iter(sharding_groups(sizes)))
     return [StageWork(named_group(counter.work[s].forward, group, names_of),
                       named_group(counter.work[s].backward, group, names_of), sent[s], names[s])

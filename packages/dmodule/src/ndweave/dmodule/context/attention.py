@@ -135,7 +135,7 @@ class ContextParallel:
                 "cross-attention to another sequence (or a KV cache) is not split by CP; run it outside "
                 "ContextParallel.attention()")
         if attn_mask is not None and not whole:  # (a causal model that builds its own mask passes is_causal=False)
-            is_causal = is_causal or self._causal_mask(self._model_visible(attn_mask))
+            is_causal = is_causal or self._reads_causal(attn_mask, "additive")
         wrap = None
         if isinstance(query, DTensor):  # (heads sharded over TP: attention is per head, so local tensors)
             mesh, placements = query.device_mesh, query.placements
@@ -174,6 +174,16 @@ class ContextParallel:
         if key not in masks:
             masks[key] = build()
         return masks[key]
+
+    def _reads_causal(self, mask: torch.Tensor, how: str) -> bool:
+        """Whether a model's local mask hides every later key. ``how`` it marks a seen key: ``"additive"``
+        (0, or True for a bool mask; a bias refused), ``"seen"`` (True), ``"hidden"`` (False). Read once per
+        mask inside ``attention()``: every layer passes the same one, and reading it waits for the device."""
+        def read() -> tuple[torch.Tensor, bool]:
+            visible = {"additive": self._model_visible, "seen": lambda m: m, "hidden": lambda m: ~m}[how](mask)
+            return mask, self._causal_mask(visible)  # (the mask kept with it: its id names it while cached)
+
+        return self._cached(("causal", id(mask), how), read)[1]
 
     @staticmethod
     def _model_visible(mask: torch.Tensor) -> torch.Tensor:

@@ -101,13 +101,9 @@ class HandWritten:
                 f"the model's hand-written attention combines its scores with a mask of shape {tuple(mask.shape)} "
                 "built for its local tokens, which cannot say which of the whole sequence's keys a query sees. "
                 "Say what it means with ContextParallel.attention(documents=..., window=..., replace_model_mask=True)")
-        if func in _ADDS:
-            visible = self.cp._model_visible(mask)
-        elif func in _WHERES:  # (where(visible, scores, fill) or where(hidden, fill, scores))
-            visible = mask if at_scores == 1 else ~mask
-        else:
-            visible = ~mask
-        device, causal = mask.device, self.cp._causal_mask(visible)
+        # where(seen, scores, fill), where(hidden, fill, scores), masked_fill(scores, hidden, fill)
+        how = "additive" if func in _ADDS else "seen" if func in _WHERES and at_scores == 1 else "hidden"
+        device, causal = mask.device, self.cp._reads_causal(mask, how)
         ours = self.cp._visible(local * self.cp.size, device, causal, self.window, self.documents, in_order=True)
         if ours is None:  # (bidirectional, every key seen)
             ours = self.cp._cached(("all", local, device), lambda: torch.ones(
