@@ -55,21 +55,21 @@ def _activation_peak(model, batch, cp) -> int:
 
 def _received(model, batch, cp) -> int:
     """Bytes of keys and values one forward brings to this rank from the others."""
-    from ndweave.dmodule.context import attention
+    from ndweave.dmodule.context import exchange
 
     received = [0]
-    gather = attention.all_gather_flat
+    gather = exchange.all_gather_flat
 
     def counted(out, local, group):
         received[0] += (out.numel() - local.numel()) * out.element_size()
         return gather(out, local, group=group)
 
-    attention.all_gather_flat = counted
+    exchange.all_gather_flat = counted
     try:
         with cp.attention(), torch.no_grad():
             model(batch[0], position_ids=batch[2])
     finally:
-        attention.all_gather_flat = gather
+        exchange.all_gather_flat = gather
     return received[0]
 
 
