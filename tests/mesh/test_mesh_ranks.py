@@ -45,6 +45,7 @@ def test_1d_2d_and_4d_meshes_on_4_ranks():
             siblings = [g for g in mesh.get_all_submeshes(name) if dist.get_rank() in g][0]
             assert _members(mesh.get_group(axis)) == _members(mesh.get_group(name)) == siblings
             assert mesh.get_submesh(name).mesh.tolist() == siblings == mesh[name].mesh.tolist()
+            assert mesh[name] is mesh[(name,)]  # sliced once (torch builds a new mesh per slice), kept per init
             assert mesh.size(name) == mesh.get_strategy_size(axis) == shape[axis]
     # a flattened view is a real group over the ranks it names
     mesh = init_device_mesh("cpu", (1, 2, 1, 2), mesh_dim_names=("PP", "DP", "CP", "TP"))
