@@ -16,7 +16,9 @@ time swings with other load). Three variants:
   to_local=True)``, fc2 input ``[[Shard(-1)]]``, fc2 output ``PlacementSpec([Replicate()],
   to_local=True)``): what a like-for-like user plan looks like;
 * ``ours-dtensor``: the seed's style (fc1 input ``[[Replicate()]]``, fc2 output
-  ``[[Replicate()]]``): activations stay DTensors through GELU, paying DTensor dispatch per op.
+  ``[[Replicate()]]``): activations stay DTensors through GELU, paying DTensor dispatch per op;
+* ``ours-via-dtensor``: ``ours-local`` with its linears run through DTensor's ops
+  (``dtensor_linears()``) rather than on local shards: what the local linears save.
 
 Printed per world size: ms/step of each and the ratios ours / torch (target: <= 1.0).
 """
@@ -24,6 +26,7 @@ Printed per world size: ms/step of each and the ratios ours / torch (target: <= 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 
 import torch
@@ -77,9 +80,12 @@ def _ours(mesh, args, style: str) -> nn.Module:
     return parallelize_module(_model(args), mesh, {"parameter": params, "forward": forward})
 
 
-def _step(model, x, ours: bool) -> None:
-    out = model(x)
-    out.pow(2).mean().backward()
+def _step(model, x, ours: bool, via_dtensor: bool = False) -> None:
+    from ndweave.dmodule import dtensor_linears
+
+    with dtensor_linears() if via_dtensor else contextlib.nullcontext():
+        out = model(x)
+        out.pow(2).mean().backward()
     if ours:
         model.finish_grad_sync()
     model.zero_grad(set_to_none=True)
@@ -94,6 +100,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         "torch": (_torch_tp(mesh, args), False),
         "ours-local": (_ours(mesh, args, "local"), True),
         "ours-dtensor": (_ours(mesh, args, "dtensor"), True),
+        "ours-via-dtensor": (_ours(mesh, args, "local"), True),
     }
     x = torch.randn(args.tokens, args.width, generator=torch.Generator().manual_seed(1)).to(device)
     # same numbers from all three (a benchmark of a wrong computation is worthless)
@@ -102,11 +109,11 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     outs = {k: (o.full_tensor() if hasattr(o, "full_tensor") else o) for k, o in outs.items()}
     for k, o in outs.items():
         torch.testing.assert_close(o, outs["torch"], rtol=1e-4, atol=1e-5, msg=f"{k} output differs from torch's")
-    for name, (m, ours) in models.items():  # warm up
+    steps = {k: functools.partial(_step, m, x, ours, k == "ours-via-dtensor") for k, (m, ours) in models.items()}
+    for step in steps.values():  # warm up
         for _ in range(args.warmup):
-            _step(m, x, ours)
-    timing = interleaved({k: functools.partial(_step, m, x, ours) for k, (m, ours) in models.items()}, device,
-                         args.rounds, args.steps)
+            step()
+    timing = interleaved(steps, device, args.rounds, args.steps)
     report_and_close(rank, timing, queue)
 
 
@@ -130,12 +137,15 @@ def main() -> None:
             t = res["torch"][i]
             print(f"world {world} ({stat}): torch {t * 1e3:.2f} ms/step | ours-local "
                   f"{res['ours-local'][i] * 1e3:.2f} ms/step (ratio {res['ours-local'][i] / t:.3f}) | ours-dtensor "
-                  f"{res['ours-dtensor'][i] * 1e3:.2f} ms/step (ratio {res['ours-dtensor'][i] / t:.3f})")
+                  f"{res['ours-dtensor'][i] * 1e3:.2f} ms/step (ratio {res['ours-dtensor'][i] / t:.3f}) | "
+                  f"ours-via-dtensor {res['ours-via-dtensor'][i] * 1e3:.2f} ms/step "
+                  f"(ratio {res['ours-via-dtensor'][i] / t:.3f})")
         wall, cpu = res["torch"][0], res["torch"][2]
         rows += [Row("ndweave.dmodule", f"torch parallelize_module, MLP TP fwd+bwd ({plan})", world,
                      res[k][0] / wall, res[k][2] / cpu,
                      note=f"CPU ms/step ours {res[k][2] * 1e3:.1f}, torch {cpu * 1e3:.1f}")
-                 for k, plan in (("ours-local", "like-for-like plan"), ("ours-dtensor", "DTensor activations"))]
+                 for k, plan in (("ours-local", "like-for-like plan"), ("ours-dtensor", "DTensor activations"),
+                                 ("ours-via-dtensor", "like-for-like plan, linears through DTensor"))]
     emit(rows, args.json)
 
 

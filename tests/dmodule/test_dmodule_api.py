@@ -246,14 +246,14 @@ def test_list_grad_sync_shows_pending_then_synced():
     assert dm.list_grad_sync() == []
     dm(torch.randn(2, 4)).sum().backward()
     pending = dm.list_grad_sync()
-    # (DTensor reduces the bias grad itself: a sum over the sharded batch dim)
-    assert [(e.fqn, e.status) for e in pending] == [("weight", "pending")]
-    assert pending[0].placements[0].is_partial()
-    (fqn, grad), = pending  # veScale's (fqn, grad) pairs
-    assert fqn == "weight" and grad is dm.weight.grad
+    # (the linear runs on local shards: both grads are sums over the sharded batch dim, reduced together)
+    assert sorted((e.fqn, e.status) for e in pending) == [("bias", "pending"), ("weight", "pending")]
+    assert all(e.placements[0].is_partial() for e in pending)
+    grads = dict(pending)  # veScale's (fqn, grad) pairs
+    assert grads["weight"] is dm.weight.grad and grads["bias"] is dm.bias.grad
     dm.finish_grad_sync()
-    assert [(e.fqn, e.status) for e in dm.list_grad_sync()] == [("weight", "synced")]
-    assert dm.weight.grad.placements == (R,)
+    assert sorted((e.fqn, e.status) for e in dm.list_grad_sync()) == [("bias", "synced"), ("weight", "synced")]
+    assert dm.weight.grad.placements == dm.bias.grad.placements == (R,)
     assert dict(dm.list_grad_sync())["weight"] is dm.weight.grad
     dm.finish_grad_sync()  # twice is harmless
 

@@ -17,11 +17,12 @@ from ndweave.dmodule.deferred_init import MaterializeStats, deferred_init, is_de
 from ndweave.dmodule.dmodule import DModule, GradSyncEntry
 from ndweave.dmodule.factory import FactoryMode
 from ndweave.dmodule.hooks import log_redistributions
+from ndweave.dmodule.linear import dtensor_linears
 from ndweave.dmodule.patches import register_patch
 from ndweave.dmodule.plans import explain_plan, get_plan, list_plans, load_plan, save_plan
 from ndweave.dmodule.spec import PlacementSpec, PlanKeyError
 
-__version__ = "0.13.0"
+__version__ = "0.14.0"
 
 __all__ = [
     "DModule",
@@ -32,6 +33,7 @@ __all__ = [
     "PlanKeyError",
     "RankMismatchError",
     "deferred_init",
+    "dtensor_linears",
     "explain_plan",
     "get_plan",
     "is_deferred",

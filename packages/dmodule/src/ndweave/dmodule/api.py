@@ -31,6 +31,7 @@ from ndweave.dmodule.dmodule import DModuleState, make_dmodule
 from ndweave.dmodule.experts.parallel import EXPERT_DIM, EXPERT_PATCH, expert_parallel
 from ndweave.dmodule.factory import FactoryArg, install_factory
 from ndweave.dmodule.hooks import install_forward_hooks, install_local_output_hook
+from ndweave.dmodule.linear import use_local_linears
 from ndweave.dmodule.patches import patch_name, resolve_patch
 from ndweave.dmodule.plan import check_placements, match_modules, names_removed_module, no_match_error
 from ndweave.dmodule.sharded import sharded_global_shapes
@@ -117,6 +118,8 @@ def _parallelize(module: nn.Module, device_mesh: DeviceMesh | ParallelMesh | Non
     _distribute_tensors(module, mesh, layouts, global_shapes, "meta" if on_meta else mesh.device_type)
     for fqn, m, patch in targets:
         patch(m, mesh, fqn)
+    if tensor_parallel:
+        use_local_linears(module)
     factory_mode, factory_handles = install_factory(module, mesh, factory)
     state = DModuleState(mesh=mesh, factory_mode=factory_mode)
     state.hook_handles = (_install_forward_plan(module, mesh, plan.forward) if tensor_parallel else []) + factory_handles

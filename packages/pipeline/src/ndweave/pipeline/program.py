@@ -15,6 +15,7 @@ model's) whose ``forward`` is the stage's: ``isinstance(chunk, GPT)`` still hold
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ class StageProgram:
         self.positional = order.forward.positional
         used = {node.target for node in self.graph.nodes if node.op == "get_attr"}
         self.constants = {name: t for name, t in order.forward.constants.items() if name in used}
+        self._interpreter: _Interpreter | None = None
         self.sent: tuple[torch.Tensor, ...] = ()
         """The tensors the last call sent, as the graph computed them (before any wrapper's output
         hook, e.g. ``use_local_output``, turned a replicated DTensor into a plain tensor)."""
@@ -60,7 +62,11 @@ class StageProgram:
                             f"keyword inputs {list(kwargs)}")
         else:
             values = self.inputs.unflatten(args, device)
-        out = _Interpreter(chunk, self.graph, self.constants, device).run(*values)
+        interpreter = self._interpreter
+        if interpreter is None or interpreter.module is not chunk or interpreter.device != device:
+            # built once, not per micro-batch: fx lists every submodule and each node's last use
+            interpreter = self._interpreter = _Interpreter(chunk, self.graph, self.constants, device)
+        out = interpreter.run(*values)
         if self.outputs is None:
             return out
         # a value handed through unchanged is cloned: torch detaches stage outputs in place
@@ -123,6 +129,12 @@ class _Interpreter(fx.Interpreter):
         self.constants = constants
         self.device = device
 
+    def run(self, *args: Any) -> Any:
+        try:
+            return super().run(*args)
+        finally:
+            self.env = {}  # (kept between micro-batches, it would hold the last one's activations)
+
     def fetch_attr(self, target: str) -> Any:
         if target in self.constants:
             return self.constants[target].to(self.device)
@@ -130,7 +142,8 @@ class _Interpreter(fx.Interpreter):
 
 
 def _device(args: tuple, chunk: nn.Module) -> torch.device:
-    for t in (*tree_flatten(args)[0], *chunk.parameters(), *chunk.buffers()):
+    # lazily: the first tensor decides, and listing every parameter per micro-batch cost ~2 ms
+    for t in itertools.chain(tree_flatten(args)[0], chunk.parameters(), chunk.buffers()):
         if isinstance(t, torch.Tensor) and local_tensor(t).device.type != "meta":
             return local_tensor(t).device
     return torch.device("cpu")
