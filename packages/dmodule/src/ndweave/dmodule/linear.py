@@ -42,7 +42,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ndweave.mesh.torch_compat import dtensor_of
+from ndweave.mesh.torch_compat import dtensor_of, local_tensor
 
 __all__ = ["dtensor_linears", "linear", "use_local_linears"]
 
@@ -96,7 +96,8 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             or torch.compiler.is_compiling() or _autocast(input.device.type)):
         return F.linear(input, weight, bias)
     mesh = weight.device_mesh
-    if (mesh.ndim != 1 or input.device_mesh != mesh or (bias is not None and not isinstance(bias, DTensor))
+    other = input.device_mesh
+    if (mesh.ndim != 1 or (other is not mesh and other != mesh) or (bias is not None and not isinstance(bias, DTensor))
             or input.shape[-1:] != weight.shape[1:]):  # (a wrong width: DTensor's error, which op_errors explains)
         return F.linear(input, weight, bias)
     rule = _rule(input.placements[0], weight.placements[0], None if bias is None else bias.placements[0], input.ndim)
@@ -121,21 +122,22 @@ class _LocalLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: DTensor, w: DTensor, b: DTensor | None, rule: _Rule) -> DTensor:
         mesh = w.device_mesh
-        xl, wl = x._local_tensor, w._local_tensor
+        xl, wl = local_tensor(x), local_tensor(w)
         bl = None
         if b is not None and (not rule.bias_once or mesh.get_local_rank() == 0):
-            bl = b._local_tensor
+            bl = local_tensor(b)
         y = F.linear(xl, wl, bl)
         ctx.save_for_backward(xl, wl)
-        ctx.rule, ctx.x, ctx.w, ctx.b = rule, x._spec, w._spec, None if b is None else b._spec
+        ctx.rule, ctx.mesh, ctx.x_shape = rule, mesh, tuple(x.shape)
+        ctx.w_layout = tuple(w.shape), w.stride()
+        ctx.b_layout = None if b is None else (tuple(b.shape), b.stride())
         shape = (*x.shape[:-1], w.shape[0])
         return dtensor_of(y, mesh, rule.output, shape, _contiguous(shape))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: DTensor) -> tuple:
-        rule = ctx.rule
-        mesh = ctx.w.mesh
+        rule, mesh = ctx.rule, ctx.mesh
         if rule.output == _R and grad.placements == _P:
             # a replicated linear is linear in its grad: a Partial one flows through, every grad Partial
             # (as DTensor carries it: a LoRA adapter's, summed once where it meets the sharded path's)
@@ -143,17 +145,15 @@ class _LocalLinear(torch.autograd.Function):
         elif tuple(grad.placements) != rule.grad_output:
             grad = grad.redistribute(mesh, rule.grad_output)
         xl, wl = ctx.saved_tensors
-        g = grad._local_tensor
+        g = local_tensor(grad)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            shape = tuple(ctx.x.shape)
-            gx = dtensor_of(g.matmul(wl), mesh, rule.grad_input, shape, _contiguous(shape))
+            gx = dtensor_of(g.matmul(wl), mesh, rule.grad_input, ctx.x_shape, _contiguous(ctx.x_shape))
         rows = g.reshape(-1, g.shape[-1])
         if ctx.needs_input_grad[1]:
-            gw = dtensor_of(rows.t().mm(xl.reshape(-1, xl.shape[-1])), mesh, rule.grad_weight,
-                            tuple(ctx.w.shape), tuple(ctx.w.stride))
-        if ctx.b is not None and ctx.needs_input_grad[2]:
-            gb = dtensor_of(rows.sum(0), mesh, rule.grad_bias, tuple(ctx.b.shape), tuple(ctx.b.stride))
+            gw = dtensor_of(rows.t().mm(xl.reshape(-1, xl.shape[-1])), mesh, rule.grad_weight, *ctx.w_layout)
+        if ctx.b_layout is not None and ctx.needs_input_grad[2]:
+            gb = dtensor_of(rows.sum(0), mesh, rule.grad_bias, *ctx.b_layout)
         return gx, gw, gb, None
 
 

@@ -235,9 +235,20 @@ def dtensor_of(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placemen
     """A DTensor over ``local`` (its piece under ``placements`` of a tensor of ``shape`` and
     ``stride``), built with no autograd node and no check: ``DTensor.from_local`` without its Python
     autograd function, which costs ~60 us of CPU a call (torch 2.13). For an autograd function of
-    one's own that computes on local shards and hands DTensors in and out."""
-    spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    one's own that computes on local shards and hands DTensors in and out. Its spec is built once per
+    layout and shared (building one runs DTensor's shard-order checks on every field set)."""
+    key = (id(mesh), placements, tuple(shape), tuple(stride), local.dtype)
+    spec = _SPECS.get(key)
+    if spec is None:
+        if len(_SPECS) >= 4096:  # shapes that keep changing: start over rather than grow
+            _SPECS.clear()
+        # (the spec holds the mesh: its id cannot name another mesh while the entry lives)
+        spec = _SPECS[key] = DTensorSpec(mesh, placements,
+                                         tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=False)
+
+
+_SPECS: dict[tuple, DTensorSpec] = {}
 
 
 def is_shard_like(p: Placement) -> bool:
