@@ -182,7 +182,8 @@ def use_local_linears(module: nn.Module) -> None:
 @contextlib.contextmanager
 def dtensor_linears() -> Iterator[None]:
     """Run every linear through DTensor (``F.linear`` on DTensors) inside the block, as before the local
-    path: to compare the two, or to debug with DTensor's own ops (``log_redistributions``, CommDebugMode)."""
+    path: to compare the two, or to debug with DTensor's own ops (``CommDebugMode``). Process-wide
+    while the block runs (a forward on another thread sees it too)."""
     global _DTENSOR_ONLY
     previous, _DTENSOR_ONLY = _DTENSOR_ONLY, True
     try:
