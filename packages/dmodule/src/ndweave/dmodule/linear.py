@@ -73,19 +73,18 @@ def _rule(x: Placement, w: Placement, b: Placement | None, ndim: int) -> _Rule |
 
 def _derive(x: Placement, w: Placement, b: Placement | None, ndim: int) -> _Rule | None:
     last = ndim - 1
-    x_dim = (x.dim % ndim) if isinstance(x, Shard) and type(x) is Shard else None
-    r, p = (Replicate(),), (Partial(),)
+    x_dim = x.dim % ndim if type(x) is Shard else None  # (not _StridedShard: its pieces interleave)
     if type(w) is Shard and w.dim == 0 and x.is_replicate() and b in (None, w):  # column parallel
         out = (Shard(last),)
-        return _Rule(out, out, p, (w,), (w,), False)
+        return _Rule(out, out, _P, (w,), (w,), False)
     if type(w) is Shard and w.dim == 1 and x_dim == last and (b is None or b.is_replicate()):  # row parallel
-        return _Rule(p, r, (Shard(last),), (w,), r, True)
+        return _Rule(_P, _R, (Shard(last),), (w,), _R, True)
     if w.is_replicate() and (b is None or b.is_replicate()):
         if x.is_replicate():
-            return _Rule(r, r, r, r, r, False)
+            return _Rule(_R, _R, _R, _R, _R, False)
         if x_dim is not None and x_dim != last:  # rows split (batch, sequence): the weight's grad sums them
             out = (Shard(x_dim),)
-            return _Rule(out, out, out, p, p, False)
+            return _Rule(out, out, out, _P, _P, False)
     return None
 
 
