@@ -76,7 +76,10 @@ def test_the_compiled_job_trains_and_resumes_as_the_eager_one_with_tp_and_ep(tmp
     base = [*TINY, "--steps", "3", "--checkpoint-every", "0", *extra]
     eager = run_distributed(_run, world, [*base, "--mesh", mesh, "--checkpoint-dir", str(tmp_path / "eager"),
                                           "--resume", "never"], timeout=600)[0]
-    shown = [a for a in base if a != "--quiet"] + ["--compile", "--checkpoint-dir", str(tmp_path / "compiled")]
+    # (a rank compiling its blocks keeps its peers waiting in collectives: a cold compile at 8 ranks on 2
+    # cores took 32 s, over the job's default --timeout of 30 s)
+    shown = [a for a in base if a != "--quiet"] + ["--compile", "--timeout", "180", "--checkpoint-dir",
+                                                    str(tmp_path / "compiled")]
     compiled, said = run_distributed(_run_and_report, world, [*shown, "--mesh", mesh, "--stop-at", "2"],
                                      timeout=900)[0]
     resumed = run_distributed(_run, resume_world, [*shown, "--quiet", "--mesh", resume_mesh, "--resume"],

@@ -3,19 +3,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
-from collections.abc import Callable, Iterator
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ndweave.mesh import ParallelMesh
-from ndweave.mesh.torch_compat import (compile_counts, group_timeout, live_groups, reset_compile_counts,
-                                       set_group_timeout)
+from ndweave.mesh.torch_compat import compile_counts, reset_compile_counts
 from ndweave_gpt import report
 from ndweave_gpt.build import (Parallel, attending, build_data, build_mesh, build_model, build_optimizer, check_mesh,
                                context_batch, data_mean, data_rank, global_tokens, loss_scale, parallelize, to_device)
@@ -80,25 +77,6 @@ def _train(config: JobConfig, memory: Any | None) -> RunResult:
                      by_step(run.val_history), text, utilization(tokens_per_s), tensor_peaks)
 
 
-@contextlib.contextmanager
-def compiling_timeout(config: JobConfig, first: bool) -> Iterator[None]:
-    """With --compile, the run's first step (which compiles every block while peers wait in their
-    collectives) under --compile-timeout on every process group, then each group's own again."""
-    if not (first and config.parallel.compile):
-        yield
-        return
-    longer = timedelta(seconds=max(config.parallel.compile_timeout, config.parallel.timeout))
-    groups = [(g, group_timeout(g)) for g in live_groups()]
-    for group, _ in groups:
-        set_group_timeout(group, longer)
-    try:
-        yield
-    finally:
-        for group, own in groups:
-            if own is not None:
-                set_group_timeout(group, own)
-
-
 def report_compile(step: int, seconds: float) -> None:
     """--compile: a step that compiled says so, its time apart from the steps' (and a recompile, why:
     the input whose shape or dtype changed)."""
@@ -135,10 +113,9 @@ def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: T
             job.loss.scale = loss_scale(trained, mesh, config)
         seen += tokens
         job.optimizer.zero_grad()
-        with compiling_timeout(config, first=step == run.start + 1):
-            with attending(job.cp):
-                loss = job.engine(x, y).detach().to(torch.float64)  # the mean over this rank's micro-batches
-            job.optimizer.step()
+        with attending(job.cp):
+            loss = job.engine(x, y).detach().to(torch.float64)  # the mean over this rank's micro-batches
+        job.optimizer.step()
         lr = job.optimizer.param_groups[0]["lr"]  # the one this step used
         job.scheduler.step()
         run.position.advance(batch)
