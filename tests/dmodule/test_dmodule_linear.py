@@ -46,6 +46,7 @@ def _run(model, x):
     return out, grads
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @distributed(world_size=2, timeout=120)
 def test_each_layout_runs_locally_as_dtensor_does(layout):
@@ -111,6 +112,7 @@ class _CountDTensorOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parity
 @distributed(world_size=2, timeout=180)
 def test_llama_step_dispatches_fewer_dtensor_ops():
     """A Llama under the zoo plan with sequence parallel: the same loss and grads with local linears as

@@ -23,9 +23,10 @@ weight         input              output      input grad  weight grad  bias (and
 =============  =================  ==========  ==========  ===========  ======================
 
 A ``Partial`` grad reaching a replicated linear (a LoRA adapter's, from the sharded adapter after it)
-flows through it, every grad ``Partial``, as DTensor carries it. Anything else (a mesh of several dims, a ``Partial`` or plain input, an unplanned bias layout), and
-every compiled (the graph is DTensor's, as torch's own tensor parallel compiles) or autocast forward,
-runs ``F.linear`` on DTensors as before. :func:`dtensor_linears` turns the local path off, to compare
+flows through it, every grad ``Partial``, as DTensor carries it. Anything else (a mesh of several
+dims, a ``Partial`` or plain input, an unplanned bias layout), and every compiled (the graph is
+DTensor's, as torch's own tensor parallel compiles) or autocast forward, runs ``F.linear`` on
+DTensors as before. :func:`dtensor_linears` turns the local path off, to compare
 or debug.
 """
 
