@@ -145,7 +145,8 @@ def _run_with_error(argv: list[str], relative: float):
 
 @pytest.mark.parity
 @pytest.mark.heavy
-@pytest.mark.parametrize("mesh", ["pp=2,tp=2", "dp=2,tp=2", "dp=1"])
+# (dp=2,tp=2 takes two minutes on 2 cores: -m slow; pp=2,tp=2 has TP in it too)
+@pytest.mark.parametrize("mesh", ["pp=2,tp=2", pytest.param("dp=2,tp=2", marks=pytest.mark.slow), "dp=1"])
 def test_compare_single_device_passes_a_correct_run_through_a_loss_spike(mesh, tmp_path, capsys):
     """fp32 through the old defaults' loss spike, where the fp32 difference from one process grows to
     ~1e-4: the float64 rerun matches one process strictly."""
@@ -391,7 +392,7 @@ def test_moe_job_on_pp2_dp2_ep2_resumes_at_dp2_ep2_and_on_one_process(tmp_path):
     _check_params(third, uninterrupted, "resumed on one process, step 4")
 
 
-@pytest.mark.heavy
+@pytest.mark.slow  # (a minute on 2 cores; test_moe_job_on_pp2_dp2_ep2_resumes_... trains this mesh in CI)
 def test_moe_job_launched_on_pp2_dp2_ep2_compares_with_one_process(tmp_path):
     """``torchrun`` with 8 processes, as users launch it: fp32 MoE blocks at PP=2 x DP=2 x EP=2 against
     the job's own single-device run (``--compare-single-device``), then resumed at EP=4 on 4 ranks."""
