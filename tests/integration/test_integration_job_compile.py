@@ -77,9 +77,8 @@ def test_the_compiled_job_trains_and_resumes_as_the_eager_one_with_tp_and_ep(tmp
     eager = run_distributed(_run, world, [*base, "--mesh", mesh, "--checkpoint-dir", str(tmp_path / "eager"),
                                           "--resume", "never"], timeout=600)[0]
     # (a rank compiling its blocks keeps its peers waiting in collectives: a cold compile at 8 ranks on 2
-    # cores took 32 s, over the job's default --timeout of 30 s)
-    shown = [a for a in base if a != "--quiet"] + ["--compile", "--timeout", "180", "--checkpoint-dir",
-                                                    str(tmp_path / "compiled")]
+    # cores took 32 s, over the default --timeout of 30 s; the first step waits --compile-timeout instead)
+    shown = [a for a in base if a != "--quiet"] + ["--compile", "--checkpoint-dir", str(tmp_path / "compiled")]
     compiled, said = run_distributed(_run_and_report, world, [*shown, "--mesh", mesh, "--stop-at", "2"],
                                      timeout=900)[0]
     resumed = run_distributed(_run, resume_world, [*shown, "--quiet", "--mesh", resume_mesh, "--resume"],
@@ -96,6 +95,42 @@ def test_the_compiled_job_trains_and_resumes_as_the_eager_one_with_tp_and_ep(tmp
         assert "graph break" in compiles[0] and "token all-to-all" in compiles[0], compiles
     else:
         assert "break" not in compiles[0], compiles
+
+
+def test_the_steps_that_compile_wait_longer_then_the_groups_get_the_timeout():
+    """--compile: the groups are made with --compile-timeout, since the first step (and the first to
+    evaluate) compiles while peers wait; after it they get --timeout, and a group made with a timeout
+    of its own keeps it."""
+    from ndweave_gpt.config import parse_args
+    from ndweave_gpt.loop import last_compiling_step
+
+    config = parse_args([*TINY, "--steps", "10", "--compile"])
+    assert last_compiling_step(config, 0) == 1 and last_compiling_step(config, 6) == 7
+    evaluating = parse_args([*TINY, "--steps", "10", "--compile", "--eval-every", "4"])
+    assert [last_compiling_step(evaluating, start) for start in (0, 3, 4, 9)] == [4, 4, 8, 10]
+    run_distributed(_settled_timeouts, 4, timeout=120)
+
+
+def _settled_timeouts() -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ndweave.mesh.torch_compat import group_timeout
+    from ndweave_gpt.build import build_mesh
+    from ndweave_gpt.config import parse_args
+    from ndweave_gpt.loop import settle_timeouts
+
+    config = parse_args([*TINY, "--mesh", "dp=2,tp=2", "--compile", "--compile-timeout", "120", "--timeout", "20"])
+    mesh = build_mesh(config)  # (its dim groups; the pool's default group was made before, and keeps its own)
+    made = [mesh["DP"].get_group(), mesh["TP"].get_group(),
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=120))]  # (as the pipeline's own group)
+    own = dist.new_group(backend="gloo", timeout=timedelta(seconds=77))
+    assert [group_timeout(g) for g in made] == [timedelta(seconds=120)] * 3
+    settle_timeouts(config)
+    assert [group_timeout(g) for g in made] == [timedelta(seconds=20)] * 3
+    assert group_timeout(own) == timedelta(seconds=77)
+    dist.all_reduce(torch.ones(1), group=made[2])  # (the lowered group still works)
 
 
 @pytest.mark.parity

@@ -10,5 +10,5 @@ The modules, one per concern: :mod:`~ndweave_gpt.config` (the flags, as frozen d
 :mod:`~ndweave_gpt.data`, and ``cost/`` (``--estimate`` and ``--mesh auto``).
 """
 
-__version__ = "0.5.0"
+__version__ = "0.5.1"
 __all__ = ["__version__"]

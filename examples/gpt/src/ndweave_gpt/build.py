@@ -30,13 +30,13 @@ from ndweave.mesh import ParallelMesh, init_mesh_from_spec
 from ndweave.mesh.torch_compat import non_persistent_buffer_names
 from ndweave.optim import DistributedOptimizer
 from ndweave.pipeline import PipeEngine, PipelineParallelPlan, construct_pipeline_stage
-from ndweave_gpt.config import DIMS, DTYPES, JobConfig, num_experts
+from ndweave_gpt.config import DIMS, DTYPES, JobConfig, ParallelConfig, num_experts
 from ndweave_gpt.data import VOCAB_SIZE, TextData, example_batch
 from ndweave_gpt.models import hf
 from ndweave_gpt.models.nanogpt import GPT, GPTConfig
 
 __all__ = ["EXPERTS", "MaskedLoss", "Parallel", "adamw_kwargs", "blocks", "build_data", "build_mesh",
-           "build_model", "build_optimizer", "check_mesh", "data_mean", "data_rank", "data_sum",
+           "build_model", "build_optimizer", "check_mesh", "data_mean", "data_rank", "data_sum", "first_step_timeout",
            "global_tokens", "init_weights", "loss_fn", "loss_scale", "lr_factor", "lr_schedule", "materialize",
            "mesh_problem", "parallelize", "plan_name", "sharding_plan", "to_device"]
 
@@ -48,7 +48,14 @@ def build_mesh(config: JobConfig) -> ParallelMesh:
     """The job's mesh of ``--mesh`` over the default process group (created here if need be)."""
     if config.parallel.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return init_mesh_from_spec(config.parallel.device, config.parallel.mesh, dims=DIMS, timeout=config.parallel.timeout)
+    return init_mesh_from_spec(config.parallel.device, config.parallel.mesh, dims=DIMS,
+                               timeout=first_step_timeout(config.parallel))
+
+
+def first_step_timeout(parallel: ParallelConfig) -> float:
+    """The groups' timeout when they are made: --timeout, or with --compile the longer --compile-timeout,
+    since the first step compiles every block while peers wait (``loop.settle_timeouts`` lowers it)."""
+    return max(parallel.timeout, parallel.compile_timeout) if parallel.compile else parallel.timeout
 
 
 def check_mesh(mesh: ParallelMesh, config: JobConfig) -> None:

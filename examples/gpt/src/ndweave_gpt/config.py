@@ -74,6 +74,11 @@ class ParallelConfig:
     families; others: auto), or derived from the model (get_plan('auto'))"""
     timeout: float = 30.0
     """seconds a collective waits for a peer: a dead rank surfaces as an error within it"""
+    compile_timeout: float = 600.0
+    """with --compile, the --timeout of the run's first step, which compiles every block while peers wait
+    (half a minute for the tiny GPT at 8 ranks on 2 cores, minutes for a large model; torchtitan's
+    init_timeout_seconds). The groups are made with it and lowered to --timeout after that step; on gloo
+    (CPU) a point-to-point receive keeps it, as gloo fixes a receive's timeout when the group is made"""
     device: str = "cpu"
     """cpu (gloo) or cuda (NCCL, one GPU per rank)"""
 
@@ -376,8 +381,9 @@ def check(config: JobConfig) -> str | None:
         if value < low or (name == "lr" and value == 0):
             bound = "positive" if name == "lr" else f"at least {low}"
             return f"{flag_name(name)} must be {bound}, got {value}"
-    if config.parallel.timeout <= 0:
-        return f"--timeout must be a positive number of seconds, got {config.parallel.timeout}"
+    for name in ("timeout", "compile_timeout"):
+        if getattr(config.parallel, name) <= 0:
+            return f"{flag_name(name)} must be a positive number of seconds, got {getattr(config.parallel, name)}"
     if model.n_embd % model.n_head:
         return f"--n-embd {model.n_embd} must be a multiple of --n-head {model.n_head} (the head size)"
     if model.moe_experts and model.moe_top_k > model.moe_experts:

@@ -6,16 +6,19 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ndweave.mesh import ParallelMesh
-from ndweave.mesh.torch_compat import compile_counts, reset_compile_counts
+from ndweave.mesh.torch_compat import (compile_counts, group_timeout, live_groups, reset_compile_counts,
+                                       set_group_timeout)
 from ndweave_gpt import report
 from ndweave_gpt.build import (Parallel, attending, build_data, build_mesh, build_model, build_optimizer, check_mesh,
-                               context_batch, data_mean, data_rank, global_tokens, loss_scale, parallelize, to_device)
+                               context_batch, data_mean, data_rank, first_step_timeout, global_tokens, loss_scale,
+                               parallelize, to_device)
 from ndweave_gpt.config import DIMS, JobConfig
 from ndweave_gpt.data import TextData
 from ndweave_gpt.data.tokens import TokenData
@@ -88,6 +91,23 @@ def report_compile(step: int, seconds: float) -> None:
             + (f"; compiled again because {'; '.join(sorted(set(counts.recompiles)))}" if counts.recompiles else ""))
 
 
+def last_compiling_step(config: JobConfig, start: int) -> int:
+    """--compile: the step by which every graph is compiled: the run's first, or the first to evaluate
+    (--eval-every: eval mode and no grad compile graphs of their own)."""
+    every, last = config.data.eval_every, config.training.last_step
+    return start + 1 if not every else max(start + 1, min(last, (start // every + 1) * every))
+
+
+def settle_timeouts(config: JobConfig) -> None:
+    """After the steps that compile (under --compile-timeout, as peers wait for a rank compiling): every
+    group made with that timeout waits --timeout from now on (a group ndweave made with its own timeout
+    keeps it). gloo's point-to-point receives keep the first timeout: gloo fixes it when it connects."""
+    first, own = (timedelta(seconds=first_step_timeout(config.parallel)), timedelta(seconds=config.parallel.timeout))
+    for group in live_groups():
+        if first != own and group_timeout(group) == first:
+            set_group_timeout(group, own)
+
+
 def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: TextData | TokenData, sinks: Sinks,
          utilization: Callable[[float], float | None], memory: Any | None = None,
          show: bool = False) -> tuple[dict[int, float], int, int]:
@@ -99,6 +119,7 @@ def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: T
     eval_every, save_every = config.data.eval_every, config.checkpoint.checkpoint_every
     tokens, (dp_rank, dp_size) = batch * config.model.block_size, data_rank(mesh)
     losses, steps_peak, seen = {}, 0, 0
+    compiled_by = last_compiling_step(config, run.start) if config.parallel.compile else None
     if memory is not None:
         memory.reset_peak()  # the steps' peak: what is live now (model state, data) and what they add
     for step in range(run.start + 1, last + 1):
@@ -123,6 +144,8 @@ def loop(config: JobConfig, mesh: ParallelMesh, job: Parallel, run: Run, data: T
         if eval_every and (step % eval_every == 0 or step == last):
             run.val_history[step - 1] = validation_loss(job, data, mesh, config)
         seconds = time.perf_counter() - tick
+        if step == compiled_by:
+            settle_timeouts(config)
         if config.parallel.compile and show:
             report_compile(step, seconds)
         sinks.write(step_row(step=step, loss=losses[step], val_loss=run.val_history[step - 1], lr=lr,
