@@ -14,6 +14,10 @@ bucket's full-size buffer exists only while a micro-batch fills it and its reduc
    adds it and frees its buffer, so about ``MAX_IN_FLIGHT + 1`` buckets are alive during backward;
 4. at the end of every backward, whatever is left is launched and waited for.
 
+Within one backward a freed buffer is kept for the next bucket it can hold (zeroed again), so a
+backward allocates about ``MAX_IN_FLIGHT + 1`` buffers, not one per bucket, with the same peak; none
+is kept past the backward, so the forward of the next micro-batch holds none.
+
 **Gradient accumulation: a reduce-scatter per micro-batch** (DeepSpeed's ZeRO-2 does the same). There
 is nowhere to keep a micro-batch's local sum without a full-size buffer, so each backward reduces
 its own grads into the shard (the sum over micro-batches of the reduced grads, which equals the
@@ -81,6 +85,8 @@ class GradShards:
         self.buckets = buckets
         self.bucket_slots = bucket_slots
         self.full: list[torch.Tensor | None] = [None] * len(buckets)
+        self._bases: list[torch.Tensor | None] = [None] * len(buckets)  # the allocation each full buffer starts
+        self._spare: list[torch.Tensor] = []  # freed in this backward, for the next bucket that fits
         # per slot of each bucket, where its view lies in the full buffer (the slots follow bp order)
         self._views = [[(bp.offset, bp.numel, local_tensor(bp.param).shape) for bp in b.params] for b in buckets]
         self._written = [False] * len(buckets)  # the shard holds this step's sum so far (add, not overwrite)
@@ -91,8 +97,16 @@ class GradShards:
         """Give bucket ``index`` a zeroed full-size buffer (if it has none) and its slots views of it."""
         if self.full[index] is not None:
             return
-        shard = self.buckets[index].grad_data
-        full = self.full[index] = torch.zeros(self.buckets[index].numel, dtype=shard.dtype, device=shard.device)
+        shard, numel = self.buckets[index].grad_data, self.buckets[index].numel
+        spare = next((i for i, base in enumerate(self._spare)
+                      if base.numel() >= numel and base.dtype == shard.dtype), None)
+        if spare is None:
+            base = torch.zeros(numel, dtype=shard.dtype, device=shard.device)
+        else:
+            base = self._spare.pop(spare)
+            base[:numel].zero_()
+        self._bases[index], full = base, base[:numel]
+        self.full[index] = full
         for slot, (offset, numel, shape) in zip(self.bucket_slots[index], self._views[index]):
             slot.main_grad = full[offset:offset + numel].view(shape)
             slot.fresh = True  # the zeros are this micro-batch's start: the first grad is copied in
@@ -132,6 +146,8 @@ class GradShards:
                 else:
                     shard.copy_(reduction.reduced)
             self._free(reduction.index)
+        if not keep:
+            self._spare.clear()  # the backward's end: no buffer outlives it
 
     def start_step(self) -> None:
         """A new step: the first reduction of each bucket overwrites its shard."""
@@ -145,7 +161,9 @@ class GradShards:
         self.start_step()
 
     def _free(self, index: int) -> None:
-        self.full[index] = None
+        if self._bases[index] is not None:
+            self._spare.append(self._bases[index])
+        self.full[index] = self._bases[index] = None
         for slot in self.bucket_slots[index]:
             slot.main_grad = None  # (a view would keep the buffer alive)
 
