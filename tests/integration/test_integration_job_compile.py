@@ -135,16 +135,17 @@ def _settled_timeouts() -> None:
 
 @pytest.mark.parity
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
-def test_compiled_tp_blocks_inside_ddp_and_zero_train_like_one_process(zero_stage):
+@pytest.mark.parametrize("compiled", ["before DDP", "after DDP"])
+def test_compiled_tp_blocks_inside_ddp_and_zero_train_like_one_process(compiled, zero_stage):
     """As a library user composes it: the GPT under DModule TP+SP, each block compiled, wrapped in
     ndweave's DDP (all-reduce, or laid out for the DistributedOptimizer: ZeRO-1 and ZeRO-2) on DP=2 x
     TP=2, AdamW steps against one process in float64; one graph for every block, no break, and
     nothing compiled again after the step that compiled. (Dynamo fakes every parameter and its ``.grad``:
     DDP's grads and ZeRO's parameters live in flat buffers, as DTensors over their memory.)"""
-    run_distributed(_tp_ddp_zero_compiled, 4, zero_stage, timeout=600)
+    run_distributed(_tp_ddp_zero_compiled, 4, zero_stage, compiled == "after DDP", timeout=600)
 
 
-def _tp_ddp_zero_compiled(zero_stage: int) -> None:
+def _tp_ddp_zero_compiled(zero_stage: int, after: bool) -> None:
     import copy
 
     from ndweave.ddp import DDP
@@ -167,9 +168,14 @@ def _tp_ddp_zero_compiled(zero_stage: int) -> None:
     model = copy.deepcopy(reference)
     model = parallelize_module(model, mesh["TP"], get_plan("nanogpt", model, sequence_parallel=True))
     torch.compiler.reset()  # (a pooled rank may have compiled this code for an earlier test)
-    for block in model.transformer.h:
-        block.compile()
+    blocks = model.transformer.h
+    if not after:
+        for block in blocks:
+            block.compile()
     model = DDP(model, mesh["DP"], zero_stage=zero_stage, bucket_size=4_000)  # (several buckets)
+    if after:
+        for block in blocks:
+            block.compile()
     optimizer = (DistributedOptimizer(torch.optim.AdamW, models=[model], optimizer_kwargs=adamw) if zero_stage
                  else BasicOptimizer(torch.optim.AdamW(model.parameters(), **adamw), models=[model]))
     dp = mesh["DP"].get_local_rank()

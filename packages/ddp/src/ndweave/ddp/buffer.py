@@ -29,7 +29,8 @@ import torch.distributed as dist
 from ndweave.mesh.contracts import BucketParam, GradBucket, move_param_into, padded_bucket_numel, slot_numel
 from ndweave.mesh.torch_compat import local_tensor
 
-__all__ = ["BucketPlan", "BufferPlan", "ParamSlot", "build_buckets", "plan_buckets", "plan_buffers"]
+__all__ = ["BucketPlan", "BufferPlan", "ParamSlot", "build_buckets", "lay_out_for_compile", "plan_buckets",
+           "plan_buffers"]
 
 
 @dataclass(eq=False)
@@ -244,3 +245,17 @@ def build_buckets(
                 )
             )
     return buckets, slots, grad_buffers
+
+
+def lay_out_for_compile(buckets: Sequence[GradBucket], slots: Sequence[ParamSlot]) -> None:
+    """Lay buffers built without ``compilable`` out as :func:`build_buckets` does with it (blocks compiled
+    after the wrapper was built): DTensor params in ``param_data`` re-pointed at views dynamo can fake,
+    and the grads published from now on built the same way (a caller re-publishes those already set)."""
+    for bucket in buckets:
+        if bucket.param_data is not None:
+            for bp in bucket.params:
+                if isinstance(bp.param, torch.distributed.tensor.DTensor):
+                    move_param_into(bp.param, bucket.param_data, bp.offset, compilable=True)
+    for slot in slots:
+        slot.compilable = True
+        slot.published_main = slot.partial_grad = None  # (rebuilt, compilable, where next needed)

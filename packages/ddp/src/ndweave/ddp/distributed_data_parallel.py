@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ndweave.ddp import sync
-from ndweave.ddp.buffer import ParamSlot, build_buckets
+from ndweave.ddp.buffer import ParamSlot, build_buckets, lay_out_for_compile
 from ndweave.ddp.data_dims import resolve_data_mesh
 from ndweave.ddp.desync import SyncCounters, check_same_wrap
 from ndweave.ddp.grad_shard import GradShards
@@ -165,6 +165,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
                     sync.broadcast_from_first(tensors, group)
 
         fp32 = accumulate_allreduce_grads_in_fp32
+        compiled = any(holds_compiled_code(m) for m in module.modules())
         self._buckets, self._slots, self._grad_buffers = build_buckets(
             synced,
             bucket_size=bucket_size,
@@ -173,8 +174,13 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             with_param_data=use_distributed_optimizer,
             shard_grads=self.zero_stage == 2,
             # blocks compiled before wrapping (block.compile()): dynamo fakes each param and its grad
-            compilable=any(holds_compiled_code(m) for m in module.modules()),
+            compilable=compiled,
         )
+        # ... or compiled in place after it: laid out for that by the first forward that finds one (DTensors
+        # only: dynamo fakes plain views of a flat buffer as they are); the modules listed once, for a
+        # check per forward of ~10 us (holds_compiled_code's test for torch.compile's wrapper costs 20x that)
+        self._compilable = compiled or not any(isinstance(p, DTensor) for _, p in synced)
+        self._submodules = tuple(module.modules())
         self._bucket_slots: list[list[ParamSlot]] = [[] for _ in self._buckets]
         # ZeRO-1 reduce-scatters each bucket, except where an all-reduce in place costs less (gloo)
         self._reduce_scatters = [self.zero_stage == 1 and not sync.reduces_by_all_reduce(b.data_parallel_group)
@@ -203,10 +209,22 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
     # ------------------------------------------------------------------ the wrapped module
     def forward(self, *args, **kwargs):
+        if not self._compilable and any(m._compiled_call_impl is not None for m in self._submodules):
+            self._lay_out_for_compile()
         if torch.is_grad_enabled():
             self._check_still_frozen()
         self._counters.count_forward()
         return self.module(*args, **kwargs)
+
+    def _lay_out_for_compile(self) -> None:
+        """Blocks compiled after wrapping (``block.compile()`` on the wrapped model): the DTensor params
+        and grads in the flat buffers become views dynamo can fake, as wrapping compiled blocks lays
+        them out from the start; grads already set are published again that way."""
+        lay_out_for_compile(self._buckets, self._slots)
+        for slot in self._slots:
+            if slot.published is not None and slot.param.grad is slot.published:
+                sync.publish(slot)
+        self._compilable = True
 
     def _check_still_frozen(self) -> None:
         thawed = [name for name, p in self._frozen if p.requires_grad]
