@@ -75,10 +75,11 @@ class ParallelConfig:
     timeout: float = 30.0
     """seconds a collective waits for a peer: a dead rank surfaces as an error within it"""
     compile_timeout: float = 600.0
-    """with --compile, the --timeout of the run's first step, which compiles every block while peers wait
-    (half a minute for the tiny GPT at 8 ranks on 2 cores, minutes for a large model; torchtitan's
-    init_timeout_seconds). The groups are made with it and lowered to --timeout after that step; on gloo
-    (CPU) a point-to-point receive keeps it, as gloo fixes a receive's timeout when the group is made"""
+    """with --compile, the --timeout of the steps that compile (the run's first, and the first to evaluate),
+    as peers wait for a rank compiling its blocks (half a minute for the tiny GPT at 8 ranks on 2 cores,
+    minutes for a large model; torchtitan's init_timeout_seconds). The groups are made with it and lowered
+    to --timeout after those steps; on gloo (CPU) a point-to-point receive keeps it, as gloo fixes a
+    receive's timeout when it connects the group"""
     device: str = "cpu"
     """cpu (gloo) or cuda (NCCL, one GPU per rank)"""
 

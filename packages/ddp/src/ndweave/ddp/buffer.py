@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ndweave.mesh.contracts import BucketParam, GradBucket, move_param_into, padded_bucket_numel, slot_numel
 from ndweave.mesh.torch_compat import local_tensor
@@ -254,7 +255,7 @@ def lay_out_for_compile(buckets: Sequence[GradBucket], slots: Sequence[ParamSlot
     for bucket in buckets:
         if bucket.param_data is not None:
             for bp in bucket.params:
-                if isinstance(bp.param, torch.distributed.tensor.DTensor):
+                if isinstance(bp.param, DTensor):
                     move_param_into(bp.param, bucket.param_data, bp.offset, compilable=True)
     for slot in slots:
         slot.compilable = True
