@@ -19,7 +19,7 @@ from ndweave.ddp.grad_shard import GradShards
 from ndweave.mesh import ParallelMesh
 from ndweave.mesh.agree import raise_on_every_rank
 from ndweave.mesh.contracts import GradBucket, GradReduction, MicroBatchControl
-from ndweave.mesh.torch_compat import dtensor_over, holds_compiled_code, local_tensor, queue_backward_callback
+from ndweave.mesh.torch_compat import compiled_in_place, dtensor_over, holds_compiled_code, local_tensor, queue_backward_callback
 
 __all__ = ["DistributedDataParallel", "DDP", "DEFAULT_BUCKET_SIZE"]
 
@@ -209,7 +209,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
     # ------------------------------------------------------------------ the wrapped module
     def forward(self, *args, **kwargs):
-        if not self._compilable and any(m._compiled_call_impl is not None for m in self._submodules):
+        if not self._compilable and any(map(compiled_in_place, self._submodules)):
             self._lay_out_for_compile()
         if torch.is_grad_enabled():
             self._check_still_frozen()

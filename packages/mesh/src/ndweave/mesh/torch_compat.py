@@ -72,6 +72,7 @@ __all__ = [
     "chunk_sizes",
     "compile_counts",
     "compiled_backward_retained",
+    "compiled_in_place",
     "holds_compiled_code",
     "reset_compile_counts",
     "is_compiled_wrapper",
@@ -175,7 +176,7 @@ PRIVATE_TORCH: dict[str, str] = {
     "torch._C.DisableTorchFunction": "torch_function_disabled: an analysis's own calls hidden from a trace",
     "OpOverload._schema": "op_schema: an op's arguments (which ops take a generator)",
     # modules, optimizers and pipelining
-    "Module._compiled_call_impl": "holds_compiled_code: set by module.compile() (compiled in place)",
+    "Module._compiled_call_impl": "compiled_in_place: set by module.compile() (compiled in place)",
     "Module._parameters": "own_parameters: a module's parameter slots, set without __setattr__'s checks",
     "Module._buffers": "own_buffers: likewise its buffers",
     "Module._modules": "own_submodules: likewise its children",
@@ -745,10 +746,16 @@ def compiled_backward_retained():
         yield
 
 
+def compiled_in_place(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` compiled ``module`` in place; a plain attribute read, cheap enough
+    for a per-forward check (unlike :func:`is_compiled_wrapper`, whose import costs ~20x)."""
+    return module._compiled_call_impl is not None
+
+
 def holds_compiled_code(module: torch.nn.Module) -> bool:
     """Whether ``module`` runs compiled: compiled in place (``module.compile()``) or ``torch.compile``'s
     wrapper (its submodules not searched)."""
-    return module._compiled_call_impl is not None or is_compiled_wrapper(module)
+    return compiled_in_place(module) or is_compiled_wrapper(module)
 
 
 def is_compiled_wrapper(module: torch.nn.Module) -> bool:
