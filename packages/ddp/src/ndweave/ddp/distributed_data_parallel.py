@@ -176,9 +176,10 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             # blocks compiled before wrapping (block.compile()): dynamo fakes each param and its grad
             compilable=compiled,
         )
-        # ... or compiled in place after it: laid out for that by the first forward that finds one (DTensors
-        # only: dynamo fakes plain views of a flat buffer as they are); the modules listed once, for a
-        # check per forward of ~10 us (holds_compiled_code's test for torch.compile's wrapper costs 20x that)
+        # ... or compiled in place after it, or the wrapper compiled whole: laid out for that by the first
+        # forward that finds one or is traced (DTensors only: dynamo fakes plain views of a flat buffer as
+        # they are); the modules listed once, for a check per forward of ~10 us (holds_compiled_code's
+        # test for torch.compile's wrapper costs 20x that)
         self._compilable = compiled or not any(isinstance(p, DTensor) for _, p in synced)
         self._submodules = tuple(module.modules())
         self._bucket_slots: list[list[ParamSlot]] = [[] for _ in self._buckets]
@@ -209,17 +210,19 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
     # ------------------------------------------------------------------ the wrapped module
     def forward(self, *args, **kwargs):
-        if not self._compilable and any(map(compiled_in_place, self._submodules)):
+        if not self._compilable and (torch.compiler.is_compiling() or any(map(compiled_in_place, self._submodules))):
             self._lay_out_for_compile()
         if torch.is_grad_enabled():
             self._check_still_frozen()
         self._counters.count_forward()
         return self.module(*args, **kwargs)
 
+    @torch.compiler.disable  # (traced, as in torch.compile(ddp): a graph break, so that this runs eagerly)
     def _lay_out_for_compile(self) -> None:
-        """Blocks compiled after wrapping (``block.compile()`` on the wrapped model): the DTensor params
-        and grads in the flat buffers become views dynamo can fake, as wrapping compiled blocks lays
-        them out from the start; grads already set are published again that way."""
+        """Blocks compiled after wrapping (``block.compile()`` on the wrapped model) or the wrapper
+        compiled whole: the DTensor params and grads in the flat buffers become views dynamo can fake,
+        as wrapping compiled blocks lays them out from the start; grads already set are published again
+        that way."""
         lay_out_for_compile(self._buckets, self._slots)
         for slot in self._slots:
             if slot.published is not None and slot.param.grad is slot.published:
