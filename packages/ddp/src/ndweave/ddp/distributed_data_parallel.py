@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,28 +15,14 @@ from ndweave.ddp.buffer import ParamSlot, build_buckets, lay_out_for_compile
 from ndweave.ddp.data_dims import resolve_data_mesh
 from ndweave.ddp.desync import SyncCounters, check_same_wrap
 from ndweave.ddp.grad_shard import GradShards
+from ndweave.ddp.wrap_checks import (DEFAULT_BUCKET_SIZE, WRAPPED_MARK, check_bucket_size, check_materialized,
+                                     check_not_wrapped, check_zero_stage, fingerprint, synced_params)
 from ndweave.mesh import ParallelMesh
-from ndweave.mesh.agree import raise_on_every_rank
 from ndweave.mesh.contracts import GradBucket, GradReduction, MicroBatchControl
-from ndweave.mesh.torch_compat import compiled_in_place, dtensor_over, holds_compiled_code, local_tensor, queue_backward_callback
+from ndweave.mesh.torch_compat import (compiled_in_place, dtensor_over, holds_compiled_code, local_tensor,
+                                      queue_backward_callback)
 
 __all__ = ["DistributedDataParallel", "DDP", "DEFAULT_BUCKET_SIZE"]
-
-#: Elements per bucket by default (32 MiB of fp32 grads): big enough for bandwidth, small enough that
-#: the first buckets' reductions start early in backward and overlap the rest of it.
-DEFAULT_BUCKET_SIZE = 2**23
-
-# A module's wrapper (weakly), kept on the module so that wrapping it twice (two sets of hooks, two
-# buffers) is an error: state on the module itself, not a process-wide registry. A deepcopy of the
-# module keeps the mark but is not the wrapped module, so it may be wrapped.
-_WRAPPED_MARK = "_ndweave_data_parallel_wrapper"
-
-
-def _is_wrapped(module: torch.nn.Module) -> bool:
-    ref = module.__dict__.get(_WRAPPED_MARK)
-    wrapper = ref() if ref is not None else None
-    return wrapper is not None and wrapper.module is module
-
 
 class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
     """Data parallelism over the ``"DP"`` dim of a mesh, composing with tensor/sequence parallelism.
@@ -122,16 +107,16 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         detect_desync: bool = True,
         desync_timeout: float = 60.0,
     ) -> None:
-        _check_not_wrapped(module)
-        _check_bucket_size(bucket_size)
-        _check_materialized(module)
+        check_not_wrapped(module, DistributedDataParallel)
+        check_bucket_size(bucket_size)
+        check_materialized(module)
         super().__init__()
         self.module = module
         data = resolve_data_mesh(data_mesh_or_group, dim)
         self.data_parallel_mesh = data.mesh
         self.data_parallel_size = data.size()
         self.data_parallel_group = data.group()
-        self.zero_stage = _check_zero_stage(self.data_parallel_group, use_distributed_optimizer, zero_stage)
+        self.zero_stage = check_zero_stage(self.data_parallel_group, use_distributed_optimizer, zero_stage)
         self.use_distributed_optimizer = use_distributed_optimizer = self.zero_stage >= 1
         self.overlap_grad_reduce = overlap_grad_reduce
         self.average_grads = average_grads
@@ -143,7 +128,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
         named = list(module.named_parameters())
         params_to_ignore = list(params_to_ignore)
-        synced = _synced_params(named, params_to_ignore)
+        synced = synced_params(named, params_to_ignore)
         synced_ids = {id(p) for _, p in synced}
         self._ignored = [(n, p) for n, p in named if id(p) not in synced_ids]
         # frozen when wrapped, so never synced: unfreezing one later would train it apart on each rank
@@ -153,7 +138,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         states = [(n, p) for n, p in named if id(p) not in ignored_ids] + list(module.named_buffers())
         # the group each param and buffer is reduced and broadcast over (its checks run before any collective)
         group_of = {id(t): data.group(data.reduction_dims(n, t)) for n, t in states}
-        check_same_wrap(self.data_parallel_group, _fingerprint(
+        check_same_wrap(self.data_parallel_group, fingerprint(
             module, synced_ids, bucket_size=bucket_size, zero_stage=self.zero_stage,
             accumulate_allreduce_grads_in_fp32=accumulate_allreduce_grads_in_fp32, detect_desync=detect_desync))
         if broadcast_params and self.data_parallel_group is not None:
@@ -206,7 +191,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._make_post_hook(slot)))
         # a parent module loading a state dict reaches us as a child: map its keys onto ``module.``
         self.register_load_state_dict_pre_hook(_add_module_prefix)
-        module.__dict__[_WRAPPED_MARK] = weakref.ref(self)
+        module.__dict__[WRAPPED_MARK] = weakref.ref(self)
 
     # ------------------------------------------------------------------ the wrapped module
     def forward(self, *args, **kwargs):
@@ -356,9 +341,9 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         self._reset_counts()
         self._step_open = self._callback_queued = self._micro_batch_open = False
         self._counters.close()
-        mark = self.module.__dict__.get(_WRAPPED_MARK)
+        mark = self.module.__dict__.get(WRAPPED_MARK)
         if mark is not None and mark() is self:
-            del self.module.__dict__[_WRAPPED_MARK]
+            del self.module.__dict__[WRAPPED_MARK]
 
     def __enter__(self) -> DistributedDataParallel:
         return self
@@ -504,90 +489,6 @@ def _detach_from_buffers(slot: ParamSlot) -> None:
         param.main_grad = param.grad if grad is main else main.clone()
     slot.published = slot.local_view = slot.local_main = slot.published_main = slot.partial_grad = None
     slot.main_grad = slot.grad = None
-
-
-def _check_zero_stage(group: dist.ProcessGroup | None, use_distributed_optimizer: bool | None,
-                      zero_stage: int | None) -> int:
-    """The ZeRO stage the two arguments ask for, or the same ``ValueError`` on every DP rank."""
-    stage = (1 if use_distributed_optimizer else 0) if zero_stage is None else zero_stage
-    problems = []
-    if isinstance(stage, bool) or stage not in (0, 1, 2):
-        more = (" zero_stage=3 shards the parameters too, which is FSDP: use torch's fully_shard (FSDP2) on the "
-                "DP dim instead of DDP." if stage == 3 else "")
-        problems.append(f"zero_stage={zero_stage!r} is not 0, 1 or 2.{more}")
-    elif use_distributed_optimizer is not None and use_distributed_optimizer != (stage >= 1):
-        problems.append(f"use_distributed_optimizer={use_distributed_optimizer} contradicts zero_stage={zero_stage} "
-                        "(stages 1 and 2 reduce-scatter for a sharded optimizer, stage 0 all-reduces).")
-    fix = ("DDP takes zero_stage=0 (all-reduce), 1 (= use_distributed_optimizer=True: optimizer state sharded) or "
-           "2 (grads sharded too); pass one of zero_stage= and use_distributed_optimizer=, or both agreeing")
-    if group is None:
-        if problems:
-            raise ValueError(f"DDP: {problems[0]} {fix}")
-    else:
-        raise_on_every_rank(group, "DDP(zero_stage=, use_distributed_optimizer=)", problems, ValueError, fix)
-    return stage
-
-
-def _check_bucket_size(bucket_size: Any) -> None:
-    # checked up front: 0 or a negative size used to mean "a bucket per param", a string failed deep inside
-    if bucket_size is None or (isinstance(bucket_size, int) and not isinstance(bucket_size, bool) and bucket_size > 0):
-        return
-    raise ValueError(
-        f"bucket_size must be a positive int number of elements per bucket (default {DEFAULT_BUCKET_SIZE}), or None "
-        f"for one bucket per dtype; got {bucket_size!r}. It counts elements, not bytes: 32 MB of fp32 grads is "
-        "bucket_size=8_000_000"
-    )
-
-
-def _check_materialized(module: torch.nn.Module) -> None:
-    # meta params have no storage: DDP would broadcast and bucket nothing, then fail in backward
-    meta = [name for name, p in module.named_parameters() if local_tensor(p).is_meta]
-    if meta:
-        more = f" and {len(meta) - 4} more" if len(meta) > 4 else ""
-        raise ValueError(
-            f"parameters {meta[:4]}{more} are on the meta device (no data): materialize the model before "
-            "wrapping it in DDP, e.g. module.to_empty(device=...) then initialize the weights "
-            "(reset_parameters() or your init), or build it with ndweave.dmodule.deferred_init and parallelize_module"
-        )
-
-
-def _check_not_wrapped(module: torch.nn.Module) -> None:
-    if isinstance(module, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)):
-        raise ValueError(
-            f"the module is already a {type(module).__name__}; wrap the underlying model once: "
-            "DDP(model, mesh), not DDP(DDP(model, mesh))"
-        )
-    if _is_wrapped(module):
-        raise ValueError(
-            "this module is already wrapped by an ndweave DistributedDataParallel (its hooks and grad buffers "
-            "are in place); keep using that wrapper instead of wrapping the module again"
-        )
-    inner = [name for name, m in module.named_modules() if m is not module and (_is_wrapped(m) or isinstance(m, DistributedDataParallel))]
-    if inner:
-        raise ValueError(
-            f"submodule {inner[0]!r} is already data-parallel; wrap either the whole model or its parts, not both"
-        )
-
-
-def _fingerprint(module: torch.nn.Module, synced_ids: set[int], **arguments: Any) -> dict[str, str]:
-    """What every DP rank must hold equal: its params and buffers (in order), and the arguments that
-    decide the buckets and the collectives."""
-    out = {f"argument {k}": repr(v) for k, v in arguments.items()}
-    for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
-        for name, t in named:
-            layout = f", placements {tuple(t.placements)}" if isinstance(t, DTensor) else ""
-            synced = (", synced" if id(t) in synced_ids else ", not synced") if kind == "parameter" else ""
-            out[f"{kind} {name!r}"] = f"shape {list(t.shape)}, {t.dtype}{layout}{synced}"
-    return out
-
-
-def _synced_params(named, params_to_ignore) -> list[tuple[str, torch.nn.Parameter]]:
-    ignore_names = {x for x in params_to_ignore if isinstance(x, str)}
-    ignore_ids = {id(x) for x in params_to_ignore if not isinstance(x, str)}
-    unknown = ignore_names - {n for n, _ in named}
-    if unknown:
-        raise ValueError(f"params_to_ignore names {sorted(unknown)}, which the module does not have")
-    return [(n, p) for n, p in named if p.requires_grad and n not in ignore_names and id(p) not in ignore_ids]
 
 
 def _deep_copyable(value):
