@@ -1,8 +1,9 @@
 """``StageProgram``: the part of the traced root ``forward`` one stage runs, on the stage's chunk.
 
 A chunk of a traced model is still the user's model class (its config, methods and FQNs), with a
-``forward`` that runs this stage's nodes of the graph (``torch.fx.Interpreter`` over the chunk, so
-each layer call is a call of the chunk's own module, hooks and tensor parallelism included):
+``forward`` that runs this stage's nodes of the graph (their Python, as fx generates a ``GraphModule``'s,
+with the chunk as ``self``, so each layer call is a call of the chunk's own module, hooks and tensor
+parallelism included):
 
 * the first stage takes the model's own inputs (positional or by keyword, bound to the traced
   forward's inputs by name); a later one the flat tensors of its
@@ -16,6 +17,7 @@ model's) whose ``forward`` is the stage's: ``isinstance(chunk, GPT)`` still hold
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,7 +50,8 @@ class StageProgram:
         self.positional = order.forward.positional
         used = {node.target for node in self.graph.nodes if node.op == "get_attr"}
         self.constants = {name: t for name, t in order.forward.constants.items() if name in used}
-        self._interpreter: _Interpreter | None = None
+        self._forward = _python(self.graph, self.stage)
+        self._constants: tuple[torch.device | None, dict[str, torch.Tensor]] = (None, {})
         self.sent: tuple[torch.Tensor, ...] = ()
         """The tensors the last call sent, as the graph computed them (before any wrapper's output
         hook, e.g. ``use_local_output``, turned a replicated DTensor into a plain tensor)."""
@@ -62,11 +65,11 @@ class StageProgram:
                             f"keyword inputs {list(kwargs)}")
         else:
             values = self.inputs.unflatten(args, device)
-        interpreter = self._interpreter
-        if interpreter is None or interpreter.module is not chunk or interpreter.device != device:
-            # built once, not per micro-batch: fx lists every submodule and each node's last use
-            interpreter = self._interpreter = _Interpreter(chunk, self.graph, self.constants, device)
-        out = interpreter.run(*values)
+        on, constants = self._constants
+        if on != device:  # (moved once per device, not per micro-batch)
+            constants = {name: t.to(device) for name, t in self.constants.items()}
+            self._constants = (device, constants)
+        out = self._forward(_Root(chunk, constants) if constants else chunk, *values)
         if self.outputs is None:
             return out
         # a value handed through unchanged is cloned: torch detaches stage outputs in place
@@ -123,22 +126,28 @@ def _stage_graph(order: ExecutionOrder, cuts: list[int], stage: int) -> fx.Graph
     return graph
 
 
-class _Interpreter(fx.Interpreter):
-    def __init__(self, chunk: nn.Module, graph: fx.Graph, constants: dict, device: torch.device) -> None:
-        super().__init__(chunk, graph=graph)
-        self.constants = constants
-        self.device = device
+def _python(graph: fx.Graph, stage: int) -> Callable[..., Any]:
+    """The stage's graph as a Python function of ``(self, *inputs)``, as fx's ``GraphModule`` generates
+    it: each node one line, where ``fx.Interpreter`` spent a few Python calls per node per micro-batch.
+    ``self`` is the chunk (a layer call is the chunk's own module, hooks included), read when called."""
+    code = graph.python_code("self")
+    namespace = dict(code.globals)
+    exec(compile(code.src, f"<pipeline stage {stage}>", "exec"), namespace)  # noqa: S102 (fx's own code)
+    return namespace["forward"]
 
-    def run(self, *args: Any) -> Any:
-        try:
-            return super().run(*args)
-        finally:
-            self.env = {}  # (kept between micro-batches, it would hold the last one's activations)
 
-    def fetch_attr(self, target: str) -> Any:
-        if target in self.constants:
-            return self.constants[target].to(self.device)
-        return super().fetch_attr(target)
+class _Root:
+    """The chunk, with the traced constants (``_pipeline_constant<N>``, fetched by ``get_attr``) beside
+    its attributes: not set on the chunk, whose state they are not."""
+
+    __slots__ = ("_chunk", "_constants")
+
+    def __init__(self, chunk: nn.Module, constants: dict[str, torch.Tensor]) -> None:
+        self._chunk, self._constants = chunk, constants
+
+    def __getattr__(self, name: str) -> Any:
+        constant = self._constants.get(name)
+        return constant if constant is not None else getattr(self._chunk, name)
 
 
 def _device(args: tuple, chunk: nn.Module) -> torch.device:
