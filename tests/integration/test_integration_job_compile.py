@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ndweave.mesh.testing import Tolerance, assert_close, run_distributed
+from dmodule.dmodule_auto_models import FLOAT32_INSIDE
+from ndweave.mesh.testing import assert_close, run_distributed
 from ndweave_gpt.metrics import say
 from test_integration_gpt_job import TINY, _run
 
@@ -199,11 +200,6 @@ def _tp_ddp_zero_compiled(zero_stage: int, how: str) -> None:
             assert counts.graphs == (1 if step == 1 else 0) and not counts.recompiles, f"step {step}: {counts}"
         for name, p in model.module.named_parameters():
             assert_close(p.full_tensor(), expected.params[step][name], name=f"step {step} {name}")
-
-
-#: transformers' norms and loss compute in float32 whatever the dtype, and inductor fuses them otherwise
-#: than eager does (~1e-7 apart); a sharding bug moves values by 1e-4 or more
-FLOAT32_INSIDE = Tolerance(rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parity
