@@ -172,3 +172,19 @@ def test_after_a_failed_step_the_engine_refuses_and_a_new_engine_over_the_same_m
         engine.module.zero_grad()
         engine = PipeEngine(engine.module, mesh, loss_fn, engine.resolved.plan)
         assert torch.isfinite(engine(x, y)) and torch.isfinite(engine(x, y))
+
+
+def test_a_traceback_through_a_stage_shows_its_lines():
+    """A stage runs its graph as generated Python: the frame shows the line that called the layer."""
+    import traceback
+
+    from ndweave.pipeline.cut import TracedCut
+
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), Faulty(), nn.Linear(WIDTH, WIDTH))
+    x = torch.randn(2, WIDTH)
+    cut = TracedCut(model, 2, PipelineParallelPlan(split_points=["1"]), (x,), "cpu")
+    model[1].fail_in = "forward"
+    with pytest.raises(RuntimeError) as raised:
+        cut.programs[1].run(model, (x,))
+    frames = [f for f in traceback.extract_tb(raised.value.__traceback__) if f.filename.startswith("<pipeline stage 1")]
+    assert frames and "getattr(self, \"1\")" in frames[0].line.replace("'", '"'), frames

@@ -18,7 +18,7 @@ from ndweave.pipeline.stage_io import CrossingValue, StageIO
 from ndweave.pipeline.ties import SharedParam
 from ndweave.pipeline.timeline import Action, ScheduleTimeline
 
-__version__ = "0.8.3"
+__version__ = "0.8.4"
 
 __all__ = [
     "Action",

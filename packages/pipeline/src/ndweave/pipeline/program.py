@@ -17,6 +17,7 @@ model's) whose ``forward`` is the stage's: ``isinstance(chunk, GPT)`` still hold
 from __future__ import annotations
 
 import itertools
+import linecache
 from collections.abc import Callable
 from typing import Any
 
@@ -132,8 +133,15 @@ def _python(graph: fx.Graph, stage: int) -> Callable[..., Any]:
     ``self`` is the chunk (a layer call is the chunk's own module, hooks included), read when called."""
     code = graph.python_code("self")
     namespace = dict(code.globals)
-    exec(compile(code.src, f"<pipeline stage {stage}>", "exec"), namespace)  # noqa: S102 (fx's own code)
+    name = f"<pipeline stage {stage}, program {next(_PROGRAMS)}>"
+    # in linecache (as fx registers a GraphModule's code), so a traceback through it shows each line;
+    # an entry without an mtime is never checked against a file, so it stays
+    linecache.cache[name] = (len(code.src), None, code.src.splitlines(keepends=True), name)
+    exec(compile(code.src, name, "exec"), namespace)  # noqa: S102 (fx's own code)
     return namespace["forward"]
+
+
+_PROGRAMS = itertools.count()  # each program's code its own linecache entry
 
 
 class _Root:
