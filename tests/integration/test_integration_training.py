@@ -79,3 +79,33 @@ def test_seed_loop_matches_one_process(kind, optim):
     assert sorted(names) == sorted(ref_params), "DDP/DModule changed the parameter names"
     for name, p in model.named_parameters():
         assert_close(p, ref_params[name], name=name)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("optim", ["zero", "basic"])
+@distributed(world_size=2, timeout=120)
+def test_pure_data_parallel_norm_needs_no_collective(optim):
+    """DP alone on gloo: DDP all-reduces whole buckets (ZeRO-1 too), so the optimizer clips by a norm each
+    rank takes itself: no all-reduce in step(), and the same training as one process."""
+    DEVICE_MESH.init_device_mesh("cpu", mesh_shape=(2,), mesh_dim_names=("DP",))
+    torch.set_default_dtype(STRICT_DTYPE)
+    reference = build("mlp")
+    model = DDP(copy.deepcopy(reference), DEVICE_MESH["DP"], use_distributed_optimizer=optim == "zero", bucket_size=500)
+    opt_cls, opt_kwargs, clip = torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}, 0.5
+    cls = DistributedOptimizer if optim == "zero" else BasicOptimizer
+    optimizer = cls(opt_cls, models=[model], clip_grad=clip, optimizer_kwargs=opt_kwargs)
+    data, dp_rank = batches("mlp", STEPS, BATCH), dist.get_rank()
+    all_reduces, real = [], dist.all_reduce
+    for x, y in data:
+        optimizer.zero_grad()
+        loss_of(model(x.chunk(2)[dp_rank], y.chunk(2)[dp_rank])).backward()
+        dist.all_reduce = lambda *args, **kwargs: all_reduces.append(1) or real(*args, **kwargs)
+        try:
+            optimizer.step()
+        finally:
+            dist.all_reduce = real
+    assert not all_reduces, f"{len(all_reduces)} all-reduces in {STEPS} steps"
+    train_reference(reference, data, opt_cls, opt_kwargs, clip)
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert_close(p, ref_params[name], name=name)

@@ -57,7 +57,7 @@ def dp_setup(seed: int = 0, bucket_numel: int = 64, dtype: torch.dtype = STRICT_
                                             use_distributed_optimizer=use_distributed_optimizer, **ddp_kwargs)
 
 
-def tp_setup(seed: int = 0, bucket_numel: int = 64):
+def tp_setup(seed: int = 0, bucket_numel: int = 64, **ddp_kwargs):
     """(reference, ReferenceDataParallel, dp_rank, dp_size) on a (DP=2, TP=2) mesh: layer 0 column-parallel,
     layer 2 row-parallel (Replicate bias), layer 4 fully Replicate DTensors."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("DP", "TP"))
@@ -70,7 +70,8 @@ def tp_setup(seed: int = 0, bucket_numel: int = 64):
         input_fn=lambda mod, inputs, mesh_: tuple(DTensor.from_local(t, mesh_, [Replicate()]) for t in inputs),
         output_fn=lambda mod, out, mesh_: out.to_local(),
     )
-    ddp = ReferenceDataParallel(model, mesh["DP"], bucket_size=bucket_numel, alignment=1, use_distributed_optimizer=True)
+    ddp = ReferenceDataParallel(model, mesh["DP"], bucket_size=bucket_numel, alignment=1, use_distributed_optimizer=True,
+                                **ddp_kwargs)
     return reference, ddp, mesh.get_local_rank("DP"), 2
 
 

@@ -171,6 +171,9 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         # ZeRO-1 reduce-scatters each bucket, except where an all-reduce in place costs less (gloo)
         self._reduce_scatters = [self.zero_stage == 1 and not sync.reduces_by_all_reduce(b.data_parallel_group)
                                  for b in self._buckets]
+        # all-reduced buckets are whole on every rank: an optimizer computes its norm without a collective
+        for bucket, scatters in zip(self._buckets, self._reduce_scatters):
+            bucket.reduced_whole = self.zero_stage < 2 and not scatters
         for slot in self._slots:
             self._bucket_slots[slot.bucket_index].append(slot)
             slot.dp_mesh_dim = sync.data_parallel_mesh_dim(slot.param, group_of[id(slot.param)])

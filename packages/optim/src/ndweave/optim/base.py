@@ -60,6 +60,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._grads_ready = False
         self._found_inf = False
         self._step_norm: torch.Tensor | None = None  # this step's global norm, once computed
+        self._grads_as_synced = False  # no grad scaled since the sync (a norm of whole grads holds)
 
     # ``param_groups`` and ``state`` live on the inner optimizer (lr schedulers edit them in place)
     @property
@@ -132,6 +133,12 @@ class WrappedOptimizer(torch.optim.Optimizer):
         """Every local grad the step will use (owned or a replica of one): what gets scaled."""
         return self._owned_grads()
 
+    def _whole_grads(self) -> list[torch.Tensor] | None:
+        """Every grad the norm covers, where each rank of ``grad_norm_group`` holds them all alike (an
+        all-reduced data-parallel sync over that whole group): the norm then needs no collective.
+        ``None`` (the default): the norm sums the ranks' owned grads with an all-reduce."""
+        return None
+
     def _sync_grads(self) -> None:
         """Finish the models' grad syncs and make the grads the inner optimizer reads valid."""
         raise NotImplementedError
@@ -149,6 +156,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
             self._sync_grads()
             self._found_inf = False
             self._step_norm = None
+            self._grads_as_synced = self.loss_scaler is None  # (unscaling scales this rank's grads only)
             if self.loss_scaler is not None:
                 self._found_inf = unscale_and_check(self._local_grads(), float(self.loss_scaler.scale),
                                                     self.grad_norm_group, self._device())
@@ -167,10 +175,22 @@ class WrappedOptimizer(torch.optim.Optimizer):
         clipping, after unscaling). A collective: call it on every rank, after ``backward()`` and
         before ``step()`` (or pass ``clip_grad=`` and let ``step()`` do it)."""
         self._ready_grads()
-        total = global_norm(self._owned_grads(), norm_type, self.grad_norm_group, device=self._device())
-        clip_by_norm(self._local_grads(), max_norm, total)
+        total = self._global_norm(norm_type)
+        self._clip(max_norm, total)
         self._step_norm = total
         return total
+
+    def _global_norm(self, norm_type: float) -> torch.Tensor:
+        """This step's global grad norm: from the whole grads where every rank holds them alike and
+        nothing scaled them since the sync (no collective), else one all-reduce of the owned grads'."""
+        whole = self._whole_grads() if self._grads_as_synced else None
+        if whole is not None:
+            return global_norm(whole, norm_type, device=self._device(), collective=False)
+        return global_norm(self._owned_grads(), norm_type, self.grad_norm_group, device=self._device())
+
+    def _clip(self, max_norm: float, total: torch.Tensor) -> None:
+        clip_by_norm(self._local_grads(), max_norm, total)
+        self._grads_as_synced = False  # this rank's grads clipped, the copies of others' it holds not
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Finish the models' grad syncs, unscale (``loss_scaler``), clip (``clip_grad``) and step;
@@ -209,10 +229,10 @@ class WrappedOptimizer(torch.optim.Optimizer):
             # the grads as they were
             checked = self.on_nonfinite != "unchecked"
             if self.clip_grad > 0 or (checked and self._step_norm is None):
-                self._step_norm = global_norm(self._owned_grads(), 2.0, self.grad_norm_group, device=self._device())
+                self._step_norm = self._global_norm(2.0)
             finite = not checked or bool(torch.isfinite(self._step_norm))
             if finite and self.clip_grad > 0:
-                clip_by_norm(self._local_grads(), self.clip_grad, self._step_norm)
+                self._clip(self.clip_grad, self._step_norm)
             elif not finite:
                 self._nonfinite_norm()
         self.last_step_skipped = not finite

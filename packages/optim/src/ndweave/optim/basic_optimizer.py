@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from ndweave.mesh.contracts import DataParallelWrapper, finish_grad_sync, is_tied_replica, uses_distributed_optimizer
 from ndweave.mesh.torch_compat import local_tensor
 from ndweave.optim.base import WrappedOptimizer
-from ndweave.optim.grad_norm import counts_replica
+from ndweave.optim.grad_norm import counts_replica, whole_on_every_rank
 from ndweave.optim.inner import resolve_optimizer
 
 __all__ = ["BasicOptimizer"]
@@ -83,6 +83,9 @@ class BasicOptimizer(WrappedOptimizer):
         self._init_wrapper(inner, models, clip_grad=clip_grad, loss_scaler=loss_scaler, grad_norm_group=grad_norm_group,
                            on_nonfinite=on_nonfinite)
         self._counted: dict[tuple, bool] = {}
+        wrapped = all(isinstance(m, DataParallelWrapper) for m in models)
+        self._whole = wrapped and whole_on_every_rank([b for m in models for b in m.grad_buckets()], grad_norm_group) \
+            and all(id(p) in self._dp_rank and not is_tied_replica(p) for p in self._params())
 
     def _params(self) -> list[torch.nn.Parameter]:
         seen: set[int] = set()
@@ -96,6 +99,9 @@ class BasicOptimizer(WrappedOptimizer):
 
     def _sync_grads(self) -> None:
         finish_grad_sync(self.models)
+
+    def _whole_grads(self) -> list[torch.Tensor] | None:
+        return self._local_grads() if self._whole else None
 
     def _owned_grads(self) -> list[torch.Tensor]:
         return [
@@ -131,6 +137,8 @@ class BasicOptimizer(WrappedOptimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.inner.add_param_group(param_group)
+        # a param no bucket syncs has a grad of this rank's own: the norm sums the ranks' again
+        self._whole = self._whole and all(id(p) in self._dp_rank and not is_tied_replica(p) for p in self._params())
 
     def _state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

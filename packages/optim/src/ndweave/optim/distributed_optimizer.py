@@ -51,7 +51,7 @@ from ndweave.mesh.contracts import (
 )
 from ndweave.optim.base import WrappedOptimizer
 from ndweave.optim.dcp_state import GuardedPiece, dcp_state_dict, pieces_of_dtensors, refuse_torch_state_dict_api
-from ndweave.optim.grad_norm import counts_replica
+from ndweave.optim.grad_norm import counts_replica, whole_on_every_rank
 from ndweave.optim.inner import check_elementwise, resolve_optimizer
 from ndweave.optim.param_gather import ParamGatherer
 from ndweave.optim.state_check import LOAD_FIX, StateDictMismatchError, state_dict_mismatches
@@ -197,6 +197,7 @@ class DistributedOptimizer(WrappedOptimizer):
                 bp.param.register_post_accumulate_grad_hook(_mark_seen(self._grads_seen))
         self._init_wrapper(inner, models, clip_grad=clip_grad, loss_scaler=loss_scaler, grad_norm_group=grad_norm_group,
                            on_nonfinite=on_nonfinite)
+        self._whole = _whole_grad_runs(self.buckets, spec, grad_norm_group)
         self._gatherer = ParamGatherer(self.buckets, models, overlap=overlap_param_gather)
 
     @staticmethod
@@ -280,6 +281,9 @@ class DistributedOptimizer(WrappedOptimizer):
                 continue
             grad = flat.grad_range()
             flat.master.grad = grad if grad.dtype == flat.master.dtype else grad.to(flat.master.dtype)
+
+    def _whole_grads(self) -> list[torch.Tensor] | None:
+        return self._whole if self._grads_seen[0] else None
 
     def _owned_grads(self) -> list[torch.Tensor]:
         return [f.master.grad[a:b] for f in self._flats if f.master.grad is not None for a, b in f.owned]
@@ -480,6 +484,26 @@ class DistributedOptimizer(WrappedOptimizer):
                 elementwise = is_elementwise(key, value, (2,))
                 state[key] = value[:1].expand(flat.master.numel()).clone() if elementwise else value
         return state
+
+
+def _whole_grad_runs(buckets: Sequence[GradBucket], spec, norm_group: dist.ProcessGroup | None) -> list[torch.Tensor] | None:
+    """The runs of ``grad_data`` holding the grads of the optimizer's params, where the norm may read
+    them whole with no collective (``whole_on_every_rank``); ``None`` otherwise."""
+    if not whole_on_every_rank(buckets, norm_group):
+        return None
+    runs: list[torch.Tensor] = []
+    for bucket in buckets:
+        start = end = None  # a run of stepped params with nothing else between (a slot's padding is zero)
+        for bp in [*bucket.params, None]:
+            if bp is not None and is_tied_replica(bp.param):
+                return None
+            if bp is not None and spec.group_index(bp.param) is not None:
+                start = bp.offset if start is None else start
+                end = bp.offset + bp.numel
+            elif start is not None:
+                runs.append(bucket.grad_data[start:end])
+                start = None
+    return runs
 
 
 def _check_dtype_flags(dtypes: set[torch.dtype], **flags: Any) -> None:

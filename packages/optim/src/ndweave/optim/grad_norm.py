@@ -27,13 +27,15 @@ with DistributedOptimizer and BasicOptimizer across pipeline stages).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["counts_replica", "global_norm", "clip_by_norm"]
+from ndweave.mesh.contracts import GradBucket
+
+__all__ = ["counts_replica", "global_norm", "clip_by_norm", "whole_on_every_rank"]
 
 def counts_replica(t: torch.Tensor, skip_ranks: tuple[int, ...] | None = None) -> bool:
     """Whether this rank counts ``t``'s local values: ``False`` on a non-zero coordinate of a
@@ -55,12 +57,13 @@ def counts_replica(t: torch.Tensor, skip_ranks: tuple[int, ...] | None = None) -
 
 def global_norm(
     grads: Iterable[torch.Tensor], norm_type: float = 2.0, group: dist.ProcessGroup | None = None,
-    device: torch.device | None = None,
+    device: torch.device | None = None, *, collective: bool = True,
 ) -> torch.Tensor:
     """The ``norm_type`` norm of the owned local ``grads`` of every rank of ``group`` (a collective).
 
     ``grads`` are plain local tensors this rank owns (see the module docstring); returns a float64
-    scalar tensor, identical on every rank.
+    scalar tensor, identical on every rank. ``collective=False``: the norm of ``grads`` alone, for a
+    caller whose ``grads`` are every grad of the group, the same on every rank.
     """
     norm_type = float(norm_type)
     grads = [g for g in grads if g.numel()]
@@ -83,7 +86,7 @@ def global_norm(
     # no dtype of its own, yet every rank must pass the collective the same one and derive the same
     # clip coefficient from the result
     total = local.to(device, torch.float64)
-    if dist.is_initialized():
+    if collective and dist.is_initialized():
         op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
         dist.all_reduce(total, op=op, group=group)
     return total if norm_type == math.inf else total.sqrt()
@@ -94,3 +97,18 @@ def clip_by_norm(grads: Iterable[torch.Tensor], max_norm: float, total_norm: tor
     coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coefficient.to(g.device, g.dtype))
+
+
+def whole_on_every_rank(buckets: Sequence[GradBucket], group: dist.ProcessGroup | None = None) -> bool:
+    """Whether every rank of ``group`` (default: the world) holds every grad of ``buckets`` alike after
+    the sync: each bucket all-reduced whole (``reduced_whole``) over exactly that group, i.e. data
+    parallelism alone. The norm is then one rank's own, with no collective."""
+    if not buckets or not dist.is_initialized():
+        return False
+    ranks = sorted(dist.get_process_group_ranks(group or dist.group.WORLD))
+    for bucket in buckets:
+        own = [dist.get_rank()] if bucket.data_parallel_group is None else dist.get_process_group_ranks(
+            bucket.data_parallel_group)
+        if not bucket.reduced_whole or sorted(own) != ranks or bucket.grad_data.numel() != bucket.numel:
+            return False
+    return True

@@ -76,6 +76,11 @@ class GradBucket:
     then reduced); ``None`` when it all-reduces whole buckets."""
     data_parallel_group: dist.ProcessGroup | None
     """Group the bucket is reduced over; ``None`` for a DP size of 1."""
+    reduced_whole: bool = False
+    """After ``finish_grad_sync()`` every DP rank holds the whole reduced ``grad_data``, the same on
+    each (the wrapper all-reduced it, as DDP does on gloo even for a sharded optimizer): a consumer
+    may read any range of it, not only ``shard_range()``, without a collective. ``False`` promises
+    nothing beyond :meth:`reduced_grad`."""
 
     @property
     def data_parallel_size(self) -> int:

@@ -26,6 +26,7 @@ mesh; its numel divides by that group's size and its ``shard_range`` is this ran
 group. A wrapper may reduce different params over different groups (expert parallelism reduces
 experts over fewer ranks than dense params). Its ``grad_data`` may be the whole bucket or only this
 rank's range of it (a gradient shard, as ZeRO-2 keeps), when ``param_data`` holds the whole bucket.
+A bucket marked ``reduced_whole`` is checked whole, and must hold the same bits on every rank of its group.
 
 Every rank reaches every collective; problems are gathered and raised as one ``AssertionError`` on
 all ranks together, naming the rank, the model, the run and the tensor.
@@ -147,6 +148,7 @@ def _check(make_wrapper: MakeWrapper, case: _Case, k: int) -> None:
                 (F.mse_loss(wrapper(x[rows]), y[rows]) / num).backward()
         wrapper.finish_grad_sync()
         _agree(f"{where}, {run}", _check_reduced(wrapper, expected, names, dp_size))
+        _agree(f"{where}, {run}", _check_whole_alike(wrapper))
         before = [b.grad_data.clone() for b in wrapper.grad_buckets()]
         wrapper.finish_grad_sync()
         changed = [i for i, (b, old) in enumerate(zip(wrapper.grad_buckets(), before)) if not torch.equal(b.grad_data, old)]
@@ -273,13 +275,27 @@ def _check_reduced(wrapper: DataParallelWrapper, expected: dict[str, torch.Tenso
     return problems
 
 
+def _check_whole_alike(wrapper: DataParallelWrapper) -> list[str]:
+    """A bucket marked ``reduced_whole`` holds the same bits on every rank of its group (an optimizer
+    takes its grad norm from it with no collective: any difference would split the ranks' steps)."""
+    problems = []
+    for index, bucket in enumerate(wrapper.grad_buckets()):
+        if bucket.reduced_whole and bucket.data_parallel_group is not None:
+            everyone = [torch.empty_like(bucket.grad_data) for _ in range(bucket.data_parallel_size)]
+            dist.all_gather(everyone, bucket.grad_data, group=bucket.data_parallel_group)
+            if not all(torch.equal(other, bucket.grad_data) for other in everyone):
+                problems.append(f"bucket {index} is marked reduced_whole but its grad_data differs between DP ranks")
+    return problems
+
+
 def _compare(wrapper: DataParallelWrapper, sharded: bool, expected: dict[int, torch.Tensor],
              published: dict[int, torch.Tensor | None], factor: float) -> list[str]:
     """Problems of this rank's reduced grads (local work only: no collectives)."""
     problems = []
     for index, bucket in enumerate(wrapper.grad_buckets()):
-        lo, hi = bucket.shard_range() if sharded else (0, bucket.numel)
-        reduced = bucket.reduced_grad()
+        whole = bucket.reduced_whole  # (every range reduced: all of it is checked)
+        lo, hi = bucket.shard_range() if sharded and not whole else (0, bucket.numel)
+        reduced = bucket.grad_data if whole else bucket.reduced_grad()
         covered = torch.zeros(bucket.numel, dtype=torch.bool)
         for bp in bucket.params:
             full = expected[id(bp.param)] * factor

@@ -67,6 +67,8 @@ class ReferenceDataParallel(MicroBatchControl, torch.nn.Module):
         alignment: each DP rank's range of a bucket is a multiple of this many elements (as in
             ``ndweave.ddp``); ``1`` packs a small test model's buckets tightly, so that every rank
             owns some parameters.
+        reduce_whole: with ``use_distributed_optimizer``, all-reduce whole buckets instead (as
+            ``ndweave.ddp`` does on gloo) and mark them ``reduced_whole``.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class ReferenceDataParallel(MicroBatchControl, torch.nn.Module):
         grad_reduction: GradReduction = "mean",
         grad_dtype: torch.dtype | None = None,
         alignment: int = BUCKET_ALIGNMENT,
+        reduce_whole: bool = False,
     ) -> None:
         super().__init__()
         if grad_reduction not in ("mean", "sum"):
@@ -91,6 +94,7 @@ class ReferenceDataParallel(MicroBatchControl, torch.nn.Module):
         self._grad_reduction: GradReduction = grad_reduction
         self._synced = False
         self._alignment = alignment
+        self._reduce_whole = reduce_whole or not use_distributed_optimizer  # (all-reduced whole)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._buckets = [self._build_bucket(chunk, grad_dtype) for chunk in _chunks(named, bucket_size)]
 
@@ -110,7 +114,7 @@ class ReferenceDataParallel(MicroBatchControl, torch.nn.Module):
             if param_data is not None:
                 move_param_into(p, param_data, offset)  # the param's local tensor becomes a view
             params.append(BucketParam(name, p, offset, local_tensor(p).numel()))
-        return GradBucket(tuple(params), grad_data, param_data, self.data_parallel_group)
+        return GradBucket(tuple(params), grad_data, param_data, self.data_parallel_group, self._reduce_whole)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -152,7 +156,7 @@ class ReferenceDataParallel(MicroBatchControl, torch.nn.Module):
             return
         if self._grad_reduction == "mean":  # divide first: gloo has no AVG
             bucket.grad_data.div_(self.data_parallel_size)
-        if bucket.param_data is not None:
+        if bucket.param_data is not None and not bucket.reduced_whole:
             start, end = bucket.shard_range()
             reduce_scatter_flat(bucket.grad_data[start:end], bucket.grad_data, group=bucket.data_parallel_group)
         else:
