@@ -15,8 +15,10 @@ Same plain MLP, same data, Adam, plain data parallelism:
 * ``ndweave-zero2``: ``ndweave`` with ``DDP(..., zero_stage=2)``: grads kept as 1/DP shards;
 * ``ndweave-unchecked``: ``ndweave`` without its two per-step checks, as torch's DDP and
   ``ZeroRedundancyOptimizer`` run: ``DDP(..., detect_desync=False)`` (no comparison of the ranks'
-  counters before the grad sync waits) and ``on_nonfinite="unchecked"`` (no all-reduced grad norm
-  when nothing clips). Each check is one small collective a step.
+  counters before the grad sync waits and before the step) and ``on_nonfinite="unchecked"`` (no grad
+  norm when nothing clips). DDP's check is two small collectives a step (one after backward, one
+  before the optimizer's collectives); the norm none here, since DDP all-reduces whole buckets on gloo
+  (one all-reduce where each rank holds only its range).
 
 Per world size it prints, side by side: iteration time (forward + backward + step; mean over the
 steps barrier to barrier, median over interleaved rounds), the busiest rank's CPU time per iteration
@@ -26,8 +28,8 @@ includes finishing the grad reduce-scatter and the parameter all-gather; for tor
 is in backward); optimizer-state bytes per rank (state tensors + separate master weights) and their
 ratio to unsharded / DP (ndweave's target: 1.00 within 2%). Then where the CPU goes: the busiest
 rank's CPU per phase of the iteration (``zero_grad``, forward, backward, step) for each kind, and what
-one small gloo collective costs the busiest rank (five ints gathered; each of ndweave's two checks is
-one such collective a step).
+one small gloo collective costs the busiest rank (five ints gathered; DDP's check makes two such
+collectives a step).
 
 Then, in fresh processes per ZeRO stage (``--memory-bucket-mb`` buckets), the busiest rank's peak bytes of live tensors over two steps
 (``ndweave.mesh.testing.memory.TensorMemory``; model, buffers and state included) against the theory
@@ -147,8 +149,8 @@ def _worker(rank: int, world: int, port: int, kind: str, args, queue) -> None:
 
 def _small_collective_cpu(world: int) -> float:
     """The busiest rank's CPU seconds for one all_gather of five ints on a gloo group of every rank:
-    what each of ndweave's checks costs a step (DDP's desync check is exactly this; the non-finite
-    check one all-reduced scalar)."""
+    what each of DDP's two desync checks a step costs (the non-finite check, where grads are not whole on
+    every rank, one all-reduced scalar)."""
     group = dist.new_group(backend="gloo")
     mine = torch.zeros(5, dtype=torch.int64)
     everyone = [torch.empty_like(mine) for _ in range(world)]
@@ -243,7 +245,7 @@ def main() -> None:
         for kind in KINDS:
             print(f"{kind:16} " + " ".join(f"{v * 1e3:9.2f}" for v in rounds[kind][0]["phases"]))
         small = statistics.median(r["small"] for r in rounds["unsharded"])
-        print(f"one all_gather of five ints on gloo (each of ndweave's two checks is one such collective a step): "
+        print(f"one all_gather of five ints on gloo (DDP's desync check is two such collectives a step): "
               f"{small * 1e3:.2f} ms CPU on the busiest rank")
         memory = {stage: spawn(_memory_worker, world, stage, args) for stage in (1, 2)}
         print(f"\n{'peak MB/rank':16} {'measured':>9} {'theory':>9} {'ratio':>6}  terms (MB; "

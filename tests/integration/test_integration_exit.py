@@ -15,7 +15,7 @@ from integration_models import ROOT
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("runs", [3, pytest.param(10, marks=pytest.mark.slow)])  # (15 s a launch on 2 cores)
+@pytest.mark.parametrize("runs", [2, pytest.param(10, marks=pytest.mark.slow)])  # (15 s a launch on 2 cores)
 def test_launches_ending_with_shutdown_all_exit_0(runs):
     command = [sys.executable, str(ROOT / "benchmarks" / "bench_exit.py"), "--runs", str(runs), "--in-flight", "200"]
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)

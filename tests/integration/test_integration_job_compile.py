@@ -137,7 +137,9 @@ def _settled_timeouts() -> None:
 
 @pytest.mark.parity
 @pytest.mark.parametrize(("compiled", "zero_stage"), [
-    *[(how, stage) for how in ("before DDP", "after DDP") for stage in (0, 1, 2)],
+    # (after DDP at ZeRO-2: 23 s of CI on 2 cores; the LoRA test below compiles after wrapping too)
+    *[(how, stage) if (how, stage) != ("after DDP", 2) else pytest.param(how, stage, marks=pytest.mark.slow)
+      for how in ("before DDP", "after DDP") for stage in (0, 1, 2)],
     ("whole DDP", 1), *[pytest.param("whole DDP", stage, marks=pytest.mark.slow) for stage in (0, 2)]])
 def test_compiled_tp_blocks_inside_ddp_and_zero_train_like_one_process(compiled, zero_stage):
     """As a library user composes it: the GPT under DModule TP+SP, each block compiled, wrapped in
