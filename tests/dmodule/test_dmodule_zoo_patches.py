@@ -97,3 +97,65 @@ def test_deprecated_hf_llama_patch_name_warns_and_still_checks_the_heads():
     with pytest.warns(DeprecationWarning, match="'hf_llama_attention_heads' is deprecated.*tp_divides"):
         with pytest.raises(ValueError, match="num_key_value_heads=1 must both be divisible by the tensor-parallel size 2"):
             parallelize_module(model, init_device_mesh("cpu", (2,)), plan)
+
+
+class _RMSNorm(nn.Module):
+    """Llama's RMSNorm: statistics over the features of each position."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("layout", ["shard_seq", "shard_seq_uneven", "replicate"])
+@distributed(world_size=2)
+def test_pointwise_local_norm_matches_one_process_with_no_dtensor_op_inside(layout):
+    """A norm on the sequence shards runs on plain tensors: the same output, input grad and (partial,
+    then reduced) weight grad as one process, and no DTensor op between its input and output."""
+    torch.set_default_dtype(STRICT_DTYPE)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ndweave.dmodule import parallelize_module
+    from ndweave.mesh.torch_compat import tree_flatten
+
+    class CountDTensorOps(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs))[0])
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    ref = _RMSNorm(8)
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2,))
+    norm = parallelize_module(_RMSNorm(8), mesh, {"patch": {"": ["pointwise_local"]}}, use_local_output=False)
+    seq = 5 if layout.endswith("uneven") else 6  # (5 positions: 3 on rank 0, 2 on rank 1)
+    x = torch.randn(2, seq, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    placements = [Shard(1)] if layout.startswith("shard_seq") else [Replicate()]
+    xd = DTensor.from_local(x.detach(), mesh, [Replicate()]).redistribute(mesh, placements).requires_grad_()
+    counter = CountDTensorOps()
+    with counter:
+        out = norm(xd)
+    assert counter.ops == 0, counter.ops
+    assert out.placements == tuple(placements)
+    expected = ref(x)
+    assert_close(out, expected, name="output")
+    grad = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2))
+    (out * DTensor.from_local(grad, mesh, [Replicate()]).redistribute(mesh, placements)).sum().backward()
+    (expected * grad).sum().backward()
+    assert_close(xd.grad, x.grad, name="input grad")
+    assert_close(norm.weight.grad.full_tensor(), ref.weight.grad, name="weight grad")
+
+
+@distributed(world_size=2)
+def test_pointwise_local_refuses_a_sharded_parameter():
+    from ndweave.dmodule import parallelize_module
+
+    with pytest.raises(ValueError, match=r"pointwise_local on '': weight is laid out \(Shard\(dim=0\),\)"):
+        parallelize_module(_RMSNorm(8), init_device_mesh("cpu", (2,)),
+                           {"parameter": {"weight": [Shard(0)]}, "patch": {"": ["pointwise_local"]}})
