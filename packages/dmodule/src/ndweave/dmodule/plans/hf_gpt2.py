@@ -93,8 +93,6 @@ def hf_gpt2_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
         rf"{_H}.attn.c_attn": [_fused_qkv()],
         rf"{_H}.attn": _attention_local_heads(),
     }
-    if sequence_parallel:  # the LayerNorms on the sequence shards as plain tensors, not through DTensor's ops
-        patch[rf"{_H}.(ln_1|ln_2)"], patch["transformer.ln_f"] = ["pointwise_local"], ["pointwise_local"]
     return {"parameter": parameter, "forward": forward, "patch": patch}
 
 

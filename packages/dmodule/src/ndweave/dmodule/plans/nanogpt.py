@@ -90,8 +90,6 @@ def nanogpt_plan(model: nn.Module | None = None, *, sequence_parallel: bool = Fa
         "transformer.wte": ["vocab_parallel_embedding"],
         "class:CausalSelfAttention": [heads_check],
     }
-    if sequence_parallel:  # the LayerNorms on the sequence shards as plain tensors, not through DTensor's ops
-        patch[rf"{_H}.(ln_1|ln_2)"], patch["transformer.ln_f"] = ["pointwise_local"], ["pointwise_local"]
     return {"parameter": parameter, "forward": forward, "patch": patch}
 
 
