@@ -119,7 +119,7 @@ def test_pointwise_local_norm_matches_one_process_with_no_dtensor_op_inside(layo
     torch.set_default_dtype(STRICT_DTYPE)
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ndweave.dmodule import parallelize_module
+    from ndweave.dmodule import dtensor_linears, parallelize_module
     from ndweave.mesh.torch_compat import tree_flatten
 
     class CountDTensorOps(TorchDispatchMode):
@@ -142,6 +142,9 @@ def test_pointwise_local_norm_matches_one_process_with_no_dtensor_op_inside(layo
     with counter:
         out = norm(xd)
     assert counter.ops == 0, counter.ops
+    with dtensor_linears(), CountDTensorOps() as through:  # the debugging mode: DTensor's own ops
+        assert_close(norm(xd), out, name="output through DTensor")
+    assert through.ops > 0
     assert out.placements == tuple(placements)
     expected = ref(x)
     assert_close(out, expected, name="output")

@@ -45,7 +45,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ndweave.mesh.torch_compat import dtensor_of, local_tensor
 
-__all__ = ["dtensor_linears", "linear", "use_local_linears"]
+__all__ = ["dtensor_linears", "linear", "through_dtensor", "use_local_linears"]
 
 
 class _Rule(NamedTuple):
@@ -87,6 +87,11 @@ def _derive(x: Placement, w: Placement, b: Placement | None, ndim: int) -> _Rule
             out = (Shard(x_dim),)
             return _Rule(out, out, out, _P, _P, False)
     return None
+
+
+def through_dtensor() -> bool:
+    """Whether :func:`dtensor_linears` is on: the local paths step aside for DTensor's own ops."""
+    return _DTENSOR_ONLY
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,8 +187,9 @@ def use_local_linears(module: nn.Module) -> None:
 @contextlib.contextmanager
 def dtensor_linears() -> Iterator[None]:
     """Run every linear through DTensor (``F.linear`` on DTensors) inside the block, as before the local
-    path: to compare the two, or to debug with DTensor's own ops (``CommDebugMode``). Process-wide
-    while the block runs (a forward on another thread sees it too)."""
+    path, and every module patched ``pointwise_local`` (Llama's sequence-parallel norms): to compare
+    the two, or to debug with DTensor's own ops (``CommDebugMode``). Process-wide while the block
+    runs (a forward on another thread sees it too)."""
     global _DTENSOR_ONLY
     previous, _DTENSOR_ONLY = _DTENSOR_ONLY, True
     try:

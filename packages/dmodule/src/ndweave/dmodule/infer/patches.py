@@ -66,6 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.overrides import TorchFunctionMode
 
+from ndweave.dmodule.linear import _contiguous, through_dtensor
 from ndweave.dmodule.patches import register_patch
 from ndweave.mesh.torch_compat import (StridedShard, dtensor_lacks_backward_rule, own_buffers, own_parameters, tree_flatten,
                                        tree_map, tree_unflatten)
@@ -175,8 +176,9 @@ def pointwise_local(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> Non
     forward = type(module).forward
 
     def local_forward(x: Any, *args: Any, **kwargs: Any) -> Any:
-        # a plain or Partial input, one on a mesh of other dims, or a second DTensor: through DTensor
-        if not isinstance(x, DTensor) or x.device_mesh.ndim != device_mesh.ndim \
+        # a plain or Partial input, one on a mesh of other dims, a second DTensor, or dtensor_linears():
+        # through DTensor
+        if through_dtensor() or not isinstance(x, DTensor) or x.device_mesh.ndim != device_mesh.ndim \
                 or any(p.is_partial() for p in x.placements) \
                 or any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs))[0]):
             return forward(module, x, *args, **kwargs)
@@ -191,17 +193,9 @@ def pointwise_local(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> Non
             return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
         # the input's global shape (an uneven last shard included), so no size is gathered
         return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape,
-                                  stride=_contiguous_strides(x.shape))
+                                  stride=_contiguous(x.shape))
 
     module.forward = local_forward
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 class _ReplicatePlain(TorchFunctionMode):
