@@ -4,11 +4,10 @@ non-finite check as with one all-reduce, and the one-process result; a TP split 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
 
 from ndweave.mesh.testing import distributed, run_distributed
 from ndweave.optim import BasicOptimizer, DistributedOptimizer, NonFiniteGradError
@@ -18,20 +17,9 @@ from optim_common import (assert_params_match, dp_setup, local_batch, loss_fn, m
 from test_optim_parity import OPTIMIZERS, STEPS, _check_norm
 
 
-@contextmanager
-def counting_all_reduces():
-    """Count ``dist.all_reduce`` calls (the norm's collective; the param gathers are all-gathers)."""
-    calls, real = [], dist.all_reduce
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    dist.all_reduce = counted
-    try:
-        yield calls
-    finally:
-        dist.all_reduce = real
+def all_reduces(comms: CommDebugMode) -> int:
+    """The all-reduces torch's ``CommDebugMode`` saw (the norm's collective; param gathers are all-gathers)."""
+    return comms.get_comm_counts().get(torch.ops.c10d.allreduce_, 0)
 
 
 def _norm_collectives(ddp, cls=DistributedOptimizer, **kwargs) -> int:
@@ -41,24 +29,20 @@ def _norm_collectives(ddp, cls=DistributedOptimizer, **kwargs) -> int:
     loss_fn(ddp(x), y).backward()
     if hasattr(ddp, "finish_grad_sync"):
         ddp.finish_grad_sync()
-    with counting_all_reduces() as calls:
+    with CommDebugMode() as comms:
         opt.step()
     opt.zero_grad()
-    return len(calls)
+    return all_reduces(comms)
 
 
-def _check_counts() -> None:
+@distributed(world_size=2)
+def test_whole_buckets_need_no_norm_collective():
     for kwargs in ({}, {"clip_grad": 0.05}, {"on_nonfinite": "skip"}):
         assert _norm_collectives(dp_setup(reduce_whole=True)[1], **kwargs) == 0, kwargs
         assert _norm_collectives(dp_setup()[1], **kwargs) == 1, kwargs  # reduce-scattered: owned ranges
         all_reduced = dp_setup(use_distributed_optimizer=False)[1]
         assert _norm_collectives(all_reduced, BasicOptimizer, **kwargs) == 0, kwargs
         assert _norm_collectives(make_model(), BasicOptimizer, **kwargs) == 1, kwargs  # unwrapped: every rank's own
-
-
-@distributed(world_size=2)
-def test_whole_buckets_need_no_norm_collective():
-    _check_counts()
 
 
 @distributed(world_size=2)
@@ -71,9 +55,9 @@ def test_a_param_group_outside_the_buckets_brings_the_collective_back():
     x, y = local_batch(0, dist.get_rank(), 2)
     (loss_fn(ddp(x), y) + extra.sum() * (dist.get_rank() + 1)).backward()
     ddp.finish_grad_sync()
-    with counting_all_reduces() as calls:
+    with CommDebugMode() as comms:
         norm = opt.clip_grad_norm(1e9)
-    assert len(calls) == 1
+    assert all_reduces(comms) == 1
     # the bucketed grads counted once, the extra grads of both ranks (1s and 2s) each
     bucketed = torch.stack([p.grad.norm() for p in ddp.module.parameters()]).square().sum()
     torch.testing.assert_close(norm, (bucketed + 3 * (1 + 4)).sqrt(), rtol=1e-12, atol=0)
