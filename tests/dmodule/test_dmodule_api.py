@@ -240,6 +240,22 @@ def test_dmodule_class_dump_plan_and_redistribution_log():
 
 
 @distributed(world_size=2)
+def test_a_layout_counted_from_the_end_is_no_redistribution():
+    """``Shard(-1)`` asked of a value already ``Shard(1)`` (the features of a 2-D activation, as plans
+    write them): nothing in the log, no redistribution in the autograd graph, the same numbers."""
+    plan = {**MLP_TP, "forward": {**MLP_TP["forward"], "fc1.output": [[Shard(-1)]]}}
+    dm = parallelize_module(MLP(), _tp_mesh(), plan)
+    x = torch.randn(3, 4)
+    with log_redistributions() as lines:
+        hidden = dm.fc1(DTensor.from_local(x, dm.fc1.weight.device_mesh, [R]))
+    assert lines == [], lines
+    assert hidden.placements == (Shard(1),) and "Redistribute" not in type(hidden.grad_fn).__name__, hidden.grad_fn
+    with log_redistributions() as lines:
+        dm(x)
+    assert len(lines) == 2 and not any(line.startswith("fc1.output") for line in lines), lines
+
+
+@distributed(world_size=2)
 def test_list_grad_sync_shows_pending_then_synced():
     plan = {"forward": {".input": [[Shard(0)]]}}  # data-sharded input, replicated weights: Partial grads
     dm = parallelize_module(nn.Linear(4, 3), _tp_mesh(), plan)

@@ -22,7 +22,7 @@ from ndweave.dmodule.patches import register_patch
 from ndweave.dmodule.plans import explain_plan, get_plan, list_plans, load_plan, save_plan
 from ndweave.dmodule.spec import PlacementSpec, PlanKeyError
 
-__version__ = "0.15.0"
+__version__ = "0.16.0"
 
 __all__ = [
     "DModule",

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
+from ndweave.dmodule.relayout import redistribute
 from ndweave.dmodule.spec import PlacementSpec, PlanKeyError, suggest
 from ndweave.dmodule.signature import InputSlot, apply_input_slots, bind_input_plan
 from ndweave.mesh.agree import agree_or_raise
@@ -76,14 +77,22 @@ def _layout(x: Any, mesh: DeviceMesh, spec: PlacementSpec | None, where: Where) 
         # placements alone: a DTensor of another mesh cannot be redistributed here anyway, and comparing
         # the mesh objects would be guarded per module under torch.compile (a block's input mesh may be an
         # equal, other object than its hooks'), so each block would compile again
-        if tuple(x.placements) == spec.placements:
+        if tuple(x.placements) == spec.placements or _same_layout(x, spec.placements):
             return x
         if _LOG is not None:
             _log(where, x.placements, spec.placements, x.shape)
-        return x.redistribute(mesh, spec.placements, async_op=spec.async_op)
+        return redistribute(x, mesh, spec.placements, async_op=spec.async_op)
     if _LOG is not None:
         _log(where, ("local",), spec.placements, x.shape, " (from_local)")
     return DTensor.from_local(x, mesh, spec.placements, run_check=False)
+
+
+def _same_layout(x: DTensor, placements: tuple) -> bool:
+    """Whether ``placements`` is ``x``'s layout with a dim counted from the end (``Shard(-1)``, as
+    plans write a linear's features): no redistribution, no autograd node, no line in the log."""
+    return len(placements) == len(x.placements) and all(
+        p == q or type(p) is Shard and type(q) is Shard and p.dim % x.ndim == q.dim % x.ndim
+        for p, q in zip(placements, x.placements))
 
 
 def _finish_output(x: Any, mesh: DeviceMesh, spec: PlacementSpec | None, where: Where) -> Any:

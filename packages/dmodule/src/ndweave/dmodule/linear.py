@@ -43,6 +43,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ndweave.dmodule.relayout import redistribute
 from ndweave.mesh.torch_compat import dtensor_of, local_tensor
 
 __all__ = ["dtensor_linears", "linear", "through_dtensor", "use_local_linears"]
@@ -148,7 +149,7 @@ class _LocalLinear(torch.autograd.Function):
             # (as DTensor carries it: a LoRA adapter's, summed once where it meets the sharded path's)
             rule = _ALL_PARTIAL
         elif tuple(grad.placements) != rule.grad_output:
-            grad = grad.redistribute(mesh, rule.grad_output)
+            grad = redistribute(grad, mesh, rule.grad_output)
         xl, wl = ctx.saved_tensors
         g = local_tensor(grad)
         gx = gw = gb = None

@@ -32,9 +32,12 @@ from torch._subclasses.fake_tensor import (  # noqa: F401  (re-exported)
 )
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed._functional_collectives import AsyncCollectiveTensor as _AsyncCollectiveTensor
 from torch.distributed._functional_collectives import all_gather_single as _all_gather_single
+from torch.distributed._functional_collectives import all_reduce as _all_reduce
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed._functional_collectives import reduce_scatter_single as _reduce_scatter_single
+from torch.distributed._functional_collectives import wait_tensor as _wait_tensor
 from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout, _world
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -53,6 +56,7 @@ __all__ = [
     "flash_attention_cpu",
     "flash_attention_cpu_backward",
     "flash_attention_cpu_ops",
+    "gather_on",
     "gather_traced",
     "non_persistent_buffer_names",
     "op_schema",
@@ -61,7 +65,9 @@ __all__ = [
     "own_buffers",
     "own_parameters",
     "own_submodules",
+    "reduce_scatter_on",
     "reduce_scatter_traced",
+    "sum_on",
     "takes_flash_attention",
     "FakeTensor",
     "FakeTensorMode",
@@ -161,6 +167,10 @@ PRIVATE_TORCH: dict[str, str] = {
     "torch.distributed._functional_collectives.all_gather_single": "gather_traced: an all-gather a trace on meta "
                                                                    "records with its group's name",
     "torch.distributed._functional_collectives.reduce_scatter_single": "reduce_scatter_traced: likewise",
+    "torch.distributed._functional_collectives.all_reduce": "sum_on: the all-reduce DTensor's Partial -> "
+                                                            "Replicate runs",
+    "torch.distributed._functional_collectives.wait_tensor": "gather_on, reduce_scatter_on, sum_on: waited for",
+    "torch.distributed._functional_collectives.AsyncCollectiveTensor": "likewise: what may need the wait",
     "torch.distributed.distributed_c10d._get_default_store": "default_store: the default group's store",
     "torch.distributed.distributed_c10d._set_pg_timeout": "set_group_timeout: a mesh group's timeout",
     "ProcessGroup._get_backend": "group_timeout: the group's backend for a device",
@@ -219,6 +229,27 @@ def gather_traced(tensor: torch.Tensor, group: torch.distributed.ProcessGroup) -
 def reduce_scatter_traced(tensor: torch.Tensor, group: torch.distributed.ProcessGroup) -> torch.Tensor:
     """``tensor`` summed over the ranks, this rank's equal part of dim 0, as :func:`gather_traced` is run."""
     return _reduce_scatter_single(tensor, "sum", 0, group)
+
+def gather_on(tensor: torch.Tensor, dim: int, group: torch.distributed.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated on ``dim`` (counted from the front), waited for: the
+    functional collective DTensor's ``Shard(dim) -> Replicate`` runs, so the same bits, without
+    DTensor's planning around it."""
+    return _waited(_all_gather_single(tensor.contiguous(), dim, group))
+
+
+def reduce_scatter_on(tensor: torch.Tensor, dim: int, group: torch.distributed.ProcessGroup) -> torch.Tensor:
+    """``tensor`` summed over the ranks, this rank's equal part of ``dim``, waited for (DTensor's
+    ``Partial -> Shard(dim)``)."""
+    return _waited(_reduce_scatter_single(tensor.contiguous(), "sum", dim, group))
+
+
+def sum_on(tensor: torch.Tensor, group: torch.distributed.ProcessGroup) -> torch.Tensor:
+    """``tensor`` summed over the ranks into a new tensor, waited for (DTensor's ``Partial -> Replicate``)."""
+    return _waited(_all_reduce(tensor, "sum", group))
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    return _wait_tensor(t) if isinstance(t, _AsyncCollectiveTensor) else t
 
 #: ``_StridedShard(dim, split_factor=f)``: the dim is cut into ``f`` pieces, each piece is sharded
 #: over the ranks, and rank r holds the concatenation of its share of each piece (a fused
