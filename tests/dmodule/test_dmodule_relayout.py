@@ -1,6 +1,7 @@
 """A plan's redistributions as one collective each (``ndweave.dmodule.relayout``): every move of its table,
-forward and backward with each layout a grad can arrive in, gives DTensor's own bits and placements, with no
-DTensor op dispatched; anything else is DTensor's ``redistribute`` itself."""
+forward and backward with each layout a grad can arrive in, gives DTensor's own bits and placements without
+DTensor's machinery; anything else is DTensor's ``redistribute`` itself. Its ``from_local`` / ``to_local``
+give what torch's give, grads included."""
 
 import contextlib
 
@@ -10,7 +11,7 @@ import torch.distributed.tensor._redistribute as dtensor_redistribute
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ndweave.dmodule.relayout import redistribute
+from ndweave.dmodule.relayout import from_local, redistribute, to_local
 from ndweave.mesh.testing import STRICT_DTYPE, distributed
 
 R, P, S1 = Replicate(), Partial(), Shard(1)
@@ -36,6 +37,11 @@ def _dtensor_moves():
         yield calls
     finally:
         dtensor_redistribute.redistribute_local_tensor = original
+
+
+def _piece(shape, placement):
+    """The shape of a rank's piece of a tensor of ``shape`` laid out ``placement`` on 2 ranks."""
+    return tuple(n // 2 if placement.is_shard() and i == placement.dim % len(shape) else n for i, n in enumerate(shape))
 
 
 def _moved(x_local, mesh, src, dst, grad_layout, grad_local, ours):
@@ -91,3 +97,42 @@ def test_other_moves_are_dtensors_redistribute():
         assert len(calls) == 1, what
         assert y.placements == ref.placements and tuple(y.shape) == tuple(ref.shape), what
         assert torch.equal(y.to_local(), ref.to_local()), what
+
+
+@pytest.mark.parity
+@distributed(world_size=2, timeout=120)
+def test_from_local_and_to_local_give_torchs_dtensors_and_grads():
+    torch.set_default_dtype(STRICT_DTYPE)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("TP",))
+    rank = mesh.get_local_rank()
+    for placement in (S1, Shard(-1), R, P):
+        torch.manual_seed(1 + rank)
+        local = torch.randn(3, 2, 4)
+        for grad_name, grad_layout in GRADS.items():
+            results = []
+            for ours in (True, False):
+                x = local.clone().requires_grad_()
+                d = from_local(x, mesh, (placement,)) if ours else DTensor.from_local(x, mesh, [placement],
+                                                                                     run_check=False)
+                torch.manual_seed(20 + rank)
+                grad_local = torch.randn(_piece(d.shape, grad_layout))
+                grad = DTensor.from_local(grad_local, mesh, [grad_layout], run_check=False, shape=d.shape,
+                                          stride=d.stride())
+                d.backward(grad)
+                results.append((d.placements, tuple(d.shape), d.stride(), x.grad))
+            (placements, shape, stride, gx), ref = results
+            where = f"from_local {placement}, grad {grad_name}"
+            assert (placements, shape, stride) == ref[:3], (where, placements, shape, stride, ref[:3])
+            assert torch.equal(gx, ref[3]), where
+    for placement, grad_placements in ((S1, None), (P, None), (Shard(-1), (Shard(2),)), (S1, (R,))):
+        torch.manual_seed(1 + rank)
+        whole = torch.randn(3, 2, 4) if placement.is_shard() else torch.randn(3, 4, 4)
+        results = []
+        for ours in (True, False):
+            d = DTensor.from_local(whole.clone(), mesh, [placement], run_check=False).requires_grad_()
+            piece = to_local(d, grad_placements) if ours else d.to_local(grad_placements=grad_placements)
+            (piece * piece).sum().backward()
+            results.append((d.grad.placements, tuple(d.grad.shape), d.grad.to_local()))
+        where = f"to_local {placement}, grad_placements {grad_placements}"
+        assert results[0][:2] == results[1][:2], (where, results[0][:2], results[1][:2])
+        assert torch.equal(results[0][2], results[1][2]), where

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ndweave.dmodule.relayout import redistribute
+from ndweave.dmodule.relayout import from_local, redistribute, to_local
 from ndweave.dmodule.spec import PlacementSpec, PlanKeyError, suggest
 from ndweave.dmodule.signature import InputSlot, apply_input_slots, bind_input_plan
 from ndweave.mesh.agree import agree_or_raise
@@ -84,7 +84,7 @@ def _layout(x: Any, mesh: DeviceMesh, spec: PlacementSpec | None, where: Where) 
         return redistribute(x, mesh, spec.placements, async_op=spec.async_op)
     if _LOG is not None:
         _log(where, ("local",), spec.placements, x.shape, " (from_local)")
-    return DTensor.from_local(x, mesh, spec.placements, run_check=False)
+    return from_local(x, mesh, spec.placements)
 
 
 def _same_layout(x: DTensor, placements: tuple) -> bool:
@@ -100,7 +100,7 @@ def _finish_output(x: Any, mesh: DeviceMesh, spec: PlacementSpec | None, where: 
         return x
     x = _layout(x, mesh, spec, where)
     if spec.to_local:
-        return x.to_local(grad_placements=spec.grad_placements)
+        return to_local(x, spec.grad_placements)
     return x
 
 

@@ -43,7 +43,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ndweave.dmodule.relayout import redistribute
+from ndweave.dmodule.relayout import contiguous_stride, mesh_facts, redistribute
 from ndweave.mesh.torch_compat import dtensor_of, local_tensor
 
 __all__ = ["dtensor_linears", "linear", "through_dtensor", "use_local_linears"]
@@ -116,21 +116,13 @@ def _autocast(device_type: str) -> bool:
     return device_type != "meta" and torch.is_autocast_enabled(device_type)  # (meta has no autocast)
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(stride))
-
-
 class _LocalLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: DTensor, w: DTensor, b: DTensor | None, rule: _Rule) -> DTensor:
         mesh = w.device_mesh
         xl, wl = local_tensor(x), local_tensor(w)
         bl = None
-        if b is not None and (not rule.bias_once or mesh.get_local_rank() == 0):
+        if b is not None and (not rule.bias_once or mesh_facts(mesh).rank == 0):
             bl = local_tensor(b)
         y = F.linear(xl, wl, bl)
         ctx.save_for_backward(xl, wl)
@@ -138,7 +130,7 @@ class _LocalLinear(torch.autograd.Function):
         ctx.w_layout = tuple(w.shape), w.stride()
         ctx.b_layout = None if b is None else (tuple(b.shape), b.stride())
         shape = (*x.shape[:-1], w.shape[0])
-        return dtensor_of(y, mesh, rule.output, shape, _contiguous(shape))
+        return dtensor_of(y, mesh, rule.output, shape, contiguous_stride(shape))
 
     @staticmethod
     @once_differentiable
@@ -154,7 +146,7 @@ class _LocalLinear(torch.autograd.Function):
         g = local_tensor(grad)
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = dtensor_of(g.matmul(wl), mesh, rule.grad_input, ctx.x_shape, _contiguous(ctx.x_shape))
+            gx = dtensor_of(g.matmul(wl), mesh, rule.grad_input, ctx.x_shape, contiguous_stride(ctx.x_shape))
         rows = g.reshape(-1, g.shape[-1])
         if ctx.needs_input_grad[1]:
             gw = dtensor_of(rows.t().mm(xl.reshape(-1, xl.shape[-1])), mesh, rule.grad_weight, *ctx.w_layout)

@@ -66,7 +66,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.overrides import TorchFunctionMode
 
-from ndweave.dmodule.linear import _contiguous, through_dtensor
+from ndweave.dmodule.linear import through_dtensor
+from ndweave.dmodule.relayout import from_local, to_local
 from ndweave.dmodule.patches import register_patch
 from ndweave.mesh.torch_compat import (StridedShard, dtensor_lacks_backward_rule, own_buffers, own_parameters, tree_flatten,
                                        tree_map, tree_unflatten)
@@ -182,7 +183,7 @@ def pointwise_local(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> Non
                 or any(p.is_partial() for p in x.placements) \
                 or any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs))[0]):
             return forward(module, x, *args, **kwargs)
-        local = x.to_local()  # (its gradient comes back laid out as x)
+        local = to_local(x)  # (its gradient comes back laid out as x)
         # each rank's parameter gradient sums over its own positions only: partial over the sharded dims
         with _as_local(tensors, [Partial() if p.is_shard() else Replicate() for p in x.placements]):
             out = forward(module, local, *args, **kwargs)
@@ -192,8 +193,7 @@ def pointwise_local(module: nn.Module, device_mesh: DeviceMesh, fqn: str) -> Non
         if out.shape != local.shape or not out.is_contiguous():
             return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
         # the input's global shape (an uneven last shard included), so no size is gathered
-        return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape,
-                                  stride=_contiguous(x.shape))
+        return from_local(out, x.device_mesh, tuple(x.placements), shape=x.shape)
 
     module.forward = local_forward
 
@@ -470,7 +470,7 @@ def _as_local(tensors: list[tuple[dict, str]], grad: list | None = None) -> Iter
     saved = [(table, name, table[name]) for table, name in tensors]
     try:
         for table, name, t in saved:
-            table[name] = t.to_local(grad_placements=grad)
+            table[name] = to_local(t, grad)
         yield
     finally:
         for table, name, t in saved:
