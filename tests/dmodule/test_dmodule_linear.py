@@ -6,6 +6,7 @@ import collections
 
 import pytest
 import torch
+from test_dmodule_relayout import _dtensor_moves
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -117,7 +118,8 @@ class _CountDTensorOps(TorchDispatchMode):
 def test_llama_step_dispatches_fewer_dtensor_ops():
     """A Llama under the zoo plan with sequence parallel: the same loss and grads with local linears as
     through DTensor, with the linears' share of DTensor's ops gone (the norms' too: ``pointwise_local``;
-    the residual adds and the MLP's product stay)."""
+    the residual adds and the MLP's product stay), and the plan's moves made without DTensor's
+    machinery (``relayout``; inside ``dtensor_linears()`` all of them DTensor's)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.set_default_dtype(STRICT_DTYPE)
@@ -131,20 +133,22 @@ def test_llama_step_dispatches_fewer_dtensor_ops():
 
     def step():
         counter = _CountDTensorOps()
-        with counter:
+        with counter, _dtensor_moves() as moves:
             logits = model(input_ids=ids).logits  # (the loss outside: HF's computes in float32)
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
             loss.backward()
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         model.zero_grad()
-        return loss.detach(), grads, sum(counter.counts.values())
+        return loss.detach(), grads, sum(counter.counts.values()), moves
 
     step()  # the first call agrees on shapes across ranks
-    loss, grads, local_ops = step()
+    loss, grads, local_ops, local_moves = step()
     with dtensor_linears():
-        dtensor_loss, dtensor_grads, dtensor_ops = step()
+        dtensor_loss, dtensor_grads, dtensor_ops, dtensor_moves = step()
     assert_close(loss, dtensor_loss, name="loss")
     for name, grad in grads.items():
         assert_close(grad, dtensor_grads[name], name=f"{name}.grad")
+    # every gather, reduce-scatter and hand-over one of relayout's (even shards): none planned by DTensor
+    assert local_moves == [] and len(dtensor_moves) >= 20, (local_moves, dtensor_moves)
     assert local_ops < 0.3 * dtensor_ops, (local_ops, dtensor_ops)  # 46 of 226 (torch 2.13): adds, silu left
     assert local_ops <= 60, local_ops

@@ -136,3 +136,4 @@ def test_from_local_and_to_local_give_torchs_dtensors_and_grads():
         where = f"to_local {placement}, grad_placements {grad_placements}"
         assert results[0][:2] == results[1][:2], (where, results[0][:2], results[1][:2])
         assert torch.equal(results[0][2], results[1][2]), where
+

@@ -32,8 +32,6 @@ or debug.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -43,7 +41,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ndweave.dmodule.relayout import contiguous_stride, mesh_facts, redistribute
+from ndweave.dmodule.relayout import contiguous_stride, dtensor_linears, mesh_facts, redistribute, through_dtensor
 from ndweave.mesh.torch_compat import dtensor_of, local_tensor
 
 __all__ = ["dtensor_linears", "linear", "through_dtensor", "use_local_linears"]
@@ -63,7 +61,6 @@ class _Rule(NamedTuple):
 _R, _P = (Replicate(),), (Partial(),)
 _ALL_PARTIAL = _Rule(_R, _P, _P, _P, _P, False)
 _RULES: dict[tuple, _Rule | None] = {}
-_DTENSOR_ONLY = False  # dtensor_linears() sets it, for a block of code
 
 
 def _rule(x: Placement, w: Placement, b: Placement | None, ndim: int) -> _Rule | None:
@@ -90,15 +87,10 @@ def _derive(x: Placement, w: Placement, b: Placement | None, ndim: int) -> _Rule
     return None
 
 
-def through_dtensor() -> bool:
-    """Whether :func:`dtensor_linears` is on: the local paths step aside for DTensor's own ops."""
-    return _DTENSOR_ONLY
-
-
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(input, weight, bias)``, on local shards where the layouts are one of the module
     docstring's; otherwise ``F.linear`` itself."""
-    if (_DTENSOR_ONLY or not isinstance(input, DTensor) or not isinstance(weight, DTensor)
+    if (through_dtensor() or not isinstance(input, DTensor) or not isinstance(weight, DTensor)
             or torch.compiler.is_compiling() or _autocast(input.device.type)):
         return F.linear(input, weight, bias)
     mesh = weight.device_mesh
@@ -175,17 +167,3 @@ def use_local_linears(module: nn.Module) -> None:
         if local is None:
             local = _CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
         sub.__class__ = local
-
-
-@contextlib.contextmanager
-def dtensor_linears() -> Iterator[None]:
-    """Run every linear through DTensor (``F.linear`` on DTensors) inside the block, as before the local
-    path, and every module patched ``pointwise_local`` (Llama's sequence-parallel norms): to compare
-    the two, or to debug with DTensor's own ops (``CommDebugMode``). Process-wide while the block
-    runs (a forward on another thread sees it too)."""
-    global _DTENSOR_ONLY
-    previous, _DTENSOR_ONLY = _DTENSOR_ONLY, True
-    try:
-        yield
-    finally:
-        _DTENSOR_ONLY = previous

@@ -28,6 +28,8 @@ built on a spec made once per layout (``torch_compat.dtensor_of``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -38,7 +40,30 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ndweave.mesh.torch_compat import dtensor_of, gather_on, local_tensor, reduce_scatter_on, sum_on
 
-__all__ = ["MeshFacts", "contiguous_stride", "from_local", "mesh_facts", "redistribute", "to_local"]
+__all__ = ["MeshFacts", "contiguous_stride", "dtensor_linears", "from_local", "mesh_facts", "redistribute",
+           "through_dtensor", "to_local"]
+
+_DTENSOR_ONLY = False  # dtensor_linears() sets it, for a block of code
+
+
+def through_dtensor() -> bool:
+    """Whether :func:`dtensor_linears` is on: the local paths step aside for DTensor's own ops."""
+    return _DTENSOR_ONLY
+
+
+@contextlib.contextmanager
+def dtensor_linears() -> Iterator[None]:
+    """Run every linear through DTensor (``F.linear`` on DTensors) inside the block, as before the local
+    path, every module patched ``pointwise_local`` (Llama's sequence-parallel norms), and every
+    redistribution and hand-over of the plan (``DTensor.redistribute``, ``from_local``,
+    ``to_local``): to compare the two, or to debug with DTensor's own ops (``CommDebugMode``).
+    Process-wide while the block runs (a forward on another thread sees it too)."""
+    global _DTENSOR_ONLY
+    previous, _DTENSOR_ONLY = _DTENSOR_ONLY, True
+    try:
+        yield
+    finally:
+        _DTENSOR_ONLY = previous
 
 
 class MeshFacts(NamedTuple):
@@ -71,7 +96,7 @@ def redistribute(x: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...]
     """``x.redistribute(mesh, placements, async_op=async_op)``, as one collective where the move is
     one of the module docstring's."""
     # (compiling first: comparing meshes would be guarded per module, each block compiled again)
-    if (torch.compiler.is_compiling() or async_op or mesh.ndim != 1
+    if (torch.compiler.is_compiling() or _DTENSOR_ONLY or async_op or mesh.ndim != 1
             or (x.device_mesh is not mesh and x.device_mesh != mesh)):
         return x.redistribute(mesh, placements, async_op=async_op)
     dst = placements[0]
@@ -156,7 +181,7 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placemen
     its autograd (the grad laid out ``placements``, a ``Partial`` one's ``Replicate``, comes back as
     the local tensor). A 1-D mesh and a contiguous piece; otherwise torch's own."""
     p = placements[0] if len(placements) == 1 else None
-    if (torch.compiler.is_compiling() or mesh.ndim != 1 or type(p) not in (Shard, Replicate, Partial)
+    if (torch.compiler.is_compiling() or _DTENSOR_ONLY or mesh.ndim != 1 or type(p) not in (Shard, Replicate, Partial)
             or not local.is_contiguous() or local.device.type != mesh.device_type or isinstance(local, DTensor)):
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                                   stride=None if shape is None else contiguous_stride(tuple(shape)))
@@ -173,7 +198,7 @@ def to_local(x: DTensor, grad_placements: tuple[Placement, ...] | None = None) -
     """``x.to_local(grad_placements=grad_placements)``, with its autograd: the plain grad that comes
     back is taken as laid out ``grad_placements`` (default: ``x``'s, a ``Partial`` one's ``Replicate``).
     A 1-D mesh; otherwise torch's own."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or x.device_mesh.ndim != 1:
+    if torch.compiler.is_compiling() or _DTENSOR_ONLY or not torch.is_grad_enabled() or x.device_mesh.ndim != 1:
         return x.to_local(grad_placements=grad_placements)
     if grad_placements is None:
         grad_placements = tuple(Replicate() if p.is_partial() else p for p in x.placements)

@@ -230,6 +230,7 @@ def reduce_scatter_traced(tensor: torch.Tensor, group: torch.distributed.Process
     """``tensor`` summed over the ranks, this rank's equal part of dim 0, as :func:`gather_traced` is run."""
     return _reduce_scatter_single(tensor, "sum", 0, group)
 
+
 def gather_on(tensor: torch.Tensor, dim: int, group: torch.distributed.ProcessGroup) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated on ``dim`` (counted from the front), waited for: the
     functional collective DTensor's ``Shard(dim) -> Replicate`` runs, so the same bits, without
@@ -250,6 +251,7 @@ def sum_on(tensor: torch.Tensor, group: torch.distributed.ProcessGroup) -> torch
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
     return _wait_tensor(t) if isinstance(t, _AsyncCollectiveTensor) else t
+
 
 #: ``_StridedShard(dim, split_factor=f)``: the dim is cut into ``f`` pieces, each piece is sharded
 #: over the ranks, and rank r holds the concatenation of its share of each piece (a fused

@@ -66,8 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.overrides import TorchFunctionMode
 
-from ndweave.dmodule.linear import through_dtensor
-from ndweave.dmodule.relayout import from_local, to_local
+from ndweave.dmodule.relayout import from_local, through_dtensor, to_local
 from ndweave.dmodule.patches import register_patch
 from ndweave.mesh.torch_compat import (StridedShard, dtensor_lacks_backward_rule, own_buffers, own_parameters, tree_flatten,
                                        tree_map, tree_unflatten)
