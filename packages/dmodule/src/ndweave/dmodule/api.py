@@ -34,6 +34,7 @@ from ndweave.dmodule.hooks import install_forward_hooks, install_local_output_ho
 from ndweave.dmodule.linear import use_local_linears
 from ndweave.dmodule.patches import patch_name, resolve_patch
 from ndweave.dmodule.plan import check_placements, match_modules, names_removed_module, no_match_error
+from ndweave.dmodule.relayout import contiguous_stride
 from ndweave.dmodule.sharded import sharded_global_shapes
 from ndweave.dmodule.spec import IO_LEAVES, PlacementSpec, Plan, normalize_plan, plan_specs, split_key
 from ndweave.mesh import DEVICE_MESH, ParallelMesh, resolve_mesh
@@ -329,7 +330,7 @@ def _distribute_tensors(root: nn.Module, mesh: DeviceMesh, layouts: list[_Layout
         elif x.name in global_shapes:  # is_model_sharded
             shape = global_shapes[x.name]
             install(DTensor.from_local(t.detach().contiguous().to(device), mesh, placements,
-                                       run_check=False, shape=shape, stride=_contiguous_stride(shape)))
+                                       run_check=False, shape=shape, stride=contiguous_stride(shape)))
         else:
             install(distribute_tensor(t.detach().to(device), mesh, placements))
     if program is not None:
@@ -353,7 +354,7 @@ def _local_shard_installer(fake: torch.Tensor, mesh: DeviceMesh, placements: tup
             local = local.clone()
         local = local.contiguous().to(mesh.device_type)
         install(local if plain else DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape,
-                                                       stride=_contiguous_stride(full.shape)))
+                                                       stride=contiguous_stride(full.shape)))
         return local.numel() * local.element_size()
 
     return take
@@ -383,14 +384,6 @@ def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> torc
             pieces = custom_chunk(local, p.split_factor, dim=p.dim)
             local = torch.cat([custom_chunk(piece, n, dim=p.dim)[r] for piece in pieces], dim=p.dim)
     return local
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, step = [], 1
-    for n in reversed(shape):
-        stride.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(stride))
 
 
 # ---------------------------------------------------------------------------------------- patches
