@@ -15,10 +15,10 @@ Same plain MLP, same data, Adam, plain data parallelism:
 * ``ndweave-zero2``: ``ndweave`` with ``DDP(..., zero_stage=2)``: grads kept as 1/DP shards;
 * ``ndweave-unchecked``: ``ndweave`` without its two per-step checks, as torch's DDP and
   ``ZeroRedundancyOptimizer`` run: ``DDP(..., detect_desync=False)`` (no comparison of the ranks'
-  counters before the grad sync waits and before the step) and ``on_nonfinite="unchecked"`` (no grad
-  norm when nothing clips). DDP's check is two small collectives a step (one after backward, one
-  before the optimizer's collectives); the norm none here, since DDP all-reduces whole buckets on gloo
-  (one all-reduce where each rank holds only its range).
+  counters after backward and before the step) and ``on_nonfinite="unchecked"`` (no grad norm when
+  nothing clips). DDP's check is one small collective a step here (before the optimizer's
+  collectives; the one after backward rides the last bucket's all-reduce on gloo); the norm none,
+  since DDP all-reduces whole buckets on gloo (one all-reduce where each rank holds only its range).
 
 Per world size it prints, side by side: iteration time (forward + backward + step; mean over the
 steps barrier to barrier, median over interleaved rounds), the busiest rank's CPU time per iteration
@@ -28,8 +28,8 @@ includes finishing the grad reduce-scatter and the parameter all-gather; for tor
 is in backward); optimizer-state bytes per rank (state tensors + separate master weights) and their
 ratio to unsharded / DP (ndweave's target: 1.00 within 2%). Then where the CPU goes: the busiest
 rank's CPU per phase of the iteration (``zero_grad``, forward, backward, step) for each kind, and what
-one small gloo collective costs the busiest rank (five ints gathered; DDP's check makes two such
-collectives a step).
+one small gloo collective costs the busiest rank (five ints gathered; DDP's check makes one such
+collective a step here).
 
 Then, in fresh processes per ZeRO stage (``--memory-bucket-mb`` buckets), the busiest rank's peak bytes of live tensors over two steps
 (``ndweave.mesh.testing.memory.TensorMemory``; model, buffers and state included) against the theory
@@ -149,7 +149,7 @@ def _worker(rank: int, world: int, port: int, kind: str, args, queue) -> None:
 
 def _small_collective_cpu(world: int) -> float:
     """The busiest rank's CPU seconds for one all_gather of five ints on a gloo group of every rank:
-    what each of DDP's two desync checks a step costs (the non-finite check, where grads are not whole on
+    what DDP's desync check before a step costs (the non-finite check, where grads are not whole on
     every rank, one all-reduced scalar)."""
     group = dist.new_group(backend="gloo")
     mine = torch.zeros(5, dtype=torch.int64)
@@ -240,12 +240,12 @@ def main() -> None:
             print(f"{kind:16} {r['iter'] * 1e3:9.2f} {ours['iter'] / r['iter']:9.2f} {r['cpu'] * 1e3:9.2f} "
                   f"{ours['cpu'] / r['cpu']:9.2f} {r['step'] * 1e3:9.2f} {ours['step'] / r['step']:9.2f} {mb:20.3f} "
                   f"{max(r['state']) * world / unsharded:17.3f}")
-        print(f"\nbusiest rank's CPU ms by phase (one round; backward includes the grad reductions it starts)")
+        print("\nbusiest rank's CPU ms by phase (one round; backward includes the grad reductions it starts)")
         print(f"{'':16} " + " ".join(f"{p:>9}" for p in PHASES))
         for kind in KINDS:
             print(f"{kind:16} " + " ".join(f"{v * 1e3:9.2f}" for v in rounds[kind][0]["phases"]))
         small = statistics.median(r["small"] for r in rounds["unsharded"])
-        print(f"one all_gather of five ints on gloo (DDP's desync check is two such collectives a step): "
+        print(f"one all_gather of five ints on gloo (DDP's desync check before a step is one): "
               f"{small * 1e3:.2f} ms CPU on the busiest rank")
         memory = {stage: spawn(_memory_worker, world, stage, args) for stage in (1, 2)}
         print(f"\n{'peak MB/rank':16} {'measured':>9} {'theory':>9} {'ratio':>6}  terms (MB; "

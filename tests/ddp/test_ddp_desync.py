@@ -241,3 +241,52 @@ def test_zero2_a_rank_that_skips_a_micro_batch_backward_is_named_before_its_redu
                     loss.backward()
         model.finish_grad_sync()
     assert time.monotonic() - start < TIMEOUT_S
+
+
+@distributed(world_size=2)
+def test_the_check_after_backward_rides_the_last_buckets_all_reduce(monkeypatch):
+    """On gloo the rows of the check after backward travel after the last bucket, in its all-reduce: no
+    gather of their own. The optimizer's step() still gathers (its collectives could pair otherwise)."""
+    from ndweave.ddp import desync
+
+    gathers = []
+    real = desync.gather_rows
+    monkeypatch.setattr(desync, "gather_rows", lambda *a, **k: gathers.append(a[2][0]) or real(*a, **k))
+    model, opt = _setup()
+    assert model._carried is not None and model._carrier.numel() > model.grad_buckets()[-1].numel
+    for step in range(3):
+        _train_step(model, opt, step)
+        model.finish_grad_sync()  # an ndweave optimizer's step(): the one gather
+    assert gathers == [2, 2, 2]  # (kind 2: a step; kind 1, after backward, never)
+    rows = model._carried.rows()
+    assert rows[0] == rows[1] and rows[0][:2] == (1, 3)  # both ranks' rows, summed in: sync #3 after backward
+
+
+@distributed(world_size=2)
+def test_a_rank_late_at_a_check_is_waited_for_not_named():
+    """A rank that comes to a check seconds late (a slow data loader) finds its peer's row posted on the
+    board: rows that agree are no error, and the next checks pair as before."""
+    model, opt = _setup()
+    for step in range(4):
+        if dist.get_rank() == step % 2:
+            time.sleep(0.7)  # past two of the waiting rank's slices: it posts its row and reads the board
+        _train_step(model, opt, step)
+        model.finish_grad_sync()
+    reference, ref_opt = _setup(detect_desync=False)
+    for step in range(4):
+        _train_step(reference, ref_opt, step)
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_carried_rows_sum_to_every_ranks_row_exactly(dtype):
+    from ndweave.ddp.check_wait import CarriedRows
+
+    rows = [(1, 2**31 - 1, 0, 255, 256, 65535, 3, 2**32 + 5), (4, 0, 7, 1, 2**24 + 1, 9, 0, 1), (0,) * 8]
+    total = torch.zeros(CarriedRows.numel(3, 8), dtype=dtype)
+    for index, row in enumerate(rows):  # what the all-reduce sums: each rank's region, zeros but its slot
+        region = torch.full((CarriedRows.numel(3, 8),), 7.0, dtype=dtype)  # (stale values: written over)
+        CarriedRows(region, index, 3, 8).write(row)
+        total += region
+    assert CarriedRows(total, 0, 3, 8).rows() == [tuple(v % 2**32 for v in row) for row in rows]

@@ -200,6 +200,7 @@ def build_buckets(
     with_param_data: bool,
     shard_grads: bool = False,
     compilable: bool = False,
+    trailing: int = 0,
 ) -> tuple[list[GradBucket], list[ParamSlot], list[torch.Tensor]]:
     """Lay ``named_params`` out in flat buffers; return (buckets, slots, group grad buffers).
 
@@ -209,7 +210,8 @@ def build_buckets(
     ``shard_grads`` (ZeRO-2) the grad buffer holds only this rank's range of each bucket, which is the
     bucket's ``grad_data``, and the slots have no ``main_grad`` yet (``grad_shard.py`` makes them).
     ``compilable``: DTensor params and grads in the buffers are laid out so ``torch.compile`` can fake
-    them (``move_param_into``).
+    them (``move_param_into``). ``trailing``: elements left after the last bucket of the last buffer
+    (its grad dtype; DDP's check rows, carried by that bucket's all-reduce: ``check_wait.CarriedRows``).
     """
     by_name = {name: p for name, p in named_params}
     plans = plan_buffers([(name, p.dtype, local_tensor(p).numel(), slot_numel(p), (local_tensor(p).device, group),
@@ -219,10 +221,11 @@ def build_buckets(
     buckets: list[GradBucket] = []
     slots: list[ParamSlot] = []
     grad_buffers: list[torch.Tensor] = []
-    for layout in plans:
+    for number, layout in enumerate(plans, 1):
         (device, data_parallel_group), dp_size, param_dtype = layout.key, layout.data_parallel_size, layout.param_dtype
         shards = dp_size if shard_grads else 1  # (bucket starts and ends divide by dp_size)
-        grad_buffer = torch.zeros(layout.numel // shards, dtype=layout.grad_dtype, device=device)
+        extra = trailing if number == len(plans) else 0
+        grad_buffer = torch.zeros(layout.numel // shards + extra, dtype=layout.grad_dtype, device=device)
         param_buffer = torch.zeros(layout.numel, dtype=param_dtype, device=device) if with_param_data else None
         grad_buffers.append(grad_buffer)
         for bucket in layout.buckets:

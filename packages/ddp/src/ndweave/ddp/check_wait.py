@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from ndweave.mesh.lifecycle import announce_failure, failed_ranks, ranks_in_shutdown
-from ndweave.mesh.torch_compat import group_timeout
+from ndweave.mesh.torch_compat import default_store, group_timeout
 
-__all__ = ["CheckUnanswered", "bound_for", "gather_rows", "tell_peers"]
+__all__ = ["CarriedRows", "CheckUnanswered", "RowBoard", "bound_for", "gather_rows", "tell_peers", "wait_bounded"]
 
 # how long one wait for the gather lasts before the store is read for peers that left or failed
 _SLICE = timedelta(seconds=0.25)
@@ -54,21 +54,31 @@ def bound_for(group: dist.ProcessGroup, first: bool, timeout_s: float) -> float:
 
 
 def gather_rows(group: dist.ProcessGroup, ranks: Sequence[int], values: Sequence[int], *,
-                bound_s: float) -> dict[int, tuple[int, ...]]:
+                bound_s: float, on_slice: Callable[[], None] | None = None) -> dict[int, tuple[int, ...]]:
     """Every rank's ``values`` by global rank (one ``all_gather`` of an int64 row on ``group``, a gloo
     group), or :class:`CheckUnanswered` after ``bound_s`` seconds, or as soon as a peer is seen to have
-    left or failed."""
+    left or failed. ``on_slice``: called after each slice the gather did not complete in (it may raise)."""
     if dist.get_backend() == "fake":  # one process pretending: no other rank's row exists
         return {dist.get_rank(): tuple(int(v) for v in values)}
     me = dist.get_rank()
     row = torch.tensor([[me, *values]], dtype=torch.int64)
     parts = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(parts, row, group=group, async_op=True)
-    start, others = time.monotonic(), [r for r in ranks if r != me]
+    wait_bounded(work, ranks, bound_s=bound_s, keep=[row, *parts], on_slice=on_slice)
+    return {r[0]: tuple(r[1:]) for r in torch.cat(parts).tolist()}
+
+
+def wait_bounded(work: dist.Work, ranks: Sequence[int], *, bound_s: float, keep: Sequence[torch.Tensor],
+                 on_slice: Callable[[], None] | None = None) -> None:
+    """Wait for ``work`` (a collective of ``ranks`` on a gloo group) in slices of a quarter second: no
+    cost when it completes in the first, :class:`CheckUnanswered` once ``bound_s`` has passed or a peer
+    has left or failed. ``keep``: the tensors the work uses, kept alive if it is given up on;
+    ``on_slice``: called between slices (it may raise)."""
+    start, others = time.monotonic(), [r for r in ranks if r != dist.get_rank()]
     while True:
         try:
-            work.wait(timeout=_SLICE)  # returns as soon as the gather completes
-            break
+            work.wait(timeout=_SLICE)  # returns as soon as the collective completes
+            return
         except RuntimeError as error:
             waited = time.monotonic() - start
             if _WAIT_TIMED_OUT not in str(error):  # gloo's own end: a peer's connection closed, or its timeout
@@ -79,9 +89,80 @@ def gather_rows(group: dist.ProcessGroup, ranks: Sequence[int], values: Sequence
             failed = failed_ranks(others)
             left = [r for r in ranks_in_shutdown(others) if r not in failed]
             if failed or left or waited >= bound_s:
-                _outlive_the_interpreter([row, *parts, work])
+                _outlive_the_interpreter([*keep, work])
                 raise CheckUnanswered(waited, left, failed) from None
-    return {r[0]: tuple(r[1:]) for r in torch.cat(parts).tolist()}
+            if on_slice is not None:
+                try:
+                    on_slice()
+                except BaseException:
+                    _outlive_the_interpreter([*keep, work])
+                    raise
+
+
+class CarriedRows:
+    """The check's rows carried by a collective the step makes anyway: an all-reduce (a sum) of a
+    region laid after the last grad bucket, where each rank writes its row into its own slot and zeros
+    elsewhere, so the summed region holds every rank's row. Each int is written as base-256 digits,
+    exact in any float dtype the grads have (bfloat16's 8-bit mantissa included): a digit plus zeros is
+    that digit. Values are taken modulo 2**32 (they are compared, and named in an error)."""
+
+    DIGITS = 4
+
+    def __init__(self, region: torch.Tensor, index: int, size: int, width: int) -> None:
+        self.region = region
+        """``size * width * DIGITS`` elements of the grad buffer, after the last bucket."""
+        self._index, self._size, self._width = index, size, width
+        self._weights = torch.tensor([256 ** d for d in range(self.DIGITS)], dtype=torch.int64)
+
+    @classmethod
+    def numel(cls, size: int, width: int) -> int:
+        return size * width * cls.DIGITS
+
+    def write(self, row: Sequence[int]) -> None:
+        values = torch.tensor([int(v) % 2**32 for v in row], dtype=torch.int64)
+        digits = (values[:, None] // self._weights) % 256
+        self.region.zero_()
+        self.region.view(self._size, -1)[self._index].copy_(digits.flatten())
+
+    def rows(self) -> list[tuple[int, ...]]:
+        """Every rank's row, by index in the group (valid once the all-reduce completed)."""
+        digits = self.region.view(self._size, self._width, self.DIGITS).to(torch.int64)
+        return [tuple(row) for row in (digits * self._weights).sum(-1).tolist()]
+
+
+class RowBoard:
+    """Rows posted in the default group's store by ranks whose check has waited a slice: two ranks
+    waiting in different collectives (one in a bucket's all-reduce carrying its row, the other in the
+    side group's gather) never complete either, but read each other's row here and raise the same
+    error. Nothing is posted while the ranks are in step (a check completes within its first slice)."""
+
+    def __init__(self, name: str, ranks: Sequence[int]) -> None:
+        self._keys = {r: f"ndweave/ddp-check/{name}/{r}" for r in ranks}
+        self._posted = False
+
+    def post(self, seq: int, row: Sequence[int]) -> None:
+        if not self._posted:
+            default_store().set(self._keys[dist.get_rank()], ",".join(map(str, (seq, *row))))
+            self._posted = True
+
+    def read(self, seq: int) -> dict[int, tuple[int, ...]]:
+        """The rows posted for check ``seq``, by global rank (this rank's too, once posted)."""
+        store = default_store()
+        present = [r for r, key in self._keys.items() if store.check([key])]
+        rows = {}
+        for rank, text in zip(present, store.multi_get([self._keys[r] for r in present]) if present else []):
+            posted_seq, *row = (int(v) for v in text.decode().split(","))
+            if posted_seq == seq:  # (an older one: that rank completed the check and is about to clear it)
+                rows[rank] = tuple(row)
+        return rows
+
+    def clear(self) -> None:
+        if self._posted:
+            self._posted = False
+            try:
+                default_store().delete_key(self._keys[dist.get_rank()])
+            except (dist.DistError, RuntimeError):
+                pass
 
 
 def _outlive_the_interpreter(objects: list) -> None:

@@ -5,12 +5,24 @@ Every DP rank must run the same forwards, backwards and grad syncs. When one doe
 collectives on the DP group no longer pair up: they wait for each other until the process-group
 timeout, or pair up wrongly and average the wrong grads, silently.
 
-So before a grad sync waits on anything, and before an optimizer's ``step()`` issues collectives of
-its own, the DP ranks compare a few counters (one ``all_gather`` of eight ints,
-``ndweave.ddp.check_wait.gather_rows``). It runs on a gloo side group of the same ranks
-(``ndweave.mesh.lifecycle.side_group``, made once per DP group), so that it cannot queue behind the
-bucket reductions in flight on the DP group itself; every rank raises the same
-:class:`GradSyncDivergedError`, naming the ranks that differ and how. A rank whose peers never come
+So before a grad sync's grads are used, and before an optimizer's ``step()`` issues collectives of
+its own, the DP ranks compare a few counters (a row of eight ints each), and every rank raises the
+same :class:`GradSyncDivergedError`, naming the ranks that differ and how. The rows travel:
+
+* after backward, where the last bucket is a gloo all-reduce over exactly the DP ranks (DDP and
+  ZeRO-1 on gloo), inside that all-reduce (``check_wait.CarriedRows``: each rank's row in its own slot
+  after the bucket, so the sum is the gather); it is waited for with the bound below and its rows
+  compared before any grad is published. No round trip of its own: on 2 shared cores a gather of a
+  few ints costs as much CPU as a bucket's reduction;
+* otherwise (before a step, before a ZeRO-2 backward, NCCL's buckets) in one ``all_gather`` on a
+  gloo side group of the same ranks (``ndweave.mesh.lifecycle.side_group``, made once per DP group,
+  ``check_wait.gather_rows``), so that it cannot queue behind the bucket reductions in flight on the
+  DP group itself.
+
+Ranks that diverged may wait in two different collectives (one in a bucket's all-reduce, the other in
+the side group's gather), neither of which can complete: a check that has waited a quarter second
+posts its row in the default store (``check_wait.RowBoard``) and reads its peers', and once every DP
+rank has posted one for the same check, rows that differ raise as above. A rank whose peers never come
 to the check (they left the loop, or this rank stepped once more after they did) raises it too, after
 at most DDP's ``desync_timeout`` (60 s; the first step: the group's timeout), or at once when a peer has
 called ``shutdown()`` or announced a failure, and announces its own (a peer in ``shutdown()`` then
@@ -48,14 +60,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ndweave.ddp.check_wait import CheckUnanswered, bound_for, gather_rows, tell_peers
+from ndweave.ddp.check_wait import (CarriedRows, CheckUnanswered, RowBoard, bound_for, gather_rows, tell_peers,
+                                    wait_bounded)
 from ndweave.mesh.agree import agree_or_raise
 from ndweave.mesh.lifecycle import side_group
 from ndweave.mesh.torch_compat import current_backward_id
 
-__all__ = ["GradSyncDivergedError", "SyncCounters", "check_same_wrap"]
+__all__ = ["ROW_WIDTH", "GradSyncDivergedError", "SyncCounters", "check_same_wrap"]
 
 _FIELDS = ("kind", "syncs", "backwards", "forwards", "model", "steps", "local", "no_sync")
+ROW_WIDTH = len(_FIELDS)
+"""Ints in a rank's row (what a collective carrying the rows makes room for)."""
 _AFTER_BACKWARD, _STEP, _BEFORE_BACKWARD, _STEP_SYNC = 1, 2, 3, 4
 _FIX = ("Every DP rank must run the same forwards, backward()s, no_sync() blocks and optimizer steps (run forwards "
         "you do not train on under torch.no_grad()); detect_desync=False turns this check off")
@@ -85,6 +100,17 @@ class SyncCounters:
         self._model = zlib.crc32("\n".join(names).encode()) & 0x7FFFFFFF
         self._check_group = side_group(group, "ddp-sync-check") if enabled and group is not None else None
         self._ranks = dist.get_process_group_ranks(group) if self._check_group is not None else []
+        self.checks = 0  # checks passed: equal on ranks in step, so rows posted on the board pair by it
+        self._board = RowBoard(f"{group.group_name}/{self._model}", self._ranks) if self._ranks else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._check_group is not None
+
+    @property
+    def ranks(self) -> list[int]:
+        """The DP ranks compared (global ranks, in group order); ``[]`` when nothing is compared."""
+        return self._ranks
 
     def count_forward(self) -> None:
         if torch.is_grad_enabled():
@@ -110,10 +136,33 @@ class SyncCounters:
         self.local = 0
         self._backward_id = -1
 
-    def finish_sync(self, *, in_backward: bool) -> None:
-        """A grad sync is about to wait for its reductions: agree, then count it (and, finished outside
-        backward, by an optimizer's ``finish_grad_sync()``, that step)."""
-        self._agree(_AFTER_BACKWARD if in_backward else _STEP_SYNC, self.syncs + 1, self.steps + (not in_backward))
+    def sync_row(self, *, in_backward: bool) -> tuple[int, ...]:
+        """The row :meth:`finish_sync` compares: for a collective to carry it (:meth:`agree_carried`)."""
+        return self._row(_AFTER_BACKWARD if in_backward else _STEP_SYNC, self.syncs + 1, self.steps + (not in_backward))
+
+    def agree_carried(self, work: dist.Work, row: tuple[int, ...], rows: CarriedRows) -> None:
+        """Wait for ``work``, the all-reduce carrying every rank's ``row`` in ``rows``, bounded as a
+        check's gather is, and compare the rows: the same errors as :meth:`finish_sync`'s own gather,
+        without its round trip. Then call :meth:`finish_sync` with ``carried=True`` to count the sync."""
+        seq = self.checks
+        try:
+            wait_bounded(work, self._ranks, bound_s=self._bound(row[0]), keep=[rows.region],
+                         on_slice=lambda: self._compare_posted(seq, row))
+        except CheckUnanswered as unanswered:
+            raise tell_peers(GradSyncDivergedError(_unanswered(row, self._ranks, unanswered))) from None
+        # (cleared only when the wait completed: a rank that raised on the posted rows leaves its own
+        # posted, for the peers that have not read it yet)
+        self._board.clear()
+        self._compare(rows.rows())
+
+    def finish_sync(self, *, in_backward: bool, carried: bool = False) -> None:
+        """A grad sync is about to wait for its reductions: agree (unless its last all-reduce carried the
+        rows, compared already), then count it (and, finished outside backward, by an optimizer's
+        ``finish_grad_sync()``, that step)."""
+        if carried:
+            self.checks += 1
+        else:
+            self._agree(_AFTER_BACKWARD if in_backward else _STEP_SYNC, self.syncs + 1, self.steps + (not in_backward))
         self.syncs += 1
         self.steps += not in_backward
         self.forwards = 0
@@ -137,18 +186,38 @@ class SyncCounters:
         micro = self._micro()
         return int(micro is not None and not micro.is_last_microbatch)
 
+    def _row(self, kind: int, syncs: int, steps: int, *, no_sync: int = 0) -> tuple[int, ...]:
+        return (kind, syncs, self.backwards, self.forwards, self._model, steps, self.local, no_sync)
+
+    def _bound(self, kind: int) -> float:
+        first = self.syncs == 0 and self.steps <= (kind == _STEP)  # the first step may keep ranks apart longer
+        return bound_for(self._check_group, first, self.timeout)
+
     def _agree(self, kind: int, syncs: int, steps: int, *, no_sync: int = 0) -> None:
         if self._check_group is None:
             return
-        row = (kind, syncs, self.backwards, self.forwards, self._model, steps, self.local, no_sync)
-        first = self.syncs == 0 and self.steps <= (kind == _STEP)  # the first step may keep ranks apart longer
+        row, seq = self._row(kind, syncs, steps, no_sync=no_sync), self.checks
         try:
-            table = gather_rows(self._check_group, self._ranks, row, bound_s=bound_for(self._check_group, first, self.timeout))
+            table = gather_rows(self._check_group, self._ranks, row, bound_s=self._bound(kind),
+                                on_slice=lambda: self._compare_posted(seq, row))
         except CheckUnanswered as unanswered:
             raise tell_peers(GradSyncDivergedError(_unanswered(row, self._ranks, unanswered))) from None
-        rows = [table[rank] for rank in self._ranks]
+        self._board.clear()
+        self._compare([table[rank] for rank in self._ranks])
+        self.checks += 1
+
+    def _compare(self, rows: list[tuple[int, ...]]) -> None:
         if len(set(rows)) > 1:
             raise tell_peers(GradSyncDivergedError(_explain(rows, self._ranks)))
+
+    def _compare_posted(self, seq: int, row: tuple[int, ...]) -> None:
+        """A check that waited a slice: post this rank's row and compare those its peers posted. Peers
+        waiting in another collective than this rank's (a step() against a backward's sync) raise here,
+        once every DP rank has posted; peers merely late post nothing and are waited for."""
+        self._board.post(seq, row)
+        posted = self._board.read(seq)
+        if len(posted) == len(self._ranks):
+            self._compare([posted[rank] for rank in self._ranks])
 
 
 def check_same_wrap(group: dist.ProcessGroup | None, fingerprint: dict[str, str]) -> None:

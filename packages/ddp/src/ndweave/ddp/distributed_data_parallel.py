@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 from ndweave.ddp import sync
 from ndweave.ddp.buffer import ParamSlot, build_buckets, lay_out_for_compile
 from ndweave.ddp.data_dims import resolve_data_mesh
-from ndweave.ddp.desync import SyncCounters, check_same_wrap
+from ndweave.ddp.check_wait import CarriedRows
+from ndweave.ddp.desync import ROW_WIDTH, SyncCounters, check_same_wrap
 from ndweave.ddp.grad_shard import GradShards
 from ndweave.ddp.wrap_checks import (DEFAULT_BUCKET_SIZE, WRAPPED_MARK, check_bucket_size, check_materialized,
                                      check_not_wrapped, check_zero_stage, fingerprint, synced_params)
@@ -77,8 +78,9 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             starts equal whatever its seed.
         finish_grad_sync_in_backward: call :meth:`finish_grad_sync` at the end of the backward of the
             last micro-batch (like torch's DDP), so ``.grad`` is ready when ``backward()`` returns.
-        detect_desync: before each grad sync waits and each ``step()``, compare the DP ranks' counts
-            (one small ``all_gather`` on a gloo group of the DP ranks), so a rank that skipped a
+        detect_desync: before each grad sync's grads are used and before each ``step()``, compare the
+            DP ranks' counts (carried by the last bucket's all-reduce on gloo; else one small
+            ``all_gather`` on a gloo group of the DP ranks), so a rank that skipped a
             ``backward()`` or a ``step()``, stepped once more or entered ``no_sync()`` alone raises
             :class:`~ndweave.ddp.GradSyncDivergedError` on every rank, naming it, within
             ``desync_timeout`` instead of a hang, a gloo abort or a silently wrong average (see
@@ -151,6 +153,11 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
         fp32 = accumulate_allreduce_grads_in_fp32
         compiled = any(holds_compiled_code(m) for m in module.modules())
+        # the desync check after backward rides the last bucket's all-reduce where that is a gloo sum
+        # (a gather of its own costs as much CPU as a bucket's reduction there; see ``_carry_check``)
+        carry = (detect_desync and self.data_parallel_group is not None and self.zero_stage < 2
+                 and not self.average_in_collective and dist.get_backend(self.data_parallel_group) == "gloo")
+        trailing = CarriedRows.numel(self.data_parallel_size, ROW_WIDTH) if carry else 0
         self._buckets, self._slots, self._grad_buffers = build_buckets(
             synced,
             bucket_size=bucket_size,
@@ -160,6 +167,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             shard_grads=self.zero_stage == 2,
             # blocks compiled before wrapping (block.compile()): dynamo fakes each param and its grad
             compilable=compiled,
+            trailing=trailing,
         )
         # ... or compiled in place after it, or the wrapper compiled whole: laid out for that by the first
         # forward that finds one or is traced (DTensors only: dynamo fakes plain views of a flat buffer as
@@ -187,6 +195,8 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         self._callback_queued = False
         self._counters = SyncCounters(self.data_parallel_group, [f"{n}:{tuple(p.shape)}" for n, p in synced],
                                       enabled=detect_desync, micro=self, timeout=desync_timeout)
+        self._carrier, self._carried = self._carry_check(trailing)
+        self._carried_work: tuple[dist.Work, tuple[int, ...]] | None = None
         self._closed = False
         self._hooks = []
         for slot in self._slots:
@@ -281,7 +291,8 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         if not self._step_open:
             self._counters.finish_without_backward()
             return
-        self._counters.finish_sync(in_backward=in_backward)
+        if self._carried is None:
+            self._counters.finish_sync(in_backward=in_backward)
         if self._grad_shards is not None:  # ZeRO-2: the grads are in the shards, no .grad to set
             self._reduce_micro_batch()
             with torch.no_grad():
@@ -290,9 +301,13 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             return
         with torch.no_grad():
             for index in range(self._next_bucket, len(self._buckets)):
-                self._launch(index)
+                self._launch(index, in_backward=in_backward)
             self._next_bucket = len(self._buckets)
             works, self._works = self._works, []
+            if self._carried is not None:  # the rows came with the last bucket: compared before any grad is used
+                (work, row), self._carried_work = self._carried_work, None
+                self._counters.agree_carried(work, row, self._carried)
+                self._counters.finish_sync(in_backward=in_backward, carried=True)
             for work in works:
                 work.wait()
             sync.reduce_partial_slots(self._slots)
@@ -304,7 +319,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         """Zero every grad buffer and forget the step in progress; clears the ``.grad`` DDP set."""
         for work in self._works:
             work.wait()
-        self._works = []
+        self._works, self._carried_work = [], None
         if self._grad_shards is not None:
             self._grad_shards.reset()
             self._micro_batch_open = False
@@ -341,6 +356,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             _detach_from_buffers(slot)
         self._buckets, self._slots, self._bucket_slots, self._grad_buffers = [], [], [], []
         self._grad_shards, self._reduce_scatters = None, []
+        self._carrier = self._carried = self._carried_work = None
         self._reset_counts()
         self._step_open = self._callback_queued = self._micro_batch_open = False
         self._counters.close()
@@ -446,10 +462,12 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
             and self._num_ready[self._next_bucket] == len(self._bucket_slots[self._next_bucket])
         ):
             with torch.no_grad():
-                self._launch(self._next_bucket)
+                self._launch(self._next_bucket, in_backward=self.finish_grad_sync_in_backward)
             self._next_bucket += 1
 
-    def _launch(self, index: int) -> None:
+    def _launch(self, index: int, *, in_backward: bool = True) -> None:
+        """Launch bucket ``index``'s reduction; the last one carries the check's rows (``in_backward``:
+        whether the sync it ends will be finished in backward, which the rows tell)."""
         op = dist.ReduceOp.AVG if self.average_in_collective else dist.ReduceOp.SUM
         if self._grad_shards is not None:
             self._grad_shards.launch(index, op)
@@ -465,9 +483,33 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         if self._reduce_scatters[index]:
             start, end = bucket.shard_range()
             work = sync.reduce_scatter(bucket.grad_data[start:end], bucket.grad_data, op, bucket.data_parallel_group)
+        elif self._carried is not None and index == len(self._buckets) - 1:
+            row = self._counters.sync_row(in_backward=in_backward)
+            self._carried.write(row)
+            work = dist.all_reduce(self._carrier, op=op, group=bucket.data_parallel_group, async_op=True)
+            self._carried_work = work, row
         else:
             work = dist.all_reduce(bucket.grad_data, op=op, group=bucket.data_parallel_group, async_op=True)
         self._works.append(work)
+
+    def _carry_check(self, trailing: int) -> tuple[torch.Tensor | None, CarriedRows | None]:
+        """The last bucket and the rows after it (``trailing`` elements of the last grad buffer), all-reduced
+        as one tensor, when that bucket is a sum over exactly the DP ranks the check compares; else
+        ``(None, None)``: the check gathers its rows on a side group of its own (``desync.py``).
+
+        Why: on gloo a gather of a few ints costs the busiest rank as much CPU as a bucket's reduction
+        (0.4 ms at 2 ranks, 1.2 ms at 4 sharing 2 cores); carried, it costs a few hundred bytes more
+        in a message sent anyway. Each rank writes its row in its own slot, so the sum is the gather."""
+        if not trailing or not self._buckets:
+            return None, None
+        bucket, buffer = self._buckets[-1], self._grad_buffers[-1]
+        ranks = self._counters.ranks
+        if (bucket.data_parallel_group is None or self._reduce_scatters[-1] or bucket.grad_data.device.type != "cpu"
+                or dist.get_process_group_ranks(bucket.data_parallel_group) != ranks):
+            return None, None
+        start = bucket.grad_data.storage_offset() - buffer.storage_offset()
+        rows = CarriedRows(buffer[-trailing:], ranks.index(dist.get_rank()), len(ranks), ROW_WIDTH)
+        return buffer[start:], rows
 
     def _scale(self, reduced_over: int) -> float:
         """Factor applied to the grads of a bucket summed over ``reduced_over`` ranks as they are
