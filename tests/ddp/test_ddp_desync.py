@@ -290,3 +290,25 @@ def test_carried_rows_sum_to_every_ranks_row_exactly(dtype):
         CarriedRows(region, index, 3, 8).write(row)
         total += region
     assert CarriedRows(total, 0, 3, 8).rows() == [tuple(v % 2**32 for v in row) for row in rows]
+
+
+@distributed(world_size=2)
+def test_finish_grad_sync_for_step_hands_out_a_waiter_only_where_the_check_is_carried():
+    """Where the check after backward rides the buckets (gloo, ZeRO 0/1), an optimizer whose step's
+    collectives run apart gets a waiter and no check is gathered; elsewhere the check is gathered as in
+    finish_grad_sync(), and there is no waiter."""
+    from ndweave.mesh.contracts import CheckedStepSync, StepWaiter
+
+    for kwargs, carried in (({}, True), ({"zero_stage": 1}, True), ({"zero_stage": 2}, False),
+                            ({"detect_desync": False}, False)):
+        model, opt = _setup(**kwargs)
+        assert isinstance(model, CheckedStepSync)
+        _train_step(model, opt, 0)
+        waiter = model.finish_grad_sync_for_step()
+        assert isinstance(waiter, StepWaiter) if carried else waiter is None
+        if carried:  # a collective of the step, waited for through it
+            side = dist.new_group([0, 1], backend="gloo")
+            value = torch.tensor([dist.get_rank() + 1.0])
+            waiter.wait(dist.all_reduce(value, group=side, async_op=True), [value])
+            assert value.item() == 3.0
+        _train_step(model, opt, 1)  # the counts agree after it

@@ -7,6 +7,6 @@
 from ndweave.ddp.desync import GradSyncDivergedError
 from ndweave.ddp.distributed_data_parallel import DDP, DEFAULT_BUCKET_SIZE, DistributedDataParallel
 
-__version__ = "0.9.3"
+__version__ = "0.10.0"
 
 __all__ = ["DDP", "DEFAULT_BUCKET_SIZE", "DistributedDataParallel", "GradSyncDivergedError", "__version__"]

@@ -14,10 +14,15 @@ same :class:`GradSyncDivergedError`, naming the ranks that differ and how. The r
   after the bucket, so the sum is the gather); it is waited for with the bound below and its rows
   compared before any grad is published. No round trip of its own: on 2 shared cores a gather of a
   few ints costs as much CPU as a bucket's reduction;
-* otherwise (before a step, before a ZeRO-2 backward, NCCL's buckets) in one ``all_gather`` on a
-  gloo side group of the same ranks (``ndweave.mesh.lifecycle.side_group``, made once per DP group,
-  ``check_wait.gather_rows``), so that it cannot queue behind the bucket reductions in flight on the
-  DP group itself.
+* before a step, where the optimizer's step collectives run on groups of their own and are waited
+  for through DDP (``DDP.finish_grad_sync_for_step``: ``ndweave.optim``'s parameter gathers on gloo),
+  in those collectives: nothing is gathered (:meth:`SyncCounters.defer_step`); a wait that outlasts
+  a slice posts the step's row as below (:meth:`SyncCounters.wait_step`), and ranks in step compare
+  the step counts at the next sync;
+* otherwise (before another step, before a ZeRO-2 backward, NCCL's buckets) in one ``all_gather`` on
+  a gloo side group of the same ranks (``ndweave.mesh.lifecycle.side_group``, made once per DP
+  group, ``check_wait.gather_rows``), so that it cannot queue behind the bucket reductions in flight
+  on the DP group itself.
 
 Ranks that diverged may wait in two different collectives (one in a bucket's all-reduce, the other in
 the side group's gather), neither of which can complete: a check that has waited a quarter second
@@ -101,6 +106,7 @@ class SyncCounters:
         self._check_group = side_group(group, "ddp-sync-check") if enabled and group is not None else None
         self._ranks = dist.get_process_group_ranks(group) if self._check_group is not None else []
         self.checks = 0  # checks passed: equal on ranks in step, so rows posted on the board pair by it
+        self._last: tuple[int, tuple[int, ...]] = (0, ())  # the latest check's (seq, row): what a step's waits post
         self._board = RowBoard(f"{group.group_name}/{self._model}", self._ranks) if self._ranks else None
 
     @property
@@ -145,6 +151,7 @@ class SyncCounters:
         check's gather is, and compare the rows: the same errors as :meth:`finish_sync`'s own gather,
         without its round trip. Then call :meth:`finish_sync` with ``carried=True`` to count the sync."""
         seq = self.checks
+        self._last = (seq, row)
         try:
             wait_bounded(work, self._ranks, bound_s=self._bound(row[0]), keep=[rows.region],
                          on_slice=lambda: self._compare_posted(seq, row))
@@ -168,6 +175,30 @@ class SyncCounters:
         self.forwards = 0
         self.backwards = 0
         self.local = 0
+
+    def defer_step(self) -> None:
+        """:meth:`finish_without_backward` for an optimizer whose step's collectives carry the check
+        (``DDP.finish_grad_sync_for_step``): count the step, gather nothing; the step's collectives
+        are waited through :meth:`wait_step`, which compares this row with the peers' if they wait."""
+        self.steps += 1
+        if self._check_group is not None:
+            self._last = (self.checks, self._row(_STEP, self.syncs, self.steps))
+            self.checks += 1
+
+    def wait_step(self, work: dist.Work, tensors: list[torch.Tensor]) -> None:
+        """Wait for one of the step's collectives, bounded as a check is: peers that did not come to this
+        step (they skipped it, or this rank steps once more) wait in a check of their own, whose row
+        they post, and every rank raises the same error."""
+        if self._check_group is None:
+            work.wait()
+            return
+        seq, row = self._last
+        try:
+            wait_bounded(work, self._ranks, bound_s=self._bound(row[0]), keep=tensors,
+                         on_slice=lambda: self._compare_posted(seq, row))
+        except CheckUnanswered as unanswered:
+            raise tell_peers(GradSyncDivergedError(_unanswered(row, self._ranks, unanswered))) from None
+        self._board.clear()
 
     def finish_without_backward(self) -> None:
         """``finish_grad_sync()`` with no backward since the last sync: an optimizer's ``step()``. Agreed
@@ -197,6 +228,7 @@ class SyncCounters:
         if self._check_group is None:
             return
         row, seq = self._row(kind, syncs, steps, no_sync=no_sync), self.checks
+        self._last = (seq, row)
         try:
             table = gather_rows(self._check_group, self._ranks, row, bound_s=self._bound(kind),
                                 on_slice=lambda: self._compare_posted(seq, row))

@@ -19,7 +19,7 @@ from ndweave.ddp.grad_shard import GradShards
 from ndweave.ddp.wrap_checks import (DEFAULT_BUCKET_SIZE, WRAPPED_MARK, check_bucket_size, check_materialized,
                                      check_not_wrapped, check_zero_stage, fingerprint, synced_params)
 from ndweave.mesh import ParallelMesh
-from ndweave.mesh.contracts import GradBucket, GradReduction, MicroBatchControl
+from ndweave.mesh.contracts import GradBucket, GradReduction, MicroBatchControl, StepWaiter
 from ndweave.mesh.torch_compat import (compiled_in_place, dtensor_over, holds_compiled_code, local_tensor,
                                       queue_backward_callback)
 
@@ -79,8 +79,9 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         finish_grad_sync_in_backward: call :meth:`finish_grad_sync` at the end of the backward of the
             last micro-batch (like torch's DDP), so ``.grad`` is ready when ``backward()`` returns.
         detect_desync: before each grad sync's grads are used and before each ``step()``, compare the
-            DP ranks' counts (carried by the last bucket's all-reduce on gloo; else one small
-            ``all_gather`` on a gloo group of the DP ranks), so a rank that skipped a
+            DP ranks' counts (carried by the last bucket's all-reduce and the optimizer's parameter
+            gathers on gloo, see :meth:`finish_grad_sync_for_step`; else one small ``all_gather`` on a
+            gloo group of the DP ranks), so a rank that skipped a
             ``backward()`` or a ``step()``, stepped once more or entered ``no_sync()`` alone raises
             :class:`~ndweave.ddp.GradSyncDivergedError` on every rank, naming it, within
             ``desync_timeout`` instead of a hang, a gloo abort or a silently wrong average (see
@@ -196,6 +197,7 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
         self._counters = SyncCounters(self.data_parallel_group, [f"{n}:{tuple(p.shape)}" for n, p in synced],
                                       enabled=detect_desync, micro=self, timeout=desync_timeout)
         self._carrier, self._carried = self._carry_check(trailing)
+        self._step_waiter = _StepWaiter(self._counters)
         self._carried_work: tuple[dist.Work, tuple[int, ...]] | None = None
         self._closed = False
         self._hooks = []
@@ -286,6 +288,25 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
         First the DP ranks agree that they ran the same forwards, backwards and syncs (``detect_desync``)."""
         self._finish(in_backward=False)
+
+    def finish_grad_sync_for_step(self) -> StepWaiter | None:
+        """:meth:`finish_grad_sync` for an optimizer whose step's only collectives run on groups apart
+        from this wrapper's reductions and are waited for through the returned waiter (an ndweave
+        ``DistributedOptimizer``'s parameter gathers on gloo; ``ndweave.mesh.contracts.CheckedStepSync``).
+
+        The DP ranks' check before the step then rides those collectives: nothing is gathered for it;
+        a rank that skipped the step or runs one more is named when the step's collectives wait, on
+        every rank, as the check would have. ``None`` where the check after backward is not carried by
+        the buckets either (NCCL, ZeRO-2, ``detect_desync=False``): the check ran as in
+        :meth:`finish_grad_sync`."""
+        if self._carried is None:
+            self.finish_grad_sync()
+            return None
+        if self._step_open:
+            self._finish(in_backward=False)
+        else:
+            self._counters.defer_step()
+        return self._step_waiter
 
     def _finish(self, *, in_backward: bool) -> None:
         if not self._step_open:
@@ -522,6 +543,17 @@ class DistributedDataParallel(MicroBatchControl, torch.nn.Module):
 
 
 DDP = DistributedDataParallel
+
+
+class _StepWaiter:
+    """What :meth:`DistributedDataParallel.finish_grad_sync_for_step` hands an optimizer: its step's
+    collectives waited for as a desync check waits (``desync.SyncCounters.wait_step``)."""
+
+    def __init__(self, counters: SyncCounters) -> None:
+        self._counters = counters
+
+    def wait(self, work: dist.Work, tensors: Sequence[torch.Tensor]) -> None:
+        self._counters.wait_step(work, list(tensors))
 
 
 def _detach_from_buffers(slot: ParamSlot) -> None:

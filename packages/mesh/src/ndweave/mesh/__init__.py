@@ -18,7 +18,7 @@ from ndweave.mesh.lifecycle import ShutdownError, shutdown
 from ndweave.mesh.resolve import resolve_mesh
 from ndweave.mesh.spec import init_mesh_from_spec, parse_spec, resolve_spec
 
-__version__ = "0.10.14"
+__version__ = "0.10.15"
 
 __all__ = ["CONTEXT_DIM", "DEFAULT_DIM_NAMES", "DEVICE_MESH", "EXPERT_DIM", "ROLE_DIMS", "ParallelMesh", "ShutdownError", "fake_world",
            "init_device_mesh", "init_mesh_from_spec", "parse_spec", "resolve_mesh", "resolve_spec", "shutdown",

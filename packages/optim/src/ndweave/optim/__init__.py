@@ -21,7 +21,7 @@ from ndweave.optim.inner import ELEMENTWISE_OPTIMIZERS, NON_ELEMENTWISE_OPTIMIZE
 from ndweave.optim.loss_scale import DynamicLossScaler
 from ndweave.optim.state_check import StateDictMismatchError
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 __all__ = [
     "BasicOptimizer",

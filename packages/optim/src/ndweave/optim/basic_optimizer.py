@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ndweave.mesh.contracts import DataParallelWrapper, finish_grad_sync, is_tied_replica, uses_distributed_optimizer
+from ndweave.mesh.contracts import (DataParallelWrapper, finish_grad_sync, finish_grad_sync_for_step, is_tied_replica,
+                                    uses_distributed_optimizer)
 from ndweave.mesh.torch_compat import local_tensor
 from ndweave.optim.base import WrappedOptimizer
 from ndweave.optim.grad_norm import counts_replica, whole_on_every_rank
@@ -98,7 +99,13 @@ class BasicOptimizer(WrappedOptimizer):
         return out
 
     def _sync_grads(self) -> None:
-        finish_grad_sync(self.models)
+        if self.loss_scaler is None and self._whole:
+            # no collective in the step (the norm is taken from the whole grads): the wrappers' check
+            # before it has nothing to guard, so none is gathered (a skipped or an extra step shows in
+            # the counters the next grad sync compares)
+            finish_grad_sync_for_step(self.models)
+        else:
+            finish_grad_sync(self.models)
 
     def _whole_grads(self) -> list[torch.Tensor] | None:
         return self._local_grads() if self._whole else None

@@ -23,7 +23,8 @@ from ndweave.mesh.contracts.grad_buckets import (
     shard_range,
     slot_numel,
 )
-from ndweave.mesh.contracts.grad_sync import GradSyncable, finish_grad_sync, reduce_partial_grads
+from ndweave.mesh.contracts.grad_sync import (CheckedStepSync, GradSyncable, StepWaiter, finish_grad_sync,
+                                             finish_grad_sync_for_step, reduce_partial_grads)
 from ndweave.mesh.contracts.optimizer_state import (
     MASTER_KEY,
     SCALAR_KEYS,
@@ -47,6 +48,7 @@ from ndweave.mesh.contracts.tied_params import is_tied_replica, mark_tied_replic
 __all__ = [
     "BUCKET_ALIGNMENT",
     "BucketParam",
+    "CheckedStepSync",
     "DataParallelWrapper",
     "GradBucket",
     "GradReduction",
@@ -56,7 +58,9 @@ __all__ = [
     "SCALAR_KEYS",
     "ShardLayout",
     "StatePiece",
+    "StepWaiter",
     "finish_grad_sync",
+    "finish_grad_sync_for_step",
     "from_torch_state_dict",
     "is_elementwise",
     "is_tied_replica",

@@ -7,7 +7,11 @@ Two things can leave a gradient unfinished after ``backward()``:
   fed a sequence-sharded activation gets a partial sum per rank.
 
 Anything that owns such work implements :class:`GradSyncable`; optimizers call
-:func:`finish_grad_sync` on their models once per step. :func:`reduce_partial_grads` is the one
+:func:`finish_grad_sync` on their models once per step. An optimizer whose step's only collectives
+run on groups of their own and are waited through the wrapper (a sharded optimizer's parameter
+gathers) calls :func:`finish_grad_sync_for_step` instead: a wrapper that checks its ranks agree before
+each step (:class:`CheckedStepSync`, ndweave's DDP) then carries that check by those collectives,
+without one of its own. :func:`reduce_partial_grads` is the one
 implementation of the ``Partial -> Replicate`` reduction, bucketed so a step costs one collective per
 bucket rather than one per parameter (or worse, one per optimizer op, which is what torch does when
 an optimizer meets a ``Partial`` grad).
@@ -16,7 +20,7 @@ an optimizer meets a ``Partial`` grad).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -25,7 +29,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ndweave.mesh.torch_compat import local_tensor
 
-__all__ = ["GradSyncable", "finish_grad_sync", "reduce_partial_grads", "DEFAULT_PARTIAL_BUCKET_NUMEL"]
+__all__ = ["CheckedStepSync", "GradSyncable", "StepWaiter", "finish_grad_sync", "finish_grad_sync_for_step",
+           "reduce_partial_grads", "DEFAULT_PARTIAL_BUCKET_NUMEL"]
 
 #: Elements per bucket for partial-grad reduction (64 MiB of fp32).
 DEFAULT_PARTIAL_BUCKET_NUMEL = 2**24
@@ -53,6 +58,43 @@ def finish_grad_sync(models: Iterable[torch.nn.Module]) -> None:
             model.finish_grad_sync()
         else:
             reduce_partial_grads(model.parameters())
+
+
+@runtime_checkable
+class StepWaiter(Protocol):
+    """How an optimizer's step waits for its collectives, given by :class:`CheckedStepSync`."""
+
+    def wait(self, work: dist.Work, tensors: Sequence[torch.Tensor]) -> None:
+        """Wait for ``work`` (a collective of the step, on a group apart from the wrapper's reductions;
+        ``tensors``: those it reads or writes), bounded, raising on every rank the wrapper's error
+        when its ranks did not all come to this step."""
+        ...
+
+
+@runtime_checkable
+class CheckedStepSync(GradSyncable, Protocol):
+    """A :class:`GradSyncable` wrapper that checks its ranks agree before each optimizer step (that
+    none skipped a step or runs one more) and can carry that check by the step's own collectives."""
+
+    def finish_grad_sync_for_step(self) -> StepWaiter | None:
+        """As ``finish_grad_sync()``, called by an optimizer whose every collective in the step runs on
+        a group that carries none of the wrapper's reductions and is waited for through the returned
+        waiter; ``None``: the wrapper checked as ``finish_grad_sync()`` does (wait as usual)."""
+        ...
+
+
+def finish_grad_sync_for_step(models: Iterable[torch.nn.Module]) -> list[StepWaiter | None]:
+    """:func:`finish_grad_sync` for an optimizer whose step's only collectives run on groups apart from
+    the models' reductions, each waited for through the waiter of the model it belongs to (in the
+    order of ``models``; ``None`` where a model gives none: wait as usual)."""
+    waiters: list[StepWaiter | None] = []
+    for model in models:
+        if isinstance(model, CheckedStepSync):
+            waiters.append(model.finish_grad_sync_for_step())
+        else:
+            finish_grad_sync([model])
+            waiters.append(None)
+    return waiters
 
 
 def reduce_partial_grads(
