@@ -112,22 +112,24 @@ class CarriedRows:
         self.region = region
         """``size * width * DIGITS`` elements of the grad buffer, after the last bucket."""
         self._index, self._size, self._width = index, size, width
-        self._weights = torch.tensor([256 ** d for d in range(self.DIGITS)], dtype=torch.int64)
 
     @classmethod
     def numel(cls, size: int, width: int) -> int:
         return size * width * cls.DIGITS
 
     def write(self, row: Sequence[int]) -> None:
-        values = torch.tensor([int(v) % 2**32 for v in row], dtype=torch.int64)
-        digits = (values[:, None] // self._weights) % 256
-        self.region.zero_()
-        self.region.view(self._size, -1)[self._index].copy_(digits.flatten())
+        # built in Python and copied in once: a few small tensor ops would cost more than the carrying saves
+        digits = [0] * self.region.numel()
+        start = self._index * self._width * self.DIGITS
+        digits[start:start + self._width * self.DIGITS] = [(int(v) % 2**32 >> 8 * d) & 255 for v in row
+                                                             for d in range(self.DIGITS)]
+        self.region.copy_(torch.tensor(digits, dtype=self.region.dtype))
 
     def rows(self) -> list[tuple[int, ...]]:
         """Every rank's row, by index in the group (valid once the all-reduce completed)."""
-        digits = self.region.view(self._size, self._width, self.DIGITS).to(torch.int64)
-        return [tuple(row) for row in (digits * self._weights).sum(-1).tolist()]
+        digits = [int(v) for v in self.region.tolist()]
+        values = [sum(digits[i + d] << 8 * d for d in range(self.DIGITS)) for i in range(0, len(digits), self.DIGITS)]
+        return [tuple(values[r * self._width:(r + 1) * self._width]) for r in range(self._size)]
 
 
 class RowBoard:
