@@ -110,10 +110,6 @@ class SyncCounters:
         self._board = RowBoard(f"{group.group_name}/{self._model}", self._ranks) if self._ranks else None
 
     @property
-    def enabled(self) -> bool:
-        return self._check_group is not None
-
-    @property
     def ranks(self) -> list[int]:
         """The DP ranks compared (global ranks, in group order); ``[]`` when nothing is compared."""
         return self._ranks
