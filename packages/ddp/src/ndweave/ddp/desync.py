@@ -146,16 +146,8 @@ class SyncCounters:
         """Wait for ``work``, the all-reduce carrying every rank's ``row`` in ``rows``, bounded as a
         check's gather is, and compare the rows: the same errors as :meth:`finish_sync`'s own gather,
         without its round trip. Then call :meth:`finish_sync` with ``carried=True`` to count the sync."""
-        seq = self.checks
-        self._last = (seq, row)
-        try:
-            wait_bounded(work, self._ranks, bound_s=self._bound(row[0]), keep=[rows.region],
-                         on_slice=lambda: self._compare_posted(seq, row))
-        except CheckUnanswered as unanswered:
-            raise tell_peers(GradSyncDivergedError(_unanswered(row, self._ranks, unanswered))) from None
-        # (cleared only when the wait completed: a rank that raised on the posted rows leaves its own
-        # posted, for the peers that have not read it yet)
-        self._board.clear()
+        self._last = (self.checks, row)
+        self._wait(work, [rows.region])
         self._compare(rows.rows())
 
     def finish_sync(self, *, in_backward: bool, carried: bool = False) -> None:
@@ -188,12 +180,18 @@ class SyncCounters:
         if self._check_group is None:
             work.wait()
             return
+        self._wait(work, tensors)
+
+    def _wait(self, work: dist.Work, tensors: list[torch.Tensor]) -> None:
+        """Wait for ``work`` with the check's bound, posting the latest check's row on the board when slow."""
         seq, row = self._last
         try:
             wait_bounded(work, self._ranks, bound_s=self._bound(row[0]), keep=tensors,
                          on_slice=lambda: self._compare_posted(seq, row))
         except CheckUnanswered as unanswered:
             raise tell_peers(GradSyncDivergedError(_unanswered(row, self._ranks, unanswered))) from None
+        # (cleared only when the wait completed: a rank that raised on the posted rows leaves its own
+        # posted, for the peers that have not read it yet)
         self._board.clear()
 
     def finish_without_backward(self) -> None:
